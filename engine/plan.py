@@ -1,0 +1,145 @@
+"""The effective per-block plan of a model: the one function every entry point reports from.
+
+:func:`effective_plan` applies the family rules of SPEC.md ("Family rules") to a
+:class:`~.schedule.CheckpointSchedule`: a family without interval support warns and runs
+per-block; a family that ignores the stride warns and drops it; a block list that the model's
+loop never routes through the checkpoint function is reported as such. The result is a
+:class:`ModelPlan`, one :class:`~.schedule.ListPlan` per block list.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from .families.base import FamilyAdapter
+from .schedule import CheckpointSchedule, ListPlan, plan_block_list
+
+
+class ScheduleWarning(UserWarning):
+    """A schedule key was ignored or changed for a family or block list; the plan's notes say why."""
+
+
+LEGEND = "C = checkpointed (recomputed in backward), O = checkpointed + offloaded, . = plain (kept)"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The effective plan of every block list of one model.
+
+    Attributes:
+        family: family name.
+        schedule: the schedule that was asked for.
+        lists: one plan per block list, in forward order.
+        notes: model-level notes (keys ignored, fallbacks).
+    """
+
+    family: str
+    schedule: CheckpointSchedule
+    lists: tuple[ListPlan, ...]
+    notes: tuple[str, ...] = ()
+
+    def list_plan(self, name: str) -> ListPlan:
+        """The plan of the block list called ``name``.
+
+        Raises:
+            KeyError: no such list.
+        """
+        for plan in self.lists:
+            if plan.name == name:
+                return plan
+        raise KeyError(f"block list {name!r} not in plan of {self.family}")
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        """Total number of checkpointed blocks (= block recomputes per backward)."""
+        return sum(len(p.checkpointed) for p in self.lists)
+
+    def with_per_block(self, list_name: str, reason: str) -> "ModelPlan":
+        """A copy where ``list_name`` falls back to per-block checkpointing, with ``reason`` noted."""
+        lists = []
+        for plan in self.lists:
+            if plan.name == list_name:
+                checkpointed = plan.checkpointed
+                plan = replace(
+                    plan,
+                    segments=tuple((i, i + 1) for i in checkpointed),
+                    notes=plan.notes + (reason,),
+                )
+            lists.append(plan)
+        return replace(self, lists=tuple(lists), notes=self.notes + (f"{list_name}: {reason}",))
+
+    def render(self) -> str:
+        """Per-list block map, e.g. ``double  CC..CC..  segments: 0-1 4-5``, plus the legend."""
+        offloaded = self.schedule.gradient_checkpointing_backend.startswith("unsloth")
+        width = max([len(p.name) for p in self.lists] + [4])
+        lines = [f"plan ({self.family}, {self.schedule.mode}):"]
+        for plan in self.lists:
+            segs = " ".join(f"{s}-{e - 1}" if e - s > 1 else f"{s}" for s, e in plan.segments) or "none"
+            lines.append(f"  {plan.name:<{width}}  {plan.block_map(offloaded)}  segments: {segs}")
+            lines.extend(f"  {'':<{width}}  note: {note}" for note in plan.notes)
+        lines.append(f"  legend: {LEGEND}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: family, schedule keys, lists (segments, checkpointed, plain), notes."""
+        return {
+            "family": self.family,
+            "mode": self.schedule.mode,
+            "schedule": self.schedule.to_dict(),
+            "lists": [p.to_dict() for p in self.lists],
+            "block_map": {p.name: p.block_map() for p in self.lists},
+            "legend": LEGEND,
+            "notes": list(self.notes),
+        }
+
+
+def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
+                   num_blocks: Mapping[str, int], warn: bool = True) -> ModelPlan:
+    """The plan the engine will actually apply to a model of ``family``.
+
+    Args:
+        family: the family adapter.
+        schedule: the requested schedule.
+        num_blocks: number of blocks of each of the family's block lists, by list name.
+        warn: emit a :class:`ScheduleWarning` for every key that is ignored.
+
+    Returns:
+        The :class:`ModelPlan`; every ignored key is named in its notes.
+
+    Raises:
+        KeyError: ``num_blocks`` lacks one of the family's lists.
+    """
+    interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
+    notes: list[str] = []
+    if schedule.gradient_checkpointing and not family.segmented and (interval > 1 or stride):
+        notes.append(
+            f"{family.name} has no segmented whole-block path: gradient_checkpointing_interval="
+            f"{schedule.gradient_checkpointing_interval} and gradient_checkpointing_segment_stride="
+            f"{stride} are ignored; every block is checkpointed on its own"
+        )
+        interval, stride = 1, None
+    elif schedule.gradient_checkpointing and stride and not family.stride_honoured:
+        notes.append(
+            f"{family.name} does not honour gradient_checkpointing_segment_stride={stride}: "
+            "ignored, every block is checkpointed in segments of the interval"
+        )
+        stride = None
+    lists = []
+    for block_list in family.block_lists:
+        list_notes: tuple[str, ...] = ()
+        enabled = schedule.gradient_checkpointing and block_list.routed
+        if schedule.gradient_checkpointing and not block_list.routed:
+            list_notes = ("the model's loop calls these blocks directly: never checkpointed",)
+        lists.append(plan_block_list(block_list.name, num_blocks[block_list.name], interval, stride,
+                                     enabled, list_notes))
+    if warn:
+        for note in notes:
+            warnings.warn(note, ScheduleWarning, stacklevel=2)
+    return ModelPlan(family.name, schedule, tuple(lists), tuple(notes))
+
+
+def count_blocks(family: FamilyAdapter, model: Any) -> dict[str, int]:
+    """Number of blocks in each of ``family``'s lists of ``model``."""
+    return {bl.name: len(family.blocks(model, bl)) for bl in family.block_lists}

@@ -1,0 +1,230 @@
+"""The segment runner: one executor of checkpoint plans for every family.
+
+diffusers models call ``self._gradient_checkpointing_func(block, *args)`` for each block when
+gradient checkpointing is enabled (SPEC.md "How the engine hooks into diffusers"). A
+:class:`SegmentRunner` is installed as that function on our training copy of the model. When the
+loop calls the first block of a planned segment ``[s, e)``, the runner runs blocks ``s..e-1``
+inside ONE non-reentrant :func:`torch.utils.checkpoint.checkpoint` call, feeding each block's
+outputs to the next through the list's carry map, and answers the loop's calls for blocks
+``s+1..e-1`` by passing the group's result through. Blocks outside every segment run plainly.
+
+Safety net: before passing a result through, the runner checks that the loop called the next
+block of the list with exactly the arguments the carry map predicts (carried tensors by identity,
+everything else unchanged). If the loop changed state between two blocks (a ControlNet residual,
+a per-block modulation slice, ...), the values already returned are wrong, so the runner aborts
+that forward pass, switches the list to per-block checkpointing with a warning naming the family
+and the list, restores the RNG state and runs the forward again (see :meth:`SegmentRunner.forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .families.base import Carry, FamilyAdapter
+from .plan import ModelPlan, ScheduleWarning
+
+
+class CarryMismatch(RuntimeError):
+    """The model's loop did not feed a segment's blocks as the carry map predicts.
+
+    Attributes:
+        list_name: the block list whose segment is invalid.
+        reason: what differed.
+    """
+
+    def __init__(self, list_name: str, reason: str):
+        super().__init__(f"{list_name}: {reason}")
+        self.list_name = list_name
+        self.reason = reason
+
+
+@dataclass
+class RunnerStats:
+    """Counters of one runner, reset per step by the trainer.
+
+    Attributes:
+        checkpoint_calls: checkpoint calls made in forward (one per segment).
+        recomputed_blocks: blocks entered again during backward recompute.
+        plain_blocks: blocks run without checkpointing.
+        fallbacks: lists switched to per-block, with the reason.
+    """
+
+    checkpoint_calls: int = 0
+    recomputed_blocks: int = 0
+    plain_blocks: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Zero the per-step counters (fallbacks are kept: they hold for the whole run)."""
+        self.checkpoint_calls = self.recomputed_blocks = self.plain_blocks = 0
+
+
+@dataclass
+class _Pending:
+    list_index: int
+    next_block: int
+    end: int
+    output: Any
+    args: tuple
+    kwargs: dict
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Tensors by identity; containers element-wise; everything else by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is not a bool (arrays, ...): only identity counts
+        return False
+
+
+class _Region:
+    """The function one checkpoint call runs: blocks of one segment, chained by the carry map."""
+
+    def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry):
+        self.runner, self.blocks, self.carry, self.runs = runner, blocks, carry, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
+        recompute = self.runs > 1
+        self.runner._recompute_depth += recompute
+        try:
+            output = None
+            for i, block in enumerate(self.blocks):
+                if recompute:
+                    self.runner.stats.recomputed_blocks += 1
+                output = block(*args, **kwargs)
+                if i + 1 < len(self.blocks):
+                    args, kwargs = self.carry.apply(output, args, kwargs)
+            return output
+        finally:
+            self.runner._recompute_depth -= recompute
+
+
+class SegmentRunner:
+    """Executes a :class:`~.plan.ModelPlan` on a diffusers model through its checkpoint hook.
+
+    Use :meth:`install` once, then call :meth:`forward` instead of ``model(...)`` so that a carry
+    mismatch can fall back and retry. Attributes of interest: :attr:`plan` (updated on fallback)
+    and :attr:`stats`.
+
+    Args:
+        model: a diffusers model of ``family`` (our training copy: installing changes its
+            gradient-checkpointing function).
+        family: the family adapter.
+        plan: the plan from :func:`~.plan.effective_plan`.
+        checkpoint_fn: the checkpoint implementation, ``checkpoint(fn, *args, **kwargs)``;
+            defaults to non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG state
+            preserved (so dropout recomputes identically).
+    """
+
+    def __init__(self, model: torch.nn.Module, family: FamilyAdapter, plan: ModelPlan,
+                 checkpoint_fn: Callable[..., Any] | None = None):
+        self.model, self.family, self.plan = model, family, plan
+        self.stats = RunnerStats()
+        self._checkpoint = checkpoint_fn or functools.partial(
+            checkpoint, use_reentrant=False, preserve_rng_state=True)
+        self._lists = [family.blocks(model, bl) for bl in family.block_lists]
+        self._where = {id(b): (li, bi) for li, blocks in enumerate(self._lists) for bi, b in enumerate(blocks)}
+        self._segment_end: list[dict[int, int]] = []
+        self._pending: _Pending | None = None
+        self._recompute_depth = 0
+        self._index_plan()
+
+    @property
+    def recomputing(self) -> bool:
+        """True while a checkpointed region is being recomputed in backward."""
+        return self._recompute_depth > 0
+
+    def _index_plan(self) -> None:
+        self._segment_end = [dict(lp.segments) for lp in self.plan.lists]
+
+    def install(self) -> "SegmentRunner":
+        """Route the model's block calls through this runner (or disable checkpointing for ``none``)."""
+        if self.plan.checkpointed_blocks == 0:
+            self.model.disable_gradient_checkpointing()
+        else:
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self)
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the model; on a :class:`CarryMismatch`, fall back to per-block for that list and retry.
+
+        The RNG state (CPU and CUDA) is restored before the retry, so the retried pass draws the
+        same random numbers (dropout) as the aborted one.
+        """
+        for _ in range(len(self._lists) + 1):
+            rng = torch.random.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+            self._pending = None
+            try:
+                output = self.model(*args, **kwargs)
+                if self._pending is not None:
+                    raise CarryMismatch(self.family.block_lists[self._pending.list_index].name,
+                                        "the loop stopped inside a segment")
+                return output
+            except CarryMismatch as exc:
+                self._pending = None
+                self._fall_back(exc)
+                torch.random.set_rng_state(rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+        raise RuntimeError("segment runner: fallback did not converge")  # pragma: no cover
+
+    def _fall_back(self, exc: CarryMismatch) -> None:
+        reason = (f"the {self.family.name} loop changes state between blocks of list "
+                  f"{exc.list_name!r} ({exc.reason}); fell back to per-block checkpointing")
+        warnings.warn(reason, ScheduleWarning, stacklevel=3)
+        self.stats.fallbacks.append(reason)
+        self.plan = self.plan.with_per_block(exc.list_name, reason)
+        self._index_plan()
+
+    def __call__(self, block: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The ``gradient_checkpointing_func`` diffusers calls for every block."""
+        where = self._where.get(id(block))
+        if where is None:  # a module outside the declared lists: checkpoint it as diffusers does
+            self.stats.checkpoint_calls += 1
+            return self._checkpoint(block, *args, **kwargs)
+        list_index, block_index = where
+        if self._pending is not None:
+            return self._pass_through(list_index, block_index, args, kwargs)
+        end = self._segment_end[list_index].get(block_index)
+        if end is None:
+            self.stats.plain_blocks += 1
+            return block(*args, **kwargs)
+        blocks = list(self._lists[list_index][block_index:end])
+        carry = self.family.block_lists[list_index].carry
+        self.stats.checkpoint_calls += 1
+        output = self._checkpoint(_Region(self, blocks, carry), *args, **kwargs)
+        if end - block_index > 1:
+            self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs)
+        return output
+
+    def _pass_through(self, list_index: int, block_index: int, args: tuple, kwargs: dict) -> Any:
+        pending = self._pending
+        name = self.family.block_lists[pending.list_index].name
+        if (list_index, block_index) != (pending.list_index, pending.next_block):
+            raise CarryMismatch(name, f"expected block {pending.next_block}, the loop called "
+                                      f"block {block_index} of list {self.family.block_lists[list_index].name!r}")
+        carry = self.family.block_lists[list_index].carry
+        want_args, want_kwargs = carry.apply(pending.output, pending.args, pending.kwargs)
+        if not (_same(args, want_args) and _same(kwargs, want_kwargs)):
+            raise CarryMismatch(name, f"block {block_index} was called with other arguments than "
+                                      f"block {block_index - 1} returned")
+        pending.next_block += 1
+        if pending.next_block == pending.end:
+            self._pending = None
+        return pending.output

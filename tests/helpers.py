@@ -1,0 +1,67 @@
+"""Shared test helpers: one LoRA training step of a tiny preset under a schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from segmented_checkpointing.engine.families import TextBatch, get_family
+from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.plan import count_blocks, effective_plan
+from segmented_checkpointing.engine.runner import SegmentRunner
+from segmented_checkpointing.engine.schedule import CheckpointSchedule
+
+MODES = {
+    "none": CheckpointSchedule(gradient_checkpointing=False),
+    "layer": CheckpointSchedule(),
+    "interval2": CheckpointSchedule(gradient_checkpointing_interval=2),
+    "interval3": CheckpointSchedule(gradient_checkpointing_interval=3),
+    "interval2-stride4": CheckpointSchedule(gradient_checkpointing_interval=2,
+                                            gradient_checkpointing_segment_stride=4),
+}
+
+
+def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0):
+    """A tiny random-init model with a LoRA whose B is non-zero (so every LoRA weight gets a gradient)."""
+    family = get_family(family_name)
+    torch.manual_seed(seed)
+    model = family.model_cls()(**family.tiny_config)
+    add_lora(model, LoraSettings(rank=4, alpha=8, dropout=dropout, init="gaussian"), family.lora_targets)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return family, model
+
+
+def random_batch(family, model, batch: int = 2, size: int = 8, seed: int = 1):
+    """Random latents, sigmas and text conditioning shaped for ``family``'s tiny preset."""
+    g = torch.Generator().manual_seed(seed)
+    spec = family.text(model.config)
+    shape = (batch, family.latent_channels, 1, size, size) if family.video_latents else (batch, family.latent_channels, size, size)
+    latents = torch.randn(shape, generator=g)
+    sigmas = torch.rand(batch, generator=g)
+    seq = torch.randn(batch, spec.max_length, spec.seq_dim, generator=g)
+    pooled = torch.randn(batch, spec.pooled_dim, generator=g) if spec.pooled_dim else None
+    mask = torch.ones(batch, spec.max_length, dtype=torch.bool)
+    return latents, sigmas, TextBatch(seq, mask, pooled)
+
+
+def one_step(family_name: str, schedule: CheckpointSchedule, dropout: float = 0.0):
+    """Forward + backward of one batch; returns (LoRA grads by name, block calls, runner)."""
+    family, model = tiny_model(family_name, dropout)
+    latents, sigmas, text = random_batch(family, model)
+    plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    runner = SegmentRunner(model, family, plan).install()
+    calls: dict[tuple[str, int], int] = {}
+    for bl in family.block_lists:
+        for i, block in enumerate(family.blocks(model, bl)):
+            def hook(_m, _a, key=(bl.name, i)):
+                calls[key] = calls.get(key, 0) + 1
+            block.register_forward_pre_hook(hook)
+    torch.manual_seed(123)
+    output = runner.forward(**family.make_inputs(model, latents, sigmas, text))
+    pred = family.read_output(model, output, latents)
+    loss = (pred.float() - latents).pow(2).mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return grads, calls, runner

@@ -1,0 +1,57 @@
+"""Every family x every mode: LoRA gradients equal the no-checkpoint run's; recomputes equal the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from segmented_checkpointing.engine.families import family_names, get_family
+
+from helpers import MODES, one_step
+
+FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
+
+
+def test_issue_families_registered():
+    assert set(FAMILIES) <= set(family_names())
+
+
+_reference: dict = {}
+
+
+def _reference_grads(family: str, dropout: float):
+    key = (family, dropout)
+    if key not in _reference:
+        _reference[key] = one_step(family, MODES["none"], dropout)[0]
+    return _reference[key]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["none", "layer", "interval2", "interval3", "interval2-stride4"])
+def test_gradients_equal_and_recomputes_match_plan(family, mode):
+    reference = _reference_grads(family, 0.0)
+    grads, calls, runner = one_step(family, MODES[mode])
+    assert grads.keys() == reference.keys() and grads
+    worst = max((grads[k] - reference[k]).abs().max().item() for k in grads)
+    assert worst <= 1e-6, f"{family}/{mode}: max abs grad diff {worst}"
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    plan = runner.plan
+    for list_plan in plan.lists:
+        checkpointed = set(list_plan.checkpointed)
+        for i in range(list_plan.num_blocks):
+            expected = 2 if i in checkpointed else 1
+            assert calls.get((list_plan.name, i), 0) == expected, (family, mode, list_plan.name, i)
+    assert runner.stats.recomputed_blocks == plan.checkpointed_blocks
+    if mode == "none":
+        assert plan.checkpointed_blocks == 0
+    elif mode != "interval2-stride4":
+        routed = [p for p, bl in zip(plan.lists, get_family(family).block_lists) if bl.routed]
+        assert all(len(p.checkpointed) == p.num_blocks for p in routed)
+    assert not runner.stats.fallbacks, runner.stats.fallbacks
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_gradients_equal_with_lora_dropout(family):
+    reference = _reference_grads(family, 0.1)
+    grads, _, _ = one_step(family, MODES["interval2-stride4"], dropout=0.1)
+    worst = max((grads[k] - reference[k]).abs().max().item() for k in grads)
+    assert worst <= 1e-6
