@@ -10,8 +10,6 @@ load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name. Where
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,7 +17,9 @@ from typing import Any, Mapping
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from .atomic import atomic_save_file
 
 PREFIX = "transformer."
 
@@ -103,24 +103,6 @@ def to_file_keys(state: Mapping[str, torch.Tensor], settings: LoraSettings) -> d
             if key.endswith(".lora_A.weight"):
                 out[PREFIX + key[: -len(".lora_A.weight")] + ".alpha"] = torch.tensor(float(settings.alpha))
     return out
-
-
-def atomic_save_file(tensors: Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, str] | None = None) -> Path:
-    """Write a ``.safetensors`` file atomically (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(dict(tensors), tmp, metadata=dict(metadata or {}))
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,

@@ -1,0 +1,101 @@
+"""``segckpt``: the command line.
+
+``segckpt train`` with no option runs the built-in default (the Flux tiny preset on sample
+photographs, interval 2, stride 4, 20 steps). Every option overrides the same key of
+``--config FILE.json``, which overrides the defaults. Options are validated before any model is
+built; an invalid one exits with status 2 and a message naming the key, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from .engine.config import HELP, TrainConfig
+from .engine.schedule import BACKENDS
+from .engine.schedule import HELP as SCHEDULE_HELP
+
+# option -> (config key, type); None values are "not given".
+_TRAIN_OPTIONS: list[tuple[str, str, Any]] = [
+    ("--family", "family", str), ("--preset", "preset", str), ("--model-path", "model_path", str),
+    ("--vae-path", "vae_path", str), ("--text-encoder", "text_encoder_path", str), ("--data", "data", str),
+    ("--resolution", "resolution", int), ("--steps", "steps", int), ("--batch-size", "batch_size", int),
+    ("--grad-accum", "gradient_accumulation_steps", int), ("--lr", "learning_rate", float),
+    ("--lr-scheduler", "lr_scheduler", str), ("--lr-warmup-steps", "lr_warmup_steps", int),
+    ("--weight-decay", "weight_decay", float), ("--seed", "seed", int), ("--rank", "lora_rank", int),
+    ("--alpha", "lora_alpha", float), ("--lora-dropout", "lora_dropout", float),
+    ("--output", "output", str), ("--device", "device", str), ("--mixed-precision", "mixed_precision", str),
+    ("--save-every", "save_every", int), ("--timing-warmup-steps", "timing_warmup_steps", int),
+]
+_SCHEDULE_OPTIONS = [
+    ("--interval", "gradient_checkpointing_interval"),
+    ("--stride", "gradient_checkpointing_segment_stride"),
+    ("--backend", "gradient_checkpointing_backend"),
+    ("--pin-buckets", "gradient_checkpointing_offload_pin_memory_max_buckets"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="segckpt", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
+                           description="Train a LoRA with segmented gradient checkpointing.")
+    for option, key, kind in _TRAIN_OPTIONS:
+        train.add_argument(option, dest=key, type=kind, default=None, help=HELP.get(key))
+    train.add_argument("--targets", dest="lora_target_modules", nargs="+", default=None,
+                       help=HELP["lora_target_modules"])
+    for option, key in _SCHEDULE_OPTIONS:
+        extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
+        train.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
+    train.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
+                       const=False, default=None, help=SCHEDULE_HELP["gradient_checkpointing"])
+    train.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
+                       action="store_const", const=True, default=None,
+                       help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
+    train.add_argument("--config", dest="config_file", default=None,
+                       help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
+    train.add_argument("--resume", action="store_const", const=True, default=None, help=HELP["resume"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``train`` arguments (defaults < config file < options).
+
+    Raises:
+        ConfigError, ScheduleError, LoraConfigError: an invalid value, named with its key.
+    """
+    config = TrainConfig()
+    if args.config_file:
+        config, ignored = TrainConfig.from_json_file(args.config_file, config)
+        if ignored:
+            print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config_file")}
+    return TrainConfig.from_dict(given, config)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``segckpt`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        from .engine.training import train
+
+        try:
+            config = config_from_args(args)
+            config.check_paths()
+        except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
+            print(f"segckpt: error: {exc}", file=sys.stderr)
+            return 2
+        result = train(config)
+        totals = result.report["totals"]
+        sec = totals["sec_per_step"]
+        print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
+              f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
+              f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
+        return 0
+    return 2  # pragma: no cover (argparse rejects unknown commands)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

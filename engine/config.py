@@ -1,0 +1,205 @@
+"""The training configuration: one validated object; every field documented once in :data:`HELP`.
+
+:data:`HELP` feeds the CLI's ``--help`` and the node tooltips. A JSON config file may use these
+field names, the SimpleTuner names listed in :data:`ALIASES`, and the six schedule keys of
+:mod:`.schedule`; unknown keys are reported and ignored (SimpleTuner configs hold many more).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .lora_io import LoraSettings
+from .schedule import KEYS as SCHEDULE_KEYS
+from .schedule import CheckpointSchedule
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+DEMO_SCHEDULE = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
+"""The built-in default's schedule: checkpoint blocks 0-1, run 2-3 plainly, checkpoint 4-5, ..."""
+
+HELP = {
+    "family": "Model family (flux, sd3, pixart, wan, sana, qwenimage, zimage, lumina2, ...).",
+    "preset": "Tiny random-init preset used when no model path is given (tests, the demo).",
+    "model_path": "Local diffusers folder (pipeline with transformer/ and vae/, or a transformer). Never downloaded.",
+    "vae_path": "Local diffusers VAE folder, when model_path is a bare transformer folder.",
+    "text_encoder_path": "Local transformers text encoder folder; default: the deterministic word embedder.",
+    "data": "Folder of images with same-name .txt captions; default: built-in sample photographs.",
+    "resolution": "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
+    "steps": "Optimizer steps to train (total, including steps done before a resume).",
+    "batch_size": "Images per micro-batch.",
+    "gradient_accumulation_steps": "Micro-batches per optimizer step.",
+    "learning_rate": "AdamW learning rate (peak, after warm-up).",
+    "lr_scheduler": "Learning-rate schedule after warm-up: constant, linear (to 0) or cosine (to 0).",
+    "lr_warmup_steps": "Steps of linear learning-rate warm-up from 0.",
+    "weight_decay": "AdamW decoupled weight decay.",
+    "seed": "Seed of the model init, data order, noise and timesteps.",
+    "lora_rank": "LoRA rank r.",
+    "lora_alpha": "LoRA alpha; the update is scaled by alpha / rank.",
+    "lora_dropout": "LoRA dropout probability.",
+    "lora_target_modules": "Module names to adapt (default: the family's attention projections).",
+    "output": "Output folder: LoRA, resumable training state, report.json, latent cache.",
+    "resume": "Continue from the training state in the output folder.",
+    "device": "auto (CUDA when available), cpu or cuda.",
+    "mixed_precision": "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
+    "save_every": "Also save the resumable state every N steps (0 = only at the end or on interruption).",
+    "timing_warmup_steps": "Steps excluded from the sec/step figure (warm-up).",
+}
+
+ALIASES = {
+    "model_family": "family",
+    "pretrained_model_name_or_path": "model_path",
+    "instance_data_dir": "data",
+    "max_train_steps": "steps",
+    "train_batch_size": "batch_size",
+    "output_dir": "output",
+    "lr_warmup_steps": "lr_warmup_steps",
+    "adam_weight_decay": "weight_decay",
+}
+
+
+class ConfigError(ValueError):
+    """A training option is invalid; the message names the key, the value and what is allowed."""
+
+
+def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: allowed {allowed}.")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A LoRA training run; see :data:`HELP` for every field. Validated at construction.
+
+    Raises:
+        ConfigError: a field is out of range; the message names the key, value and what is allowed.
+        ScheduleError / LoraConfigError: from the nested schedule and LoRA settings.
+    """
+
+    family: str = "flux"
+    preset: str = "tiny"
+    model_path: str | None = None
+    vae_path: str | None = None
+    text_encoder_path: str | None = None
+    data: str | None = None
+    resolution: int = 256
+    steps: int = 20
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    seed: int = 0
+    lora: LoraSettings = field(default_factory=lambda: LoraSettings(rank=16, alpha=16.0))
+    schedule: CheckpointSchedule = DEMO_SCHEDULE
+    output: str = "output"
+    resume: bool = False
+    device: str = "auto"
+    mixed_precision: str = "auto"
+    save_every: int = 0
+    timing_warmup_steps: int = 2
+
+    def __post_init__(self) -> None:
+        from .families import family_names
+
+        _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
+        _need(_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
+              "resolution", self.resolution, "a multiple of 16, >= 16")
+        _need(_int(self.steps) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
+        _need(_int(self.batch_size) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+        _need(_int(self.gradient_accumulation_steps) and self.gradient_accumulation_steps >= 1,
+              "gradient_accumulation_steps", self.gradient_accumulation_steps, "an integer >= 1")
+        _need(isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0,
+              "learning_rate", self.learning_rate, "a number > 0")
+        _need(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", self.lr_scheduler, ", ".join(LR_SCHEDULERS))
+        _need(_int(self.lr_warmup_steps) and self.lr_warmup_steps >= 0, "lr_warmup_steps",
+              self.lr_warmup_steps, "an integer >= 0")
+        _need(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "weight_decay",
+              self.weight_decay, "a number >= 0")
+        _need(_int(self.seed) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        _need(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
+        _need(self.mixed_precision in PRECISIONS, "mixed_precision", self.mixed_precision, ", ".join(PRECISIONS))
+        _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
+        _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
+              self.timing_warmup_steps, "an integer >= 0")
+
+    def check_paths(self) -> None:
+        """Check that every path option points at an existing folder (before any heavy work).
+
+        Raises:
+            ConfigError: a path does not exist, or ``resume`` without a saved state.
+        """
+        for key in ("model_path", "vae_path", "text_encoder_path", "data"):
+            value = getattr(self, key)
+            _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+        if self.resume:
+            from .state import STATE_FILE
+
+            state = Path(self.output) / STATE_FILE
+            _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (schedule keys and LoRA settings nested)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
+        """Build from a mapping of field names, SimpleTuner aliases and schedule keys.
+
+        Returns:
+            ``(config, ignored_keys)``.
+
+        Raises:
+            ConfigError, ScheduleError, LoraConfigError: an invalid value.
+        """
+        base = base or cls()
+        names = {f.name for f in fields(cls)} - {"lora", "schedule"}
+        changes: dict[str, Any] = {}
+        lora: dict[str, Any] = {}
+        schedule: dict[str, Any] = {}
+        ignored = []
+        for key, value in values.items():
+            key = ALIASES.get(key, key)
+            if key in SCHEDULE_KEYS:
+                schedule[key] = value
+            elif key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"):
+                name = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+                        "lora_target_modules": "target_modules"}[key]
+                lora[name] = tuple(value) if key == "lora_target_modules" and value is not None else value
+            elif key in names:
+                changes[key] = value
+            else:
+                ignored.append(key)
+        if "gradient_checkpointing_interval" in schedule:
+            # A new interval alone means "every block, in groups of N": the base's stride (the
+            # demo's 4) is not carried over to a width it was not chosen for.
+            schedule.setdefault("gradient_checkpointing_segment_stride", None)
+        if schedule:
+            changes["schedule"] = CheckpointSchedule.from_config({**base.schedule.to_dict(), **schedule})
+        if lora:
+            changes["lora"] = LoraSettings(**{**asdict(base.lora), **lora})
+        return replace(base, **changes), ignored
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
+        """:meth:`from_dict` on a JSON file.
+
+        Raises:
+            ConfigError: the file cannot be read or is not a JSON object.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config={str(path)!r} could not be read as JSON: {exc}") from exc
+        _need(isinstance(data, dict), "config", str(path), "a JSON object")
+        return cls.from_dict(data, base)

@@ -1,0 +1,166 @@
+"""Loading a model: a diffusers folder at a local path, or a tiny random-init preset by family name.
+
+Nothing here ever touches the network: folders are loaded with ``local_files_only=True`` and
+only ``.safetensors`` weights are accepted (pickle checkpoints can run code when loaded, so they
+are refused with a message saying how to convert them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .families import FamilyAdapter, TextBatch, family_for_class, get_family
+from .text import DeterministicTextEmbedder, load_text_encoder
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PRESETS = ("tiny",)
+
+
+class ModelLoadError(ValueError):
+    """A model folder cannot be used; the message names the folder and what is wrong."""
+
+
+@dataclass
+class ModelBundle:
+    """What training needs of a model.
+
+    Attributes:
+        family: the family adapter.
+        transformer: the diffusers denoiser (``FluxTransformer2DModel``, ...), fp32, eval mode.
+        vae: the diffusers autoencoder used to encode images to latents.
+        encode_text: captions -> :class:`TextBatch` (a local text encoder, or the deterministic
+            embedder of the built-in default).
+        source: where it came from (``preset:tiny`` or the folder path), for the report.
+    """
+
+    family: FamilyAdapter
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    encode_text: Callable[[list[str]], TextBatch]
+    source: str
+
+
+def tiny_vae_config(latent_channels: int) -> dict[str, Any]:
+    """Config of a tiny random-init ``AutoencoderKL`` with the real 8x spatial downsampling."""
+    return {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "block_out_channels": (8, 8, 16, 16),
+        "layers_per_block": 1,
+        "latent_channels": latent_channels,
+        "norm_num_groups": 8,
+        "sample_size": 256,
+    }
+
+
+def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
+                 overrides: dict[str, Any] | None = None) -> ModelBundle:
+    """A random-init model of ``family_name`` from its tiny preset (deterministic for a seed).
+
+    Args:
+        family_name: a registered family.
+        preset: only ``tiny`` is defined.
+        seed: seed of the random init.
+        overrides: config keys replacing the preset's (e.g. ``{"num_layers": 4}``).
+
+    Raises:
+        KeyError: unknown family. ModelLoadError: unknown preset.
+    """
+    import diffusers
+
+    family = get_family(family_name)
+    if preset not in PRESETS:
+        raise ModelLoadError(f"preset={preset!r} is invalid: allowed {', '.join(PRESETS)}")
+    torch.manual_seed(seed)
+    transformer = family.model_cls()(**{**family.tiny_config, **(overrides or {})})
+    vae = diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels))
+    embedder = DeterministicTextEmbedder(family.text(transformer.config), seed=seed)
+    return ModelBundle(family, transformer.eval(), vae.eval(), embedder, f"preset:{preset}")
+
+
+def check_safetensors_folder(folder: Path) -> None:
+    """Refuse a component folder that has no ``.safetensors`` weights.
+
+    Raises:
+        ModelLoadError: the folder holds pickle weights only, or no weights at all.
+    """
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise ModelLoadError(
+            f"{folder} holds pickle weights ({', '.join(sorted(pickles))}): refused, because loading "
+            "a pickle can run arbitrary code. Convert them to .safetensors (e.g. load once in a "
+            "trusted environment and save_pretrained(..., safe_serialization=True)).")
+    raise ModelLoadError(f"{folder} has no .safetensors weights")
+
+
+def _class_name(folder: Path) -> str:
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelLoadError(f"{folder} is not a diffusers model folder: no config.json")
+    return json.loads(config.read_text(encoding="utf-8")).get("_class_name", "")
+
+
+def _load_component(folder: Path, expected: str | None = None) -> torch.nn.Module:
+    import diffusers
+
+    name = _class_name(folder)
+    if expected is not None and name != expected:
+        raise ModelLoadError(f"{folder} holds a {name or 'model of unknown class'}, not the "
+                             f"{expected} the requested family needs")
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ModelLoadError(f"{folder}: class {name!r} is not a diffusers model class")
+    check_safetensors_folder(folder)
+    return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                               torch_dtype=torch.float32).eval()
+
+
+def load_model_folder(path: str | Path, family_name: str | None = None,
+                      vae_path: str | Path | None = None,
+                      text_encoder_path: str | Path | None = None, seed: int = 0) -> ModelBundle:
+    """Load a diffusers folder from a local path (never the network).
+
+    ``path`` is either a pipeline folder (``model_index.json`` with ``transformer/`` and ``vae/``
+    subfolders, optionally ``text_encoder/`` + ``tokenizer/``) or a bare transformer folder (then
+    ``vae_path`` is required). Without a text encoder the deterministic embedder is used.
+
+    Raises:
+        ModelLoadError: missing folder, pickle-only weights, a class other than the family's,
+            or no VAE.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model path {str(path)!r} is not a folder")
+    pipeline = (root / "model_index.json").is_file()
+    transformer_dir = root / "transformer" if pipeline else root
+    found = _class_name(transformer_dir)
+    if family_name is None:
+        family = family_for_class(found)
+        if family is None:
+            raise ModelLoadError(f"{transformer_dir} holds a {found!r}, which no family adapter handles")
+    else:
+        family = get_family(family_name)
+        if found != family.model_class:
+            raise ModelLoadError(f"{transformer_dir} holds a {found!r} but family {family.name!r} "
+                                 f"needs a {family.model_class!r}")
+    transformer = _load_component(transformer_dir, family.model_class)
+    vae_dir = Path(vae_path) if vae_path else (root / "vae" if pipeline else None)
+    if vae_dir is None or not vae_dir.is_dir():
+        raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")
+    vae = _load_component(vae_dir)
+    text_dir = Path(text_encoder_path) if text_encoder_path else None
+    if text_dir is None and pipeline and (root / "text_encoder").is_dir():
+        text_dir = root / "text_encoder"
+    spec = family.text(transformer.config)
+    encode = load_text_encoder(text_dir, spec) if text_dir else DeterministicTextEmbedder(spec, seed=seed)
+    return ModelBundle(family, transformer, vae, encode, str(root))

@@ -1,0 +1,55 @@
+"""``report.json``: the config, the effective plan per block list, per-step records and totals."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .atomic import atomic_write_text
+from .memory import StepTimer
+from .plan import ModelPlan
+
+REPORT_FILE = "report.json"
+
+
+def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: StepTimer,
+                 device: torch.device, source: str, interrupted: bool) -> dict[str, Any]:
+    """The run report as a JSON-ready dict.
+
+    ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
+    step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak
+    is ``torch.cuda.max_memory_allocated`` (weights included); on the CPU it is the live-tensor
+    tracker's peak of tensors created during the step (weights and the cached data excluded).
+    """
+    measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
+    peak = max((h["peak_bytes"] for h in history), default=0)
+    return {
+        "config": config.to_dict(),
+        "model": {"family": plan.family, "source": source},
+        "plan": plan.to_dict(),
+        "steps": history,
+        "totals": {
+            "steps": len(history),
+            "interrupted": interrupted,
+            "sec_per_step": statistics.median(measured) if measured else None,
+            "timing_warmup_steps": config.timing_warmup_steps,
+            "peak_bytes": peak,
+            "peak_mib": round(peak / 2**20, 3),
+            "peak_gib": round(peak / 2**30, 6),
+            "peak_scope": "cuda max_memory_allocated" if device.type == "cuda"
+            else "cpu live tensors created during the step",
+            "final_loss": history[-1]["loss"] if history else None,
+        },
+        "environment": {"device": str(device), "torch": torch.__version__,
+                        "python": platform.python_version()},
+    }
+
+
+def write_report(report: dict[str, Any], output: str | Path) -> Path:
+    """Write ``report.json`` into ``output`` atomically; return its path."""
+    return atomic_write_text(Path(output) / REPORT_FILE, json.dumps(report, indent=2, default=str) + "\n")

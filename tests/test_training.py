@@ -1,0 +1,78 @@
+"""Training: resume equals an uninterrupted run; the LoRA file; the report; inference mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.lora_io import LoraSettings
+from segmented_checkpointing.engine.training import learning_rate_at, train
+
+QUIET = {"log": lambda line: None}
+
+
+def _config(tmp_path, name, **changes):
+    base = TrainConfig(output=str(tmp_path / name), resolution=64, steps=20, lr_scheduler="cosine",
+                       lr_warmup_steps=3, batch_size=2, lora=LoraSettings(rank=4, alpha=8.0, dropout=0.1),
+                       data=str(tmp_path / "data"), timing_warmup_steps=1)
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from segmented_checkpointing.engine.data import write_sample_dataset
+
+    root = tmp_path_factory.mktemp("train")
+    write_sample_dataset(root / "data")
+    return root
+
+
+def test_ten_plus_resume_plus_ten_equals_twenty(data_dir):
+    full = train(_config(data_dir, "full"), **QUIET)
+    stop_after = iter(range(1, 100))
+    first = train(_config(data_dir, "split"), should_stop=lambda: next(stop_after) == 10, **QUIET)
+    assert first.interrupted and len(first.history) == 10
+    second = train(_config(data_dir, "split", resume=True), **QUIET)
+    assert not second.interrupted and second.report["totals"]["steps"] == 20
+    a, b = load_file(full.lora_path), load_file(second.lora_path)
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6
+    assert [h["lr"] for h in full.history] == [h["lr"] for h in second.history]
+    assert [h["step"] for h in second.history] == list(range(1, 21))
+    assert [h["loss"] for h in full.history] == pytest.approx([h["loss"] for h in second.history], abs=1e-6)
+    assert full.history[0]["loss"] != full.history[1]["loss"]
+
+
+def test_learning_rate_schedule():
+    config = TrainConfig(steps=10, learning_rate=1.0, lr_warmup_steps=2, lr_scheduler="linear")
+    assert [round(learning_rate_at(config, s), 4) for s in range(4)] == [0.5, 1.0, 1.0, 0.875]
+    cosine = dataclasses.replace(config, lr_scheduler="cosine")
+    assert learning_rate_at(cosine, 2) == 1.0 and learning_rate_at(cosine, 9) < 0.05
+
+
+def test_lora_file_report_and_inference_mode(data_dir):
+    config = _config(data_dir, "small", steps=3, lr_scheduler="constant", lr_warmup_steps=0,
+                     gradient_accumulation_steps=2)
+    with torch.inference_mode():  # ComfyUI runs nodes like this; training must leave it
+        result = train(config, **QUIET)
+    tensors = load_file(result.lora_path)
+    assert tensors and not any(".default." in k for k in tensors)
+    assert all(k.startswith("transformer.") for k in tensors)
+    assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in tensors
+    assert float(tensors["transformer.transformer_blocks.0.attn.to_q.alpha"]) == 8.0
+    with safe_open(str(result.lora_path), "pt") as fh:
+        meta = fh.metadata()
+    assert meta["family"] == "flux" and json.loads(meta["schedule"])["gradient_checkpointing_interval"] == 2
+    report = json.loads(result.report_path.read_text())
+    assert report["plan"]["block_map"] == {"double": "CC..CC..", "single": "CC..CC.."}
+    assert report["plan"]["lists"][0]["segments"] == [[0, 2], [4, 6]]
+    assert len(report["steps"]) == 3 and report["totals"]["sec_per_step"] > 0
+    assert all(s["peak_bytes"] > 0 and s["recomputed_blocks"] == 2 * 8 for s in report["steps"])
+    assert all(s["checkpoint_calls"] == 2 * 4 for s in report["steps"])  # 2 micro-batches x 4 segments
