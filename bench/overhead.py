@@ -94,7 +94,7 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _step(family, model, latents, inputs, call) -> None:
-    model.zero_grad(set_to_none=True)
+    """One LoRA step: forward, flow-matching-style MSE against the latents, backward."""
     pred = family.read_output(model, call(**inputs), latents)
     (pred.float() - latents).pow(2).mean().backward()
 
@@ -104,6 +104,7 @@ def op_counts(family, model, latents, inputs) -> dict[str, int]:
     counts = {}
     for name, (setup, call) in sides(family, model).items():
         setup()
+        model.zero_grad(set_to_none=True)
         with _OpCounter() as counter:
             _step(family, model, latents, inputs, call)
         counts[name] = counter.ops
@@ -139,6 +140,7 @@ def runner_bookkeeping_s(family, model, latents, inputs) -> tuple[float, int]:
     model.enable_gradient_checkpointing(gradient_checkpointing_func=timed_runner)
     for _ in range(3):  # the last of three steps
         inside[0] = outside[0] = calls[0] = 0
+        model.zero_grad(set_to_none=True)
         _step(family, model, latents, inputs, runner.forward)
     return outside[0] - inside[0], calls[0]
 
@@ -159,8 +161,7 @@ def bench_pair(family, model, latents, inputs, a: str, b: str, rounds: int, warm
             setup()
             model.zero_grad(set_to_none=True)  # outside the timer, like the set-up
             with timers[name]["wall"].step(), timers[name]["cpu"].step():
-                pred = family.read_output(model, call(**inputs), latents)
-                (pred.float() - latents).pow(2).mean().backward()
+                _step(family, model, latents, inputs, call)
     return timers
 
 

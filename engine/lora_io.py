@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from peft import LoraConfig
+from diffusers.loaders.peft import PeftAdapterMixin
+from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
@@ -71,7 +72,10 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tu
                         target_modules=targets, init_lora_weights=settings.init)
     model.requires_grad_(False)
     try:
-        model.add_adapter(config)
+        if isinstance(model, PeftAdapterMixin):
+            model.add_adapter(config)
+        else:  # diffusers classes without PeftAdapterMixin (PixArt, OmniGen, DiT, ...)
+            inject_adapter_in_model(config, model)
     except ValueError as exc:
         raise LoraConfigError(f"lora_target_modules={targets!r} matched no module of "
                               f"{type(model).__name__}: {exc}") from exc

@@ -137,7 +137,8 @@ class SegmentRunner:
         self.stats = RunnerStats()
         self._checkpoint = checkpoint_fn or functools.partial(
             checkpoint, use_reentrant=False, preserve_rng_state=True)
-        self._lists = [family.blocks(model, bl) for bl in family.block_lists]
+        self._lists = [list(family.blocks(model, bl)) for bl in family.block_lists]  # plain lists: slicing
+        # an nn.ModuleList builds a new module on every call
         self._where = {id(b): (li, bi) for li, blocks in enumerate(self._lists) for bi, b in enumerate(blocks)}
         self._segment_end: list[dict[int, int]] = []
         self._pending: _Pending | None = None
@@ -205,7 +206,7 @@ class SegmentRunner:
         if end is None:
             self.stats.plain_blocks += 1
             return block(*args, **kwargs)
-        blocks = list(self._lists[list_index][block_index:end])
+        blocks = self._lists[list_index][block_index:end]
         carry = self.family.block_lists[list_index].carry
         self.stats.checkpoint_calls += 1
         output = self._checkpoint(_Region(self, blocks, carry), *args, **kwargs)
