@@ -110,9 +110,11 @@ class TrainConfig:
     timing_warmup_steps: int = 2
 
     def __post_init__(self) -> None:
-        from .families import family_names
+        from .families import family_names, get_family
+        from .plan import check_supported
 
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
+        check_supported(get_family(self.family), self.schedule)
         _need(_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
               "resolution", self.resolution, "a multiple of 16, >= 16")
         _need(_int(self.steps) and self.steps >= 1, "steps", self.steps, "an integer >= 1")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .families.base import FamilyAdapter
-from .schedule import CheckpointSchedule, ListPlan, plan_block_list
+from .schedule import CheckpointSchedule, ListPlan, ScheduleError, plan_block_list
 
 
 class ScheduleWarning(UserWarning):
@@ -95,6 +95,30 @@ class ModelPlan:
         }
 
 
+WIRED_BACKENDS = ("torch",)
+"""Backends this version executes; the others are refused rather than silently run as ``torch``."""
+
+
+def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None:
+    """Refuse a schedule that this version cannot run as asked, before any work starts.
+
+    Never run a different scope silently (SPEC.md "Backends"): a backend or offload option that
+    is not executed is an error, not a fallback.
+
+    Raises:
+        ScheduleError: the backend is not wired yet, or attention offload is asked for.
+    """
+    backend = schedule.gradient_checkpointing_backend
+    if schedule.gradient_checkpointing and backend not in WIRED_BACKENDS:
+        raise ScheduleError(
+            f"gradient_checkpointing_backend={backend!r} is not available for {family.name} in this "
+            f"version (offload backends are not wired yet): allowed {', '.join(WIRED_BACKENDS)}")
+    if schedule.gradient_checkpointing_offload_attention:
+        raise ScheduleError(
+            "gradient_checkpointing_offload_attention=True is not available for "
+            f"{family.name} in this version: allowed false")
+
+
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
                    num_blocks: Mapping[str, int], warn: bool = True) -> ModelPlan:
     """The plan the engine will actually apply to a model of ``family``.
@@ -110,7 +134,9 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
 
     Raises:
         KeyError: ``num_blocks`` lacks one of the family's lists.
+        ScheduleError: see :func:`check_supported`.
     """
+    check_supported(family, schedule)
     interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
     notes: list[str] = []
     if schedule.gradient_checkpointing and not family.segmented and (interval > 1 or stride):

@@ -62,3 +62,12 @@ def test_short_real_run(tmp_path, capsys):
     lora = load_file(out / "lora.safetensors")
     assert lora and not any(".default." in k for k in lora)
     assert (out / "training_state.safetensors").is_file()
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--backend", "unsloth"], "gradient_checkpointing_backend='unsloth' is not available"),
+    (["--offload-attention"], "gradient_checkpointing_offload_attention=True is not available"),
+])
+def test_unwired_options_are_refused_not_run_as_torch(no_model, capsys, argv, text, tmp_path):
+    assert cli.main(["train", "--output", str(tmp_path), *argv]) == 2
+    assert text in capsys.readouterr().err
