@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", dest="config_file", default=None,
                        help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
     train.add_argument("--resume", action="store_const", const=True, default=None, help=HELP["resume"])
+    sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
     return parser
 
 
@@ -93,6 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
               f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
               f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
+        return 0
+    if args.command == "families":
+        from .engine.support import support_table
+
+        print(support_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
 

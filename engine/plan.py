@@ -95,28 +95,30 @@ class ModelPlan:
         }
 
 
-WIRED_BACKENDS = ("torch",)
-"""Backends this version executes; the others are refused rather than silently run as ``torch``."""
-
-
 def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None:
-    """Refuse a schedule that this version cannot run as asked, before any work starts.
+    """Refuse, before any work starts, a schedule the family cannot run as asked.
 
-    Never run a different scope silently (SPEC.md "Backends"): a backend or offload option that
-    is not executed is an error, not a fallback.
+    Never run a different scope silently (SPEC.md "Backends"): a ``*-ffn`` backend needs an FFN
+    boundary, and attention offload an attention boundary, in every block list the model routes
+    through the checkpoint function.
 
     Raises:
-        ScheduleError: the backend is not wired yet, or attention offload is asked for.
+        ScheduleError: naming the family, the block list(s) and the option.
     """
+    routed = [bl for bl in family.block_lists if bl.routed]
     backend = schedule.gradient_checkpointing_backend
-    if schedule.gradient_checkpointing and backend not in WIRED_BACKENDS:
-        raise ScheduleError(
-            f"gradient_checkpointing_backend={backend!r} is not available for {family.name} in this "
-            f"version (offload backends are not wired yet): allowed {', '.join(WIRED_BACKENDS)}")
+    if schedule.gradient_checkpointing and backend.endswith("-ffn"):
+        missing = [bl.name for bl in routed if not bl.ffn]
+        if missing:
+            raise ScheduleError(
+                f"gradient_checkpointing_backend={backend!r} is not available for {family.name}: block "
+                f"list(s) {', '.join(missing)} have no FFN boundary; allowed torch or unsloth")
     if schedule.gradient_checkpointing_offload_attention:
-        raise ScheduleError(
-            "gradient_checkpointing_offload_attention=True is not available for "
-            f"{family.name} in this version: allowed false")
+        missing = [bl.name for bl in routed if not bl.attention]
+        if missing:
+            raise ScheduleError(
+                f"gradient_checkpointing_offload_attention=True is not available for {family.name}: "
+                f"block list(s) {', '.join(missing)} have no attention boundary; allowed false")
 
 
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
@@ -160,6 +162,11 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
             list_notes = ("the model's loop calls these blocks directly: never checkpointed",)
         lists.append(plan_block_list(block_list.name, num_blocks[block_list.name], interval, stride,
                                      enabled, list_notes))
+    if (schedule.gradient_checkpointing_offload_attention and schedule.gradient_checkpointing
+            and not schedule.gradient_checkpointing_backend.endswith("-ffn")):
+        notes.append("gradient_checkpointing_offload_attention acts on blocks outside whole-block "
+                     "checkpoint regions (the plain ones); inside a region the attention activations "
+                     "are not kept at all, so there is nothing to offload")
     if warn:
         for note in notes:
             warnings.warn(note, ScheduleWarning, stacklevel=2)

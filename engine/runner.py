@@ -18,15 +18,17 @@ and the list, restores the RNG state and runs the forward again (see :meth:`Segm
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .families.base import Carry, FamilyAdapter
+from .families.base import BlockList, Carry, FamilyAdapter
+from .offload import HostPool, Offloader
 from .plan import ModelPlan, ScheduleWarning
 
 
@@ -49,20 +51,22 @@ class RunnerStats:
     """Counters of one runner, reset per step by the trainer.
 
     Attributes:
-        checkpoint_calls: checkpoint calls made in forward (one per segment).
-        recomputed_blocks: blocks entered again during backward recompute.
+        checkpoint_calls: checkpoint calls made in forward (one per segment, or per FFN region).
+        recomputed_blocks: whole blocks entered again during backward recompute.
+        recomputed_ffn: FFN sub-blocks recomputed (``*-ffn`` backends).
         plain_blocks: blocks run without checkpointing.
         fallbacks: lists switched to per-block, with the reason.
     """
 
     checkpoint_calls: int = 0
     recomputed_blocks: int = 0
+    recomputed_ffn: int = 0
     plain_blocks: int = 0
     fallbacks: list[str] = field(default_factory=list)
 
     def reset(self) -> None:
         """Zero the per-step counters (fallbacks are kept: they hold for the whole run)."""
-        self.checkpoint_calls = self.recomputed_blocks = self.plain_blocks = 0
+        self.checkpoint_calls = self.recomputed_blocks = self.recomputed_ffn = self.plain_blocks = 0
 
 
 @dataclass
@@ -100,8 +104,7 @@ class _Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
         recompute = self.runs > 1
-        self.runner._recompute_depth += recompute
-        try:
+        with self.runner._in_region(recompute):
             output = None
             for i, block in enumerate(self.blocks):
                 if recompute:
@@ -110,20 +113,60 @@ class _Region:
                 if i + 1 < len(self.blocks):
                     args, kwargs = self.carry.apply(output, args, kwargs)
             return output
-        finally:
-            self.runner._recompute_depth -= recompute
+
+
+class _FfnRegion:
+    """The function an FFN-only checkpoint call runs: the block's original FFN forward(s)."""
+
+    def __init__(self, runner: "SegmentRunner", forwards: list[Callable[..., Any]]):
+        self.runner, self.forwards, self.runs = runner, forwards, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
+        recompute = self.runs > 1
+        with self.runner._in_region(recompute):
+            if recompute:
+                self.runner.stats.recomputed_ffn += 1
+            output = self.forwards[0](*args, **kwargs)
+            for forward in self.forwards[1:]:
+                output = forward(output)
+            return output
+
+
+@contextlib.contextmanager
+def _swap_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Replace ``module.forward`` on this instance for the ``with`` block, then undo it."""
+    had, old = "forward" in module.__dict__, module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = old
+        else:
+            del module.forward
 
 
 class SegmentRunner:
     """Executes a :class:`~.plan.ModelPlan` on a diffusers model through its checkpoint hook.
 
     Use :meth:`install` once, then call :meth:`forward` instead of ``model(...)`` so that a carry
-    mismatch can fall back and retry. Attributes of interest: :attr:`plan` (updated on fallback)
-    and :attr:`stats`.
+    mismatch can fall back and retry; call :meth:`close` at the end of the run (it drops the host
+    pool). Attributes of interest: :attr:`plan` (updated on fallback), :attr:`stats`, and
+    :attr:`offloader` (``None`` unless the schedule offloads).
+
+    Backends (SPEC.md "Backends"): ``torch`` runs each segment in one checkpoint call;
+    ``unsloth`` does the same with the segment's carried boundary inputs (the hidden states it
+    keeps for its recompute) offloaded to host memory; ``torch-ffn`` / ``unsloth-ffn`` run the
+    planned blocks plainly but checkpoint each one's FFN sub-block on its own (an FFN-only region
+    cannot span blocks, since attention runs between them), offloading the FFN input for
+    ``unsloth-ffn``. With ``gradient_checkpointing_offload_attention`` every block that is not
+    inside a whole-block region runs its attention sub-block with its saved activations offloaded.
 
     Args:
         model: a diffusers model of ``family`` (our training copy: installing changes its
-            gradient-checkpointing function).
+            gradient-checkpointing function; sub-module forwards are swapped only for the
+            duration of one block call).
         family: the family adapter.
         plan: the plan from :func:`~.plan.effective_plan`.
         checkpoint_fn: the checkpoint implementation, ``checkpoint(fn, *args, **kwargs)``;
@@ -137,12 +180,21 @@ class SegmentRunner:
         self.stats = RunnerStats()
         self._checkpoint = checkpoint_fn or functools.partial(
             checkpoint, use_reentrant=False, preserve_rng_state=True)
-        self._lists = [list(family.blocks(model, bl)) for bl in family.block_lists]  # plain lists: slicing
-        # an nn.ModuleList builds a new module on every call
+        # plain lists: slicing an nn.ModuleList builds a new module on every call
+        self._lists = [list(family.blocks(model, bl)) for bl in family.block_lists]
         self._where = {id(b): (li, bi) for li, blocks in enumerate(self._lists) for bi, b in enumerate(blocks)}
         self._segment_end: list[dict[int, int]] = []
         self._pending: _Pending | None = None
+        self._region_depth = 0
         self._recompute_depth = 0
+        schedule = plan.schedule
+        self.backend = schedule.gradient_checkpointing_backend if schedule.gradient_checkpointing else None
+        self.ffn_scope = self.backend in ("torch-ffn", "unsloth-ffn")
+        self.offload_attention = schedule.gradient_checkpointing_offload_attention
+        self.offloader: Offloader | None = None
+        if (self.backend or "").startswith("unsloth") or self.offload_attention:
+            pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
+            self.offloader = Offloader(pool, lambda: self.recomputing)
         self._index_plan()
 
     @property
@@ -150,16 +202,32 @@ class SegmentRunner:
         """True while a checkpointed region is being recomputed in backward."""
         return self._recompute_depth > 0
 
+    @contextlib.contextmanager
+    def _in_region(self, recompute: bool) -> Iterator[None]:
+        self._region_depth += 1
+        self._recompute_depth += recompute
+        try:
+            yield
+        finally:
+            self._region_depth -= 1
+            self._recompute_depth -= recompute
+
     def _index_plan(self) -> None:
         self._segment_end = [dict(lp.segments) for lp in self.plan.lists]
+        self._ffn_blocks = [set(lp.checkpointed) for lp in self.plan.lists] if self.ffn_scope else None
 
     def install(self) -> "SegmentRunner":
-        """Route the model's block calls through this runner (or disable checkpointing for ``none``)."""
-        if self.plan.checkpointed_blocks == 0:
+        """Route the model's block calls through this runner (or disable checkpointing when
+        nothing is checkpointed or offloaded)."""
+        if self.plan.checkpointed_blocks == 0 and not self.offload_attention:
             self.model.disable_gradient_checkpointing()
         else:
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self)
         return self
+
+    def close(self) -> None:
+        """Release run-owned resources (the host pool); the runner must not be used afterwards."""
+        self.offloader = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model; on a :class:`CarryMismatch`, fall back to per-block for that list and retry.
@@ -202,17 +270,62 @@ class SegmentRunner:
         list_index, block_index = where
         if self._pending is not None:
             return self._pass_through(list_index, block_index, args, kwargs)
-        end = self._segment_end[list_index].get(block_index)
+        end = None if self.ffn_scope else self._segment_end[list_index].get(block_index)
         if end is None:
             self.stats.plain_blocks += 1
-            return block(*args, **kwargs)
+            with self._block_scope(list_index, block_index, block):
+                return block(*args, **kwargs)
         blocks = self._lists[list_index][block_index:end]
-        carry = self.family.block_lists[list_index].carry
+        block_list = self.family.block_lists[list_index]
         self.stats.checkpoint_calls += 1
-        output = self._checkpoint(_Region(self, blocks, carry), *args, **kwargs)
+        with self._offload_boundary(block_list.carry.carried_inputs(args, kwargs)):
+            output = self._checkpoint(_Region(self, blocks, block_list.carry), *args, **kwargs)
         if end - block_index > 1:
             self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs)
         return output
+
+    def _offload_boundary(self, carried: list[Any]) -> Any:
+        """``unsloth``: offload the region's carried inputs (the per-block hidden states); the
+        other inputs (temb, rotary embeddings, masks) are shared by every block and stay alive
+        on the device anyway, so copying them would save nothing."""
+        if self.offloader is None or not self.backend.startswith("unsloth"):
+            return contextlib.nullcontext()
+        return self.offloader.hooks({id(v) for v in carried if isinstance(v, torch.Tensor)})
+
+    @contextlib.contextmanager
+    def _block_scope(self, list_index: int, block_index: int, block: torch.nn.Module) -> Iterator[None]:
+        """Swap in the FFN checkpoint and the attention offload for one plain block call."""
+        block_list = self.family.block_lists[list_index]
+        with contextlib.ExitStack() as stack:
+            if self._ffn_blocks is not None and block_index in self._ffn_blocks[list_index]:
+                self._wrap_ffn(stack, block, block_list)
+            if self.offload_attention and block_list.attention and self._region_depth == 0:
+                attention = block.get_submodule(block_list.attention)
+                original = attention.forward
+
+                def offloaded_attention(*a: Any, **kw: Any) -> Any:
+                    with self.offloader.hooks():
+                        return original(*a, **kw)
+
+                stack.enter_context(_swap_forward(attention, offloaded_attention))
+            yield
+
+    def _wrap_ffn(self, stack: contextlib.ExitStack, block: torch.nn.Module, block_list: BlockList) -> None:
+        names = (block_list.ffn,) if isinstance(block_list.ffn, str) else tuple(block_list.ffn)
+        modules = [block.get_submodule(n) for n in names]
+        region = _FfnRegion(self, [m.forward for m in modules])
+        unsloth = self.backend == "unsloth-ffn"
+
+        def checkpointed_ffn(*a: Any, **kw: Any) -> Any:
+            self.stats.checkpoint_calls += 1
+            select = {id(v) for v in a if isinstance(v, torch.Tensor)} | {
+                id(v) for v in kw.values() if isinstance(v, torch.Tensor)}
+            with self.offloader.hooks(select) if unsloth else contextlib.nullcontext():
+                return self._checkpoint(region, *a, **kw)
+
+        stack.enter_context(_swap_forward(modules[0], checkpointed_ffn))
+        for module in modules[1:]:  # a chain (Flux single: act_mlp(proj_mlp(x))) runs inside the region
+            stack.enter_context(_swap_forward(module, lambda x: x))
 
     def _pass_through(self, list_index: int, block_index: int, args: tuple, kwargs: dict) -> Any:
         pending = self._pending

@@ -34,7 +34,15 @@ LORA_FILE = "lora.safetensors"
 
 @dataclass
 class StepRecord:
-    """One optimizer step: ``loss`` (mean over micro-batches), ``lr``, wall seconds, peak bytes."""
+    """One optimizer step.
+
+    Attributes:
+        step: 1-based optimizer step. loss: mean loss over the micro-batches. lr: learning rate.
+        seconds: wall time of the step. peak_bytes: peak memory of the step (see report.py).
+        checkpoint_calls, recomputed_blocks, recomputed_ffn: the runner's counters.
+        offloaded_tensors, offloaded_bytes: what went to host memory this step.
+        pool_bytes, pool_buckets: the host pool's size and distinct (size, dtype) keys after it.
+    """
 
     step: int
     loss: float
@@ -43,6 +51,11 @@ class StepRecord:
     peak_bytes: int
     checkpoint_calls: int
     recomputed_blocks: int
+    recomputed_ffn: int = 0
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    pool_bytes: int = 0
+    pool_buckets: int = 0
 
 
 @dataclass
@@ -179,47 +192,31 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
         history, start = state.history, state.step
         log(f"resumed at step {start} from {output}")
 
-    memory = PeakMemory(device)
+    offloader = runner.offloader
+    memory = PeakMemory(device, exclude=offloader.pool.is_host if offloader else None)
     timer = StepTimer(device, warmup=config.timing_warmup_steps)
     interrupted = False
-    for step in range(start, config.steps):
-        lr = learning_rate_at(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        runner.stats.reset()
-        with memory.measure() as reading, timer.step():
-            started = time.perf_counter()
-            loss_sum = 0.0
-            for _ in range(config.gradient_accumulation_steps):
-                index = sampler.next_batch()
-                noisy, sigmas, target = noisy_latents(family.objective, cache["latents"][index], noise_gen)
-                text = TextBatch(cache["text_seq"][index], cache["text_mask"][index],
-                                 cache["text_pooled"][index] if "text_pooled" in cache else None).to(device)
-                noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
-                with autocast:
-                    output_ = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
-                    prediction = family.read_output(model, output_, noisy)
-                loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
-                loss.backward()  # checkpointed segments are recomputed here
-                loss_sum += loss.item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
-            seconds = time.perf_counter() - started
-        record = StepRecord(step + 1, loss_sum, lr, seconds, reading.peak_bytes,
-                            runner.stats.checkpoint_calls, runner.stats.recomputed_blocks)
-        history.append(vars(record))
-        log(f"step {record.step:>4}/{config.steps}  loss {record.loss:.4f}  lr {lr:.2e}  "
-            f"{seconds:.3f} s/step  peak {reading.peak_bytes / 2**20:.1f} MiB")
-        if on_step is not None:
-            on_step(record, config.steps)
-        stop = should_stop is not None and should_stop()
-        last = step + 1 == config.steps
-        if stop or last or (config.save_every and (step + 1) % config.save_every == 0):
-            _save_state(config, output, model, optimizer, noise_gen, sampler, history, step + 1)
-        if stop and not last:
-            interrupted = True
-            log(f"interrupted after step {step + 1}: state saved, resume with --resume")
-            break
+    try:
+        for step in range(start, config.steps):
+            record = _train_step(config, step, model, family, runner, optimizer, sampler, cache,
+                                 noise_gen, device, autocast, memory, timer)
+            history.append(vars(record))
+            offload = (f"  offload {record.offloaded_bytes / 2**20:.1f} MiB, pool "
+                       f"{record.pool_bytes / 2**20:.1f} MiB" if offloader else "")
+            log(f"step {record.step:>4}/{config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
+                f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
+            if on_step is not None:
+                on_step(record, config.steps)
+            stop = should_stop is not None and should_stop()
+            last = step + 1 == config.steps
+            if stop or last or (config.save_every and (step + 1) % config.save_every == 0):
+                _save_state(config, output, model, optimizer, noise_gen, sampler, history, step + 1)
+            if stop and not last:
+                interrupted = True
+                log(f"interrupted after step {step + 1}: state saved, resume with --resume")
+                break
+    finally:
+        runner.close()  # drops the host pool (a long-lived server must not keep it)
 
     plan = runner.plan  # may hold per-block fallbacks found while running
     meta = {"family": family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
@@ -230,6 +227,40 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
     log(f"wrote {lora_path}, {report_path}")
     return TrainResult(config, plan, history, lora_path, output / "training_state.safetensors",
                        report_path, report, interrupted, model)
+
+
+def _train_step(config, step, model, family, runner, optimizer, sampler, cache, noise_gen, device,
+                autocast, memory, timer) -> StepRecord:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+    lr = learning_rate_at(config, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    runner.stats.reset()
+    if runner.offloader:
+        runner.offloader.stats.reset()
+    with memory.measure() as reading, timer.step():
+        started = time.perf_counter()
+        loss_sum = 0.0
+        for _ in range(config.gradient_accumulation_steps):
+            index = sampler.next_batch()
+            noisy, sigmas, target = noisy_latents(family.objective, cache["latents"][index], noise_gen)
+            text = TextBatch(cache["text_seq"][index], cache["text_mask"][index],
+                             cache["text_pooled"][index] if "text_pooled" in cache else None).to(device)
+            noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
+            with autocast:
+                output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
+                prediction = family.read_output(model, output, noisy)
+            loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
+            loss.backward()  # checkpointed regions are recomputed (offloaded inputs copied back) here
+            loss_sum += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
+        seconds = time.perf_counter() - started
+    stats, off = runner.stats, runner.offloader
+    return StepRecord(step + 1, loss_sum, lr, seconds, reading.peak_bytes, stats.checkpoint_calls,
+                      stats.recomputed_blocks, stats.recomputed_ffn,
+                      off.stats.tensors if off else 0, off.stats.bytes if off else 0,
+                      off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0)
 
 
 def _save_state(config, output, model, optimizer, noise_gen, sampler, history, step) -> None:

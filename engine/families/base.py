@@ -45,9 +45,9 @@ class Carry:
                 new_args[slot] = value
         return tuple(new_args), new_kwargs
 
-    def carried(self, output: Any) -> list[tuple[ArgSlot, Any]]:
-        """``(slot, value)`` of every carried value in ``output``."""
-        return [(slot, output if idx is None else output[idx]) for idx, slot in self.links]
+    def carried_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The arguments a block receives in carried slots (its hidden states), e.g. for offload."""
+        return [kwargs.get(slot) if isinstance(slot, str) else args[slot] for _, slot in self.links]
 
 
 SINGLE = Carry(((None, 0),))
@@ -62,8 +62,10 @@ class BlockList:
         name: short name used in plans and reports (``double``, ``single``, ``blocks``, ...).
         attr: the model attribute holding the ``nn.ModuleList``.
         carry: the list's :class:`Carry`.
-        ffn: attribute path of the feed-forward sub-module inside a block (``"ff"``), or ``None``
-            when the block has no clean FFN boundary (then ``*-ffn`` backends fail for it).
+        ffn: attribute path of the feed-forward sub-module inside a block (``"ff"``), or a
+            tuple of sibling sub-modules the block calls as a chain on one tensor (Flux's single
+            blocks: ``("proj_mlp", "act_mlp")`` for ``act_mlp(proj_mlp(x))``), or ``None`` when
+            the block has no clean FFN boundary (then ``*-ffn`` backends fail for its list).
         attention: attribute path of the attention sub-module, or ``None``.
         routed: ``False`` when the model's loop calls these blocks directly, never through the
             checkpoint function (then no schedule can apply to them; the plan says so).
@@ -72,7 +74,7 @@ class BlockList:
     name: str
     attr: str
     carry: Carry = SINGLE
-    ffn: str | None = None
+    ffn: str | tuple[str, ...] | None = None
     attention: str | None = None
     routed: bool = True
 

@@ -38,7 +38,8 @@ FLUX = register_family(
         model_class="FluxTransformer2DModel",
         block_lists=(
             BlockList("double", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),
-            BlockList("single", "single_transformer_blocks", _CARRY, ffn=None, attention="attn"),
+            BlockList("single", "single_transformer_blocks", _CARRY, ffn=("proj_mlp", "act_mlp"),
+                      attention="attn"),
         ),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"], cfg["pooled_projection_dim"]),
         make_inputs=_make_inputs,
@@ -55,6 +56,7 @@ FLUX = register_family(
             "axes_dims_rope": (4, 6, 6),
         },
         latent_channels=16,
-        notes=("single-stream blocks fuse attention and MLP: no FFN boundary there",),
+        notes=("single-stream blocks: the FFN region is the MLP branch act_mlp(proj_mlp(x)); the "
+               "fused output projection stays outside it",),
     )
 )

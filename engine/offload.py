@@ -1,0 +1,269 @@
+"""Activation offload to host memory: the host buffer pool and the saved-tensor hooks.
+
+Used by the ``unsloth`` / ``unsloth-ffn`` backends (the boundary inputs a checkpointed region
+keeps for its recompute) and by ``gradient_checkpointing_offload_attention`` (the tensors the
+attention sub-block saves for backward). Semantics: SPEC.md "What ``unsloth`` offloads".
+
+Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, pinned when possible, reused
+across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a
+``torch.autograd.graph.saved_tensors_hooks`` context: pack copies a tensor into a pool buffer
+(device-to-host, on a side stream on CUDA), unpack copies it back to the device and dtype it came
+from and returns the buffer to the pool once that copy has completed.
+
+Without CUDA (CI, this project's CPU machines) everything runs the same way with pageable host
+buffers: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
+(and that the CPU memory tracker can exclude), and pinning is skipped with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+class PinnedMemoryWarning(UserWarning):
+    """Pinned host memory could not be used; offload falls back to pageable host memory."""
+
+
+def _bucket_bytes(nbytes: int) -> int:
+    """Size bucket of a tensor: the next power of two (min 512 B), so varying lengths share keys."""
+    return max(512, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+@dataclass
+class OffloadStats:
+    """Per-step offload counters (reset by the trainer each step).
+
+    Attributes:
+        tensors: tensors offloaded this step.
+        bytes: bytes copied device-to-host this step.
+        packed_in_recompute: packs attempted while a region was recomputing (must stay 0).
+    """
+
+    tensors: int = 0
+    bytes: int = 0
+    packed_in_recompute: int = 0
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self.tensors = self.bytes = self.packed_in_recompute = 0
+
+
+class HostPool:
+    """Host buffers for offloaded tensors, reused across steps.
+
+    Buffers are keyed by ``(size bucket in bytes, dtype)``; at most ``max_buckets`` distinct keys
+    are pooled. A tensor whose key would exceed that gets a one-off pageable buffer, freed when it
+    is unpacked. ``max_buckets == 0`` means ordinary pageable memory, no pool. Buffers are pinned
+    when CUDA is available; when pinning fails (or without CUDA) the pool uses pageable memory
+    and warns once, naming pinned host memory.
+
+    Args:
+        max_buckets: ``gradient_checkpointing_offload_pin_memory_max_buckets``.
+        pin: try to pin the buffers (default: when CUDA is available).
+
+    Attributes:
+        pool_bytes: bytes of all pooled buffers (free and in use).
+        pinned: whether pooled buffers are pinned.
+    """
+
+    def __init__(self, max_buckets: int, pin: bool | None = None):
+        self.max_buckets = max_buckets
+        self.pinned = bool(max_buckets > 0 and (torch.cuda.is_available() if pin is None else pin))
+        if max_buckets > 0 and not self.pinned:
+            warnings.warn("pinned host memory is not available without CUDA: offloaded activations "
+                          "use pageable host memory", PinnedMemoryWarning, stacklevel=3)
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+        self._storages: set[int] = set()
+        self.pool_bytes = 0
+        self.pinned_buffers = 0
+        self._allocating = False
+
+    @property
+    def keys(self) -> list[tuple[int, torch.dtype]]:
+        """The distinct ``(bucket bytes, dtype)`` keys pooled so far."""
+        return list(self._free)
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of this pool's host buffers (being allocated, or alive).
+
+        The CPU memory tracker excludes these, so that on a machine without CUDA the tracked
+        peak is the "device-side" memory and the pool's bytes are reported apart.
+        """
+        return self._allocating or (tensor.device.type == "cpu"
+                                    and tensor.untyped_storage().data_ptr() in self._storages)
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """A 1-D host buffer of at least ``numel`` elements; ``(buffer, pooled)``."""
+        nbytes = numel * dtype.itemsize
+        key = (_bucket_bytes(nbytes), dtype)
+        if self.max_buckets == 0 or (key not in self._free and len(self._free) >= self.max_buckets):
+            buffer = self._allocate(numel, dtype, pin=False)  # one-off pageable buffer
+            self._storages.add(buffer.untyped_storage().data_ptr())
+            return buffer, False
+        free = self._free.setdefault(key, [])
+        for i, (buffer, event) in enumerate(free):
+            if event is None or event.query():  # the copy reading it has completed
+                del free[i]
+                return buffer, True
+        buffer = self._allocate(key[0] // dtype.itemsize, dtype, self.pinned)
+        self._storages.add(buffer.untyped_storage().data_ptr())
+        self.pool_bytes += buffer.untyped_storage().nbytes()
+        return buffer, True
+
+    def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        self._allocating = True
+        try:
+            if pin:
+                try:
+                    buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+                    self.pinned_buffers += 1
+                    return buffer
+                except RuntimeError as exc:
+                    self.pinned = False
+                    warnings.warn(f"pinned host memory could not be allocated ({exc}); offloaded "
+                                  "activations use pageable host memory", PinnedMemoryWarning, stacklevel=4)
+            return torch.empty(numel, dtype=dtype)
+        finally:
+            self._allocating = False
+
+    def give_back(self, buffer: torch.Tensor, pooled: bool, event: Any = None) -> None:
+        """Return a buffer: a pooled one is handed out again only once ``event`` (if any)
+        completed; a one-off buffer is forgotten (freed with its last reference)."""
+        if not pooled:
+            self._storages.discard(buffer.untyped_storage().data_ptr())
+            return
+        key = (buffer.untyped_storage().nbytes(), buffer.dtype)
+        self._free.setdefault(key, []).append((buffer, event))
+
+
+def _dense_layout(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides are a permutation of a dense layout (no gaps, no overlap),
+    so that an empty tensor with the same strides can be filled from a contiguous copy."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):
+        if tensor.size(dim) == 1:
+            continue
+        if tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.size(dim)
+    return True
+
+
+class _Packed:
+    """A tensor offloaded to a host buffer, shared by every save of that tensor in one context."""
+
+    __slots__ = ("offloader", "host", "buffer", "pooled", "device", "stride", "event", "uses", "out")
+
+    def __init__(self, offloader, host, buffer, pooled, device, stride, event):
+        self.offloader, self.host, self.buffer, self.pooled = offloader, host, buffer, pooled
+        self.device, self.stride, self.event, self.uses, self.out = device, stride, event, 1, None
+
+    def __del__(self):  # the graph was freed before every save was unpacked (no backward)
+        if self.uses > 0:
+            self.offloader.pool.give_back(self.buffer, self.pooled, self.event)
+
+
+class Offloader:
+    """Saved-tensor hooks that keep tensors in host memory between forward and backward.
+
+    Args:
+        pool: the run's :class:`HostPool`.
+        recomputing: callable telling whether a checkpointed region is being recomputed; packs
+            then do nothing (the tensor is kept as is) and are counted in
+            ``stats.packed_in_recompute``.
+    """
+
+    def __init__(self, pool: HostPool, recomputing=lambda: False):
+        self.pool, self.recomputing = pool, recomputing
+        self.stats = OffloadStats()
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    @contextlib.contextmanager
+    def hooks(self, select: set[int] | None = None) -> Iterator[None]:
+        """Offload the tensors autograd saves inside the ``with`` block.
+
+        Args:
+            select: ids of the tensors to offload (e.g. a region's carried hidden states); other
+                saved tensors are kept as they are. ``None``: every saved activation.
+                Parameters are never offloaded (they stay resident anyway).
+
+        A tensor saved several times in one block (the input of ``to_q``, ``to_k`` and ``to_v``)
+        is copied once and shared.
+        """
+        seen: dict[int, tuple[torch.Tensor, _Packed]] = {}
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if self.recomputing():
+                self.stats.packed_in_recompute += 1
+                return tensor
+            if (isinstance(tensor, torch.nn.Parameter) or tensor.numel() == 0
+                    or tensor.layout != torch.strided or (select is not None and id(tensor) not in select)):
+                return tensor
+            if id(tensor) in seen:  # the tensor is held in `seen`, so its id is not reused
+                packed = seen[id(tensor)][1]
+                packed.uses += 1
+                return packed
+            packed = self._copy_to_host(tensor)
+            seen[id(tensor)] = (tensor, packed)
+            return packed
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
+                yield
+        finally:
+            # autograd keeps the pack hook (and so this closure) alive with every saved tensor:
+            # drop the references, or the device originals would never be freed
+            seen.clear()
+
+    def _copy_to_host(self, tensor: torch.Tensor) -> _Packed:
+        buffer, pooled = self.pool.acquire(tensor.numel(), tensor.dtype)
+        host = buffer[: tensor.numel()].view(tensor.shape)
+        event = None
+        if tensor.is_cuda:
+            # Copy on a side stream once the producer's kernels are queued; the source must stay
+            # alive until that copy ran (record_stream), and unpack waits on the event.
+            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._stream)
+                event = self._stream.record_event()
+        else:
+            host.copy_(tensor)
+        self.stats.tensors += 1
+        self.stats.bytes += tensor.numel() * tensor.element_size()
+        stride = tensor.stride() if _dense_layout(tensor) else None
+        return _Packed(self, host, buffer, pooled, tensor.device, stride, event)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Copy an offloaded tensor back to its device (host-to-device, ordered before its use)."""
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.uses <= 0:
+            raise RuntimeError("an offloaded activation was unpacked more often than it was saved "
+                               "(backward with retain_graph=True is not supported with offload)")
+        if packed.out is None:
+            # Same strides as the original: kernels (and checkpoint's recompute check) can
+            # depend on the layout, e.g. a permuted hidden state takes another matmul path.
+            host = packed.host
+            out = (torch.empty(host.shape, dtype=host.dtype, device=packed.device) if packed.stride is None
+                   else torch.empty_strided(host.shape, packed.stride, dtype=host.dtype, device=packed.device))
+            if packed.device.type == "cuda":
+                stream = torch.cuda.current_stream(packed.device)
+                stream.wait_event(packed.event)  # the device-to-host copy has landed
+                out.copy_(packed.host, non_blocking=True)
+                packed.event = stream.record_event()  # the buffer is free once this copy ran
+            else:
+                out.copy_(packed.host)
+                packed.event = None
+            packed.out = out
+        out = packed.out
+        packed.uses -= 1
+        if packed.uses == 0:
+            packed.out = None
+            self.pool.give_back(packed.buffer, packed.pooled, packed.event)
+        return out
