@@ -22,7 +22,8 @@ since the sweep began (imports excluded) plus the slowest finished cell of its r
 counters (last measured step), and notes (plan notes, warnings, options that had no effect).
 
 Run on a CUDA machine:  ``bash bench/gpu_sweep.sh [--budget-s 400] [--skip-large] [--out FILE]``
-CPU check (< 30 s):     ``python bench/gpu_sweep.py --smoke`` (2-3 blocks of width 64/96, fp32)
+CPU check (< 30 s):     ``python bench/gpu_sweep.py --smoke`` (2-3 blocks of width 64/96, fp32;
+                        written to gpu_sweep_smoke.md in the temporary directory unless ``--out``)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import dataclasses
 import gc
 import platform
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -162,6 +164,12 @@ def build(stack: Stack, device: torch.device, dtype: torch.dtype) -> SyntheticSt
     return nn.Module.to(model, dtype)  # not ModelMixin.to: it warns about an empty fp32-module list
 
 
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_cell(model, latents, target, schedule, device, warmup: int, steps: int, notes: set[str]) -> Cell:
     """Warm-up steps, then measured steps of one schedule; raises on OOM / failure."""
     plan = effective_plan(FAMILY, schedule, count_blocks(FAMILY, model), warn=False)
@@ -225,12 +233,6 @@ def guarded_cell(model, latents, target, mode, attn, device, preset, notes) -> C
 
 def row_label(stack: Stack, h: int, w: int) -> str:
     return f"{h // 2 * (w // 2)} tok ({h}x{w} latent), {stack.depth}x{stack.width}"
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def sweep(preset: Preset, device: torch.device, budget_s: float, skip_large: bool, notes: set[str],
@@ -333,12 +335,15 @@ def environment(device: torch.device, preset: Preset) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 CPU sweep (< 30 s)")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("gpu_sweep_results.md")))
+    parser.add_argument("--out", default=None, help="markdown file; default bench/gpu_sweep_results.md, "
+                        "with --smoke gpu_sweep_smoke.md in the temporary directory (never the results)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --smoke)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no cell after this (seconds)")
     parser.add_argument("--skip-large", action="store_true", help="leave the 32x4096 stack out")
     args = parser.parse_args(argv)
     preset = SMOKE if args.smoke else FULL
+    out = Path(args.out or (Path(tempfile.gettempdir()) / "gpu_sweep_smoke.md" if args.smoke
+                            else Path(__file__).with_name("gpu_sweep_results.md")))
     device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: more threads only add contention
@@ -352,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     total = f"total wall time {time.monotonic() - start:.0f} s (budget {args.budget_s:.0f} s)"
     print("\n" + report + "\n\n" + total)
     text = f"# Synthetic reference sweep{' (smoke)' if args.smoke else ''}\n\n{env}\n\n{report}\n\n{total}\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,3 +1,3 @@
 #!/usr/bin/env bash
-# Synthetic reference sweep on one CUDA device (see bench/gpu_sweep.py); extra arguments pass through.
-cd "$(dirname "$0")/.." && exec python bench/gpu_sweep.py "$@"
+# Synthetic reference sweep on one CUDA device (bench/gpu_sweep.py); arguments pass through, PYTHON overrides the interpreter.
+cd "$(dirname "$0")/.." && exec "${PYTHON:-python}" bench/gpu_sweep.py "$@"

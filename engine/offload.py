@@ -154,18 +154,28 @@ def _dense_layout(tensor: torch.Tensor) -> bool:
     return True
 
 
-class _Packed:
-    """A tensor offloaded to a host buffer, shared by every save of that tensor in one context."""
+class _Region:
+    """One offloaded memory range: a 1-D host copy shared by every saved view of that range."""
 
-    __slots__ = ("offloader", "host", "buffer", "pooled", "device", "stride", "event", "uses", "out")
+    __slots__ = ("pool", "host", "buffer", "pooled", "device", "event", "uses", "out")
 
-    def __init__(self, offloader, host, buffer, pooled, device, stride, event):
-        self.offloader, self.host, self.buffer, self.pooled = offloader, host, buffer, pooled
-        self.device, self.stride, self.event, self.uses, self.out = device, stride, event, 1, None
+    def __init__(self, pool, host, buffer, pooled, device, event):
+        self.pool, self.host, self.buffer, self.pooled = pool, host, buffer, pooled
+        self.device, self.event, self.uses, self.out = device, event, 0, None
 
     def __del__(self):  # the graph was freed before every save was unpacked (no backward)
         if self.uses > 0:
-            self.offloader.pool.give_back(self.buffer, self.pooled, self.event)
+            self.pool.give_back(self.buffer, self.pooled, self.event)
+
+
+class _Saved:
+    """What autograd keeps for one offloaded saved tensor: its region and its view of it."""
+
+    __slots__ = ("region", "shape", "stride")
+
+    def __init__(self, region: _Region, shape: torch.Size, stride: tuple[int, ...]):
+        self.region, self.shape, self.stride = region, shape, stride
+        region.uses += 1
 
 
 class Offloader:
@@ -176,10 +186,13 @@ class Offloader:
         recomputing: callable telling whether a checkpointed region is being recomputed; packs
             then do nothing (the tensor is kept as is) and are counted in
             ``stats.packed_in_recompute``.
+        resident: storage pointers (``untyped_storage().data_ptr()``) of tensors that stay on
+            the device anyway (the model's parameters and buffers): saved views of them, such as
+            the ``weight.t()`` a linear layer saves, are never copied.
     """
 
-    def __init__(self, pool: HostPool, recomputing=lambda: False):
-        self.pool, self.recomputing = pool, recomputing
+    def __init__(self, pool: HostPool, recomputing=lambda: False, resident: set[int] | None = None):
+        self.pool, self.recomputing, self.resident = pool, recomputing, resident or set()
         self.stats = OffloadStats()
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -190,27 +203,32 @@ class Offloader:
         Args:
             select: ids of the tensors to offload (e.g. a region's carried hidden states); other
                 saved tensors are kept as they are. ``None``: every saved activation.
-                Parameters are never offloaded (they stay resident anyway).
 
-        A tensor saved several times in one block (the input of ``to_q``, ``to_k`` and ``to_v``)
-        is copied once and shared.
+        Views of one memory range saved several times in the block (the input of ``to_q``,
+        ``to_k`` and ``to_v``, each reshaped by its LoRA) are copied once and shared; tensors in
+        resident storage (parameters) are never copied.
         """
-        seen: dict[int, tuple[torch.Tensor, _Packed]] = {}
+        regions: dict[tuple, tuple[torch.Tensor, _Region]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
             if self.recomputing():
                 self.stats.packed_in_recompute += 1
                 return tensor
-            if (isinstance(tensor, torch.nn.Parameter) or tensor.numel() == 0
-                    or tensor.layout != torch.strided or (select is not None and id(tensor) not in select)):
+            if (tensor.numel() == 0 or tensor.layout != torch.strided
+                    or (select is not None and id(tensor) not in select)
+                    or tensor.untyped_storage().data_ptr() in self.resident):
                 return tensor
-            if id(tensor) in seen:  # the tensor is held in `seen`, so its id is not reused
-                packed = seen[id(tensor)][1]
-                packed.uses += 1
-                return packed
-            packed = self._copy_to_host(tensor)
-            seen[id(tensor)] = (tensor, packed)
-            return packed
+            if _dense_layout(tensor):  # its elements are exactly one contiguous memory range
+                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+                flat, stride = tensor.as_strided((tensor.numel(),), (1,)), tensor.stride()
+            else:  # overlapping or gapped strides (expand, slices): a contiguous copy of its own
+                key, flat, stride = (id(tensor),), tensor.reshape(-1), None
+            if key not in regions:  # the source is held in `regions`, so its memory is not reused
+                regions[key] = (tensor, self._copy_to_host(flat))
+            region = regions[key][1]
+            if stride is None:
+                stride = torch.empty(tensor.shape, device="meta").stride()
+            return _Saved(region, tensor.shape, stride)
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
@@ -218,52 +236,51 @@ class Offloader:
         finally:
             # autograd keeps the pack hook (and so this closure) alive with every saved tensor:
             # drop the references, or the device originals would never be freed
-            seen.clear()
+            regions.clear()
 
-    def _copy_to_host(self, tensor: torch.Tensor) -> _Packed:
-        buffer, pooled = self.pool.acquire(tensor.numel(), tensor.dtype)
-        host = buffer[: tensor.numel()].view(tensor.shape)
+    def _copy_to_host(self, flat: torch.Tensor) -> _Region:
+        """Device-to-host copy of a 1-D tensor into a pool buffer."""
+        buffer, pooled = self.pool.acquire(flat.numel(), flat.dtype)
+        host = buffer[: flat.numel()]
         event = None
-        if tensor.is_cuda:
+        if flat.is_cuda:
             # Copy on a side stream once the producer's kernels are queued; the source must stay
             # alive until that copy ran (record_stream), and unpack waits on the event.
-            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            self._stream.wait_stream(torch.cuda.current_stream(flat.device))
             with torch.cuda.stream(self._stream):
-                host.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self._stream)
+                host.copy_(flat, non_blocking=True)
+                flat.record_stream(self._stream)
                 event = self._stream.record_event()
         else:
-            host.copy_(tensor)
+            host.copy_(flat)
         self.stats.tensors += 1
-        self.stats.bytes += tensor.numel() * tensor.element_size()
-        stride = tensor.stride() if _dense_layout(tensor) else None
-        return _Packed(self, host, buffer, pooled, tensor.device, stride, event)
+        self.stats.bytes += flat.numel() * flat.element_size()
+        return _Region(self.pool, host, buffer, pooled, flat.device, event)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """Copy an offloaded tensor back to its device (host-to-device, ordered before its use)."""
-        if not isinstance(packed, _Packed):
-            return packed
-        if packed.uses <= 0:
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """Copy an offloaded tensor back to its device (host-to-device, ordered before its use)
+        with its original shape and strides (kernels, and checkpoint's recompute check, can
+        depend on the layout)."""
+        if not isinstance(saved, _Saved):
+            return saved
+        region = saved.region
+        if region.uses <= 0:
             raise RuntimeError("an offloaded activation was unpacked more often than it was saved "
                                "(backward with retain_graph=True is not supported with offload)")
-        if packed.out is None:
-            # Same strides as the original: kernels (and checkpoint's recompute check) can
-            # depend on the layout, e.g. a permuted hidden state takes another matmul path.
-            host = packed.host
-            out = (torch.empty(host.shape, dtype=host.dtype, device=packed.device) if packed.stride is None
-                   else torch.empty_strided(host.shape, packed.stride, dtype=host.dtype, device=packed.device))
-            if packed.device.type == "cuda":
-                stream = torch.cuda.current_stream(packed.device)
-                stream.wait_event(packed.event)  # the device-to-host copy has landed
-                out.copy_(packed.host, non_blocking=True)
-                packed.event = stream.record_event()  # the buffer is free once this copy ran
+        if region.out is None:
+            out = torch.empty(region.host.shape, dtype=region.host.dtype, device=region.device)
+            if region.device.type == "cuda":
+                stream = torch.cuda.current_stream(region.device)
+                stream.wait_event(region.event)  # the device-to-host copy has landed
+                out.copy_(region.host, non_blocking=True)
+                region.event = stream.record_event()  # the buffer is free once this copy ran
             else:
-                out.copy_(packed.host)
-                packed.event = None
-            packed.out = out
-        out = packed.out
-        packed.uses -= 1
-        if packed.uses == 0:
-            packed.out = None
-            self.pool.give_back(packed.buffer, packed.pooled, packed.event)
-        return out
+                out.copy_(region.host)
+                region.event = None
+            region.out = out
+        view = region.out.as_strided(saved.shape, saved.stride)
+        region.uses -= 1
+        if region.uses == 0:
+            region.out = None
+            self.pool.give_back(region.buffer, region.pooled, region.event)
+        return view

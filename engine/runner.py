@@ -194,7 +194,9 @@ class SegmentRunner:
         self.offloader: Offloader | None = None
         if (self.backend or "").startswith("unsloth") or self.offload_attention:
             pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
-            self.offloader = Offloader(pool, lambda: self.recomputing)
+            resident = {t.untyped_storage().data_ptr()
+                        for t in [*model.parameters(), *model.buffers()]}
+            self.offloader = Offloader(pool, lambda: self.recomputing, resident)
         self._index_plan()
 
     @property

@@ -20,11 +20,11 @@ MODES = {
 }
 
 
-def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0):
+def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0, **overrides):
     """A tiny random-init model with a LoRA whose B is non-zero (so every LoRA weight gets a gradient)."""
     family = get_family(family_name)
     torch.manual_seed(seed)
-    model = family.model_cls()(**family.tiny_config)
+    model = family.model_cls()(**{**family.tiny_config, **overrides})
     add_lora(model, LoraSettings(rank=4, alpha=8, dropout=dropout, init="gaussian"), family.lora_targets)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -114,8 +114,10 @@ def test_unsloth_device_side_peak_is_below_torch(family):
 
 
 def _pool_run(max_buckets, steps=30, sizes=(8, 10, 12, 14)):
-    adapter, model = tiny_model("flux")
-    schedule = CheckpointSchedule(gradient_checkpointing_backend="unsloth",
+    adapter, model = tiny_model("flux", num_layers=2, num_single_layers=2)
+    schedule = CheckpointSchedule(gradient_checkpointing_backend="unsloth",  # block 0 offloads its
+                                  gradient_checkpointing_interval=1,     # boundary inputs, block 1
+                                  gradient_checkpointing_segment_stride=2,  # its attention
                                   gradient_checkpointing_offload_attention=True,
                                   gradient_checkpointing_offload_pin_memory_max_buckets=max_buckets)
     runner = SegmentRunner(model, adapter, effective_plan(adapter, schedule, count_blocks(adapter, model))).install()
