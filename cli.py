@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
     train.add_argument("--resume", action="store_const", const=True, default=None, help=HELP["resume"])
     sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
+    run = sub.add_parser("run", help="Run an API-format workflow in-process with this pack's nodes.",
+                         description="Run an API-format workflow (ComfyUI 'Save (API)') without ComfyUI. "
+                                     "Folders follow ComfyUI's layout under --base-dir: input/, "
+                                     "models/diffusers/, models/loras/, output/.")
+    run.add_argument("workflow", help="FILE.api.json")
+    run.add_argument("--base-dir", default=".", help="Folder holding input/, models/ and output/ (default: .).")
     return parser
 
 
@@ -95,12 +101,32 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
               f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
         return 0
+    if args.command == "run":
+        return _run_workflow(args)
     if args.command == "families":
         from .engine.support import support_table
 
         print(support_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
+
+
+def _run_workflow(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ["SEGCKPT_BASE_DIR"] = args.base_dir
+    from .nodes.graph import GraphError, load_api_graph, run_graph
+
+    try:
+        results = run_graph(load_api_graph(args.workflow))
+    except (GraphError, ValueError) as exc:
+        print(f"segckpt: error: {exc}", file=sys.stderr)
+        return 2
+    for node_id, value in results.items():
+        if isinstance(value, dict) and "ui" in value:
+            for text in value["ui"].get("text", []):
+                print(f"[node {node_id}] {text}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,21 @@
-"""ComfyUI node classes: thin adapters over ``engine/`` (the node pack is delivered by issue 3)."""
+"""ComfyUI node classes: thin adapters over ``engine/`` (see ``training_nodes.py``)."""
 
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+from .report_nodes import LossGraph, RunReport
+from .training_nodes import (
+    ActivationOffloadOptions, GradientCheckpointingSchedule, ImageCaptionDataset, LoadDiffusionModel,
+    LoRAConfig, SaveLoRA, TrainLoRA,
+)
+
+_NODES = {
+    "SegCkptLoadDiffusionModel": (LoadDiffusionModel, "Load Diffusion Model (gradient checkpointing)"),
+    "SegCkptImageCaptionDataset": (ImageCaptionDataset, "Image+Caption Dataset"),
+    "SegCkptSchedule": (GradientCheckpointingSchedule, "Gradient Checkpointing Schedule"),
+    "SegCkptOffloadOptions": (ActivationOffloadOptions, "Activation Offload Options"),
+    "SegCkptLoRAConfig": (LoRAConfig, "LoRA Config"),
+    "SegCkptTrainLoRA": (TrainLoRA, "Train LoRA (gradient checkpointing)"),
+    "SegCkptSaveLoRA": (SaveLoRA, "Save LoRA"),
+    "SegCkptLossGraph": (LossGraph, "Loss Graph"),
+    "SegCkptRunReport": (RunReport, "Run Report"),
+}
+NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}
+NODE_DISPLAY_NAME_MAPPINGS = {name: title for name, (_, title) in _NODES.items()}

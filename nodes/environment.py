@@ -1,0 +1,133 @@
+"""Where the nodes read and write, and how they talk to the host: ComfyUI when present, else local.
+
+Inside ComfyUI, folders come from ``folder_paths`` (input, ``models/diffusers``, ``models/loras``,
+output), progress goes through ``comfy.utils.ProgressBar``, interruption is
+``comfy.model_management.processing_interrupted`` and events go to the page through
+``PromptServer.instance.send_sync``. Without ComfyUI (``segckpt run``) the same layout lives under
+a base folder (``SEGCKPT_BASE_DIR`` or the current directory) and progress is printed.
+
+Every user-given name is resolved with :func:`contained`, which refuses absolute paths, ``..``
+and links that lead outside the allowed root: a ComfyUI server may be reachable by others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+BUILTIN_DATA = "(built-in sample photos)"
+TINY_PRESET = "(tiny preset)"
+
+
+class PathError(ValueError):
+    """A user-given path is not inside the folder it must stay in."""
+
+
+def contained(root: str | Path, name: str, key: str) -> Path:
+    """``root / name``, refusing anything that leaves ``root``.
+
+    Raises:
+        PathError: ``name`` is absolute, contains ``..``, or resolves (through links) outside
+            ``root``; the message names the input ``key`` and the value.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise PathError(f"{key}={name!r} is invalid: allowed a non-empty name inside {root}")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or name.startswith("~"):
+        raise PathError(f"{key}={name!r} is invalid: allowed a relative name inside {root}, "
+                        "without '..' or an absolute path")
+    base = Path(root).resolve()
+    path = (base / name).resolve()
+    if path != base and base not in path.parents:
+        raise PathError(f"{key}={name!r} is invalid: it leads outside {root} (through a link)")
+    return path
+
+
+@dataclass
+class Host:
+    """The host's folders and services.
+
+    Attributes:
+        input_dir: datasets live under it. diffusers_dirs: model folders live under them.
+        loras_dir: LoRA files are written there. output_dir: training runs are written there.
+        progress: ``progress(node_id, total) -> update(value)``.
+        interrupted: polled between optimizer steps.
+        send: ``send(event, data)`` to the page (no-op without ComfyUI).
+    """
+
+    input_dir: Path
+    diffusers_dirs: list[Path]
+    loras_dir: Path
+    output_dir: Path
+    progress: Callable[[Any, int], Callable[[int], None]]
+    interrupted: Callable[[], bool]
+    send: Callable[[str, dict], None]
+
+
+def in_comfyui() -> bool:
+    """Whether ComfyUI's modules are importable (the pack runs inside a ComfyUI process)."""
+    return importlib.util.find_spec("folder_paths") is not None and importlib.util.find_spec("comfy") is not None
+
+
+def current_host() -> Host:
+    """The :class:`Host` of this process (built on each call: nothing is cached between runs)."""
+    if in_comfyui():
+        return _comfyui_host()
+    return local_host(Path(os.environ.get("SEGCKPT_BASE_DIR", ".")))
+
+
+def local_host(base: Path) -> Host:
+    """A ComfyUI-like layout under ``base`` (``input/``, ``models/diffusers``, ``models/loras``,
+    ``output/``) with printed progress."""
+    base = Path(base)
+
+    def progress(node_id: Any, total: int) -> Callable[[int], None]:
+        return lambda value: None
+
+    return Host(base / "input", [base / "models" / "diffusers"], base / "models" / "loras",
+                base / "output", progress, lambda: False, lambda event, data: None)
+
+
+def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI tests
+    import comfy.model_management
+    import comfy.utils
+    import folder_paths
+
+    def progress(node_id: Any, total: int) -> Callable[[int], None]:
+        bar = comfy.utils.ProgressBar(total, node_id=node_id)
+        return lambda value: bar.update_absolute(value, total)
+
+    def send(event: str, data: dict) -> None:
+        from server import PromptServer
+
+        PromptServer.instance.send_sync(event, data)
+
+    diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
+    return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
+                Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
+                progress, comfy.model_management.processing_interrupted, send)
+
+
+def model_folders(host: Host) -> list[str]:
+    """Names of diffusers folders under the host's model directories (one level)."""
+    names = set()
+    for root in host.diffusers_dirs:
+        if root.is_dir():
+            names.update(p.name for p in root.iterdir() if p.is_dir())
+    return sorted(names)
+
+
+def resolve_model(host: Host, name: str) -> Path:
+    """The folder of model ``name`` under one of the host's diffusers directories.
+
+    Raises:
+        PathError: outside every directory, or not found.
+    """
+    for root in host.diffusers_dirs:
+        path = contained(root, name, "source")
+        if path.is_dir():
+            return path
+    raise PathError(f"source={name!r} is invalid: no such folder under {', '.join(map(str, host.diffusers_dirs))}")

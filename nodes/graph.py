@@ -1,0 +1,130 @@
+"""Run an API-format workflow in-process with the pack's node classes (``segckpt run``).
+
+The API format is ComfyUI's queue format: ``{node_id: {"class_type": ..., "inputs": {name: value
+or [source_id, output_index]}}}``. Every node is validated first, as ComfyUI's ``/prompt`` does
+(known type, required inputs present, widget values of the declared type and range, the node's
+own ``VALIDATE_INPUTS``), then nodes run in dependency order, each once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from . import NODE_CLASS_MAPPINGS
+
+
+class GraphError(ValueError):
+    """The workflow is invalid; the message names the node id, its type and the input."""
+
+
+def load_api_graph(path: str | Path) -> dict[str, dict]:
+    """Read an API-format workflow file.
+
+    Raises:
+        GraphError: unreadable, not an object, or a UI-format file (which has ``nodes``/``links``).
+    """
+    try:
+        graph = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GraphError(f"{path}: not a readable JSON workflow ({exc})") from exc
+    if not isinstance(graph, dict) or "nodes" in graph and "links" in graph:
+        raise GraphError(f"{path}: not an API-format workflow (export it with 'Save (API)')")
+    return graph
+
+
+def _is_link(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
+
+
+def _check_widget(node_id: str, kind: str, name: str, spec: Any, value: Any) -> None:
+    declared, options = spec[0], (spec[1] if len(spec) > 1 else {})
+    where = f"node {node_id} ({kind}) input {name}={value!r}"
+    if isinstance(declared, list):
+        if value not in declared:
+            raise GraphError(f"{where} is invalid: allowed {', '.join(map(str, declared))}")
+        return
+    python_type = {"INT": int, "FLOAT": (int, float), "BOOLEAN": bool, "STRING": str}.get(declared)
+    if python_type is None:
+        raise GraphError(f"{where} is invalid: a {declared} input must be a link from another node")
+    if not isinstance(value, python_type) or (declared in ("INT", "FLOAT") and isinstance(value, bool)):
+        raise GraphError(f"{where} is invalid: allowed a {declared}")
+    if "min" in options and value < options["min"] or "max" in options and value > options["max"]:
+        raise GraphError(f"{where} is invalid: allowed {options.get('min')} to {options.get('max')}")
+
+
+def validate(graph: dict[str, dict]) -> None:
+    """Validate every node before any runs.
+
+    Raises:
+        GraphError: the first problem found, naming the node id, type and input.
+    """
+    for node_id, node in graph.items():
+        kind = node.get("class_type")
+        cls = NODE_CLASS_MAPPINGS.get(kind)
+        if cls is None:
+            raise GraphError(f"node {node_id}: type {kind!r} is not a node of this pack "
+                             f"(known: {', '.join(sorted(NODE_CLASS_MAPPINGS))})")
+        declared = cls.INPUT_TYPES()
+        inputs = node.get("inputs", {})
+        for section in ("required", "optional"):
+            for name, spec in declared.get(section, {}).items():
+                if name not in inputs:
+                    if section == "required":
+                        raise GraphError(f"node {node_id} ({kind}): required input {name} is missing")
+                    continue
+                value = inputs[name]
+                if _is_link(value):
+                    if value[0] not in graph:
+                        raise GraphError(f"node {node_id} ({kind}) input {name}: links to missing node {value[0]}")
+                else:
+                    _check_widget(node_id, kind, name, spec, value)
+        if hasattr(cls, "VALIDATE_INPUTS"):
+            params = inspect.signature(cls.VALIDATE_INPUTS).parameters
+            every = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            given = {k: v for k, v in inputs.items() if not _is_link(v) and (every or k in params)}
+            verdict = cls.VALIDATE_INPUTS(**given)
+            if verdict is not True:
+                raise GraphError(f"node {node_id} ({kind}): {verdict}")
+
+
+def run_graph(graph: dict[str, dict]) -> dict[str, Any]:
+    """Validate, then execute every node once in dependency order.
+
+    Returns:
+        ``{node_id: outputs}``: the output tuple, or for output nodes the returned dict.
+
+    Raises:
+        GraphError: invalid graph or a dependency cycle.
+    """
+    validate(graph)
+    results: dict[str, Any] = {}
+    running: set[str] = set()
+
+    def outputs(node_id: str) -> Any:
+        if node_id in results:
+            return results[node_id]
+        if node_id in running:
+            raise GraphError(f"node {node_id}: the workflow has a cycle")
+        running.add(node_id)
+        node = graph[node_id]
+        cls = NODE_CLASS_MAPPINGS[node["class_type"]]
+        kwargs = {}
+        for name, value in node.get("inputs", {}).items():
+            if _is_link(value):
+                upstream = outputs(value[0])
+                upstream = upstream["result"] if isinstance(upstream, dict) else upstream
+                kwargs[name] = upstream[value[1]]
+            else:
+                kwargs[name] = value
+        if "unique_id" in cls.INPUT_TYPES().get("hidden", {}):
+            kwargs["unique_id"] = node_id
+        results[node_id] = getattr(cls(), cls.FUNCTION)(**kwargs)
+        running.discard(node_id)
+        return results[node_id]
+
+    for node_id in graph:
+        outputs(node_id)
+    return results

@@ -1,0 +1,264 @@
+"""The pack's ComfyUI nodes (classic ``NODE_CLASS_MAPPINGS`` API, ComfyUI 0.3.64 and newer).
+
+Each node converts its inputs to an engine config, calls one engine entry point and wraps the
+result; no training logic lives here. Tooltips come from the engine's help texts, so the CLI's
+``--help`` and the node UI say the same thing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..engine.config import HELP, LR_SCHEDULERS, TrainConfig
+from ..engine.families import family_names
+from ..engine.loading import build_preset, load_model_folder
+from ..engine.lora_io import LoraSettings, save_lora
+from ..engine.schedule import BACKENDS, CheckpointSchedule, ScheduleError
+from ..engine.schedule import HELP as SCHEDULE_HELP
+from .environment import BUILTIN_DATA, TINY_PRESET, PathError, contained, current_host, model_folders, resolve_model
+
+CATEGORY = "training/gradient checkpointing"
+MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
+OFFLOAD, LORA_CONFIG, RUN = "SEGCKPT_OFFLOAD", "SEGCKPT_LORA_CONFIG", "SEGCKPT_TRAINING_RUN"
+
+
+def _tip(text: str, **spec: Any) -> dict:
+    return {"tooltip": text, **spec}
+
+
+class LoadDiffusionModel:
+    """A diffusers folder under ``models/diffusers``, or the family's tiny random-init preset."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "load", (MODEL,), ("model",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "family": (family_names(), _tip(HELP["family"], default="flux")),
+            "source": ([TINY_PRESET] + model_folders(current_host()),
+                       _tip("A diffusers folder under models/diffusers, or the tiny random-init preset.")),
+            "seed": ("INT", _tip("Seed of the preset's random init.", default=0, min=0, max=2**31 - 1)),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, source):
+        if source != TINY_PRESET:
+            try:
+                resolve_model(current_host(), source)
+            except PathError as exc:
+                return str(exc)
+        return True
+
+    def load(self, family, source, seed):
+        with torch.inference_mode(False):  # weights must not become inference tensors
+            if source == TINY_PRESET:
+                return (build_preset(family, seed=seed),)
+            return (load_model_folder(resolve_model(current_host(), source), family, seed=seed),)
+
+
+class ImageCaptionDataset:
+    """A folder of images with same-name ``.txt`` captions under ComfyUI's input folder."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (DATASET,), ("dataset",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "folder": ("STRING", _tip(f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs "
+                                      "shipped with scikit-image.", default=BUILTIN_DATA)),
+            "resolution": ("INT", _tip(HELP["resolution"], default=256, min=16, max=4096, step=16)),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, folder):
+        if folder == BUILTIN_DATA:
+            return True
+        try:
+            path = contained(current_host().input_dir, folder, "folder")
+        except PathError as exc:
+            return str(exc)
+        return True if path.is_dir() else f"folder={folder!r} is invalid: no such folder under the input folder"
+
+    def build(self, folder, resolution):
+        path = None if folder == BUILTIN_DATA else str(contained(current_host().input_dir, folder, "folder"))
+        return ({"data": path, "resolution": resolution},)
+
+
+class GradientCheckpointingSchedule:
+    """The six gradient-checkpointing keys (SimpleTuner names); 0 = unset for interval and stride."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (SCHEDULE,), ("schedule",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "gradient_checkpointing": ("BOOLEAN", _tip(SCHEDULE_HELP["gradient_checkpointing"], default=True)),
+            "gradient_checkpointing_backend": (list(BACKENDS), _tip(SCHEDULE_HELP["gradient_checkpointing_backend"])),
+            "gradient_checkpointing_interval": ("INT", _tip(SCHEDULE_HELP["gradient_checkpointing_interval"]
+                                                            + " 0 = unset.", default=2, min=0, max=1024)),
+            "gradient_checkpointing_segment_stride": ("INT", _tip(SCHEDULE_HELP["gradient_checkpointing_segment_stride"]
+                                                                  + " 0 = unset.", default=4, min=0, max=1024)),
+            "gradient_checkpointing_offload_attention": ("BOOLEAN", _tip(
+                SCHEDULE_HELP["gradient_checkpointing_offload_attention"], default=False)),
+            "gradient_checkpointing_offload_pin_memory_max_buckets": ("INT", _tip(
+                SCHEDULE_HELP["gradient_checkpointing_offload_pin_memory_max_buckets"], default=12, min=0, max=1024)),
+        }}
+
+    @staticmethod
+    def schedule(**keys) -> CheckpointSchedule:
+        """The :class:`CheckpointSchedule` of the node's widget values (0 = unset)."""
+        for key in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride"):
+            keys[key] = keys[key] or None
+        return CheckpointSchedule(**keys)
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, gradient_checkpointing_interval, gradient_checkpointing_segment_stride):
+        # The other keys are combos, booleans and a bounded INT that ComfyUI checks itself;
+        # naming only these two makes /prompt attribute the error to them.
+        try:
+            CheckpointSchedule(gradient_checkpointing_interval=gradient_checkpointing_interval or None,
+                               gradient_checkpointing_segment_stride=gradient_checkpointing_segment_stride or None)
+        except ScheduleError as exc:
+            return str(exc)
+        return True
+
+    def build(self, **keys):
+        return (self.schedule(**keys),)
+
+
+class ActivationOffloadOptions:
+    """Offload options that override the schedule's when connected to Train LoRA."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (OFFLOAD,), ("offload",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "gradient_checkpointing_backend": (list(BACKENDS), _tip(SCHEDULE_HELP["gradient_checkpointing_backend"],
+                                                                    default="unsloth")),
+            "gradient_checkpointing_offload_attention": ("BOOLEAN", _tip(
+                SCHEDULE_HELP["gradient_checkpointing_offload_attention"], default=True)),
+            "gradient_checkpointing_offload_pin_memory_max_buckets": ("INT", _tip(
+                SCHEDULE_HELP["gradient_checkpointing_offload_pin_memory_max_buckets"], default=12, min=0, max=1024)),
+        }}
+
+    def build(self, **keys):
+        return (keys,)
+
+
+class LoRAConfig:
+    """LoRA rank, alpha, dropout and target modules (peft)."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "rank": ("INT", _tip(HELP["lora_rank"], default=16, min=1, max=1024)),
+            "alpha": ("FLOAT", _tip(HELP["lora_alpha"], default=16.0, min=0.001, max=4096.0)),
+            "dropout": ("FLOAT", _tip(HELP["lora_dropout"], default=0.0, min=0.0, max=0.99, step=0.01)),
+            "target_modules": ("STRING", _tip(HELP["lora_target_modules"] + " Comma-separated; empty = default.",
+                                              default="")),
+        }}
+
+    def build(self, rank, alpha, dropout, target_modules):
+        targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
+        return (LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets),)
+
+
+class TrainLoRA:
+    """Runs the training steps on a copy of the model (the loaded model is never changed)."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "train", (RUN,), ("run",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL, _tip("From Load Diffusion Model.")),
+                "dataset": (DATASET, _tip("From Image+Caption Dataset.")),
+                "schedule": (SCHEDULE, _tip("From Gradient Checkpointing Schedule.")),
+                "steps": ("INT", _tip(HELP["steps"], default=20, min=1, max=1_000_000)),
+                "learning_rate": ("FLOAT", _tip(HELP["learning_rate"], default=1e-3, min=1e-7, max=1.0, step=1e-5)),
+                "lr_scheduler": (list(LR_SCHEDULERS), _tip(HELP["lr_scheduler"])),
+                "batch_size": ("INT", _tip(HELP["batch_size"], default=1, min=1, max=1024)),
+                "gradient_accumulation_steps": ("INT", _tip(HELP["gradient_accumulation_steps"], default=1, min=1, max=1024)),
+                "seed": ("INT", _tip(HELP["seed"], default=0, min=0, max=2**31 - 1)),
+                "run_name": ("STRING", _tip("Subfolder of output/segckpt for the state and report.", default="lora_run")),
+                "resume": ("BOOLEAN", _tip(HELP["resume"], default=False)),
+            },
+            "optional": {
+                "offload": (OFFLOAD, _tip("Optional: overrides the schedule's backend and offload keys.")),
+                "lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16.")),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, run_name):
+        try:
+            contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        except PathError as exc:
+            return str(exc)
+        return True
+
+    def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
+              gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
+              unique_id=None):
+        from ..engine.training import train
+
+        host = current_host()
+        if offload:
+            schedule = schedule.replace(**offload)
+        config = TrainConfig(
+            family=model.family.name, data=dataset["data"], resolution=dataset["resolution"], steps=steps,
+            learning_rate=learning_rate, lr_scheduler=lr_scheduler, batch_size=batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, schedule=schedule,
+            lora=lora_config or LoraSettings(), resume=resume,
+            output=str(contained(host.output_dir / "segckpt", run_name, "run_name")))
+        update = host.progress(unique_id, steps)
+
+        def on_step(record, total):
+            update(record.step)
+            host.send("segckpt.loss", {"node": unique_id, "step": record.step, "total": total,
+                                       "loss": record.loss})
+
+        with torch.inference_mode(False):  # our copy: the loaded model is shared with other nodes
+            bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
+        result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted)
+        return ({"result": result, "lora": result.config.lora},)
+
+
+class SaveLoRA:
+    """Writes the trained LoRA into ``models/loras`` (loads in ComfyUI's LoRA loader and diffusers)."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, OUTPUT_NODE = CATEGORY, "save", (), True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "run": (RUN, _tip("From Train LoRA.")),
+            "filename_prefix": ("STRING", _tip("File name under models/loras (no '..', no absolute path).",
+                                               default="segckpt_lora")),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, filename_prefix):
+        try:
+            contained(current_host().loras_dir, filename_prefix, "filename_prefix")
+        except PathError as exc:
+            return str(exc)
+        return True
+
+    def save(self, run, filename_prefix):
+        result = run["result"]
+        path = contained(current_host().loras_dir, filename_prefix, "filename_prefix")
+        path = path.with_name(path.name + ".safetensors")
+        meta = {"family": result.plan.family, "schedule": result.config.schedule.to_dict(),
+                "steps": len(result.history)}
+        save_lora(result.model, path, run["lora"], meta)
+        return {"ui": {"text": [str(path)]}}

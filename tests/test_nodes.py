@@ -1,0 +1,126 @@
+"""The node pack without ComfyUI: node functions, validation, path containment, `segckpt run`."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.loading import ModelBundle
+from segmented_checkpointing.engine.lora_io import LoraSettings
+from segmented_checkpointing.engine.schedule import CheckpointSchedule
+from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
+from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
+
+WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "workflows").glob("*.api.json"))
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
+    (tmp_path / "input" / "photos").mkdir(parents=True)
+    return tmp_path
+
+
+def test_every_node_has_category_tooltips_and_function():
+    for name, cls in NODES.items():
+        assert cls.CATEGORY == "training/gradient checkpointing", name
+        assert callable(getattr(cls(), cls.FUNCTION))
+        for section in ("required", "optional"):
+            for key, spec in cls.INPUT_TYPES().get(section, {}).items():
+                assert spec[1].get("tooltip"), f"{name}.{key} has no tooltip"
+
+
+def test_node_functions_return_the_declared_types(base):
+    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    assert isinstance(model, ModelBundle) and not any(p.is_inference() for p in model.transformer.parameters())
+    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
+    (schedule,) = NODES["SegCkptSchedule"]().build(
+        gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
+        gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
+        gradient_checkpointing_offload_pin_memory_max_buckets=12)
+    assert isinstance(schedule, CheckpointSchedule) and schedule.gradient_checkpointing_segment_stride is None
+    (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
+    assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
+    before = copy.deepcopy(model.transformer.state_dict())
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        (run,) = NODES["SegCkptTrainLoRA"]().train(model, dataset, schedule, 2, 1e-3, "constant", 1, 1, 0,
+                                                    "nodes_test", False, lora_config=lora, unique_id="5")
+    after = model.transformer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    (image,) = NODES["SegCkptLossGraph"]().plot(run)
+    assert image.ndim == 4 and image.shape[0] == 1 and image.shape[-1] == 3 and 0 <= image.min() <= image.max() <= 1
+    report = NODES["SegCkptRunReport"]().report(run)
+    assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
+    saved = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")
+    tensors = load_file(saved["ui"]["text"][0])
+    assert tensors and all(k.startswith("transformer.") for k in tensors)
+
+
+@pytest.mark.parametrize("cls, inputs, text", [
+    ("SegCkptImageCaptionDataset", {"folder": "/etc"}, "folder='/etc'"),
+    ("SegCkptImageCaptionDataset", {"folder": "../x"}, "folder='../x'"),
+    ("SegCkptImageCaptionDataset", {"folder": "missing"}, "no such folder"),
+    ("SegCkptSaveLoRA", {"filename_prefix": "../../x"}, "filename_prefix='../../x'"),
+    ("SegCkptTrainLoRA", {"run_name": "../../x"}, "run_name"),
+    ("SegCkptLoadDiffusionModel", {"source": "../outside"}, "source='../outside'"),
+])
+def test_paths_are_contained(base, cls, inputs, text):
+    verdict = NODES[cls].VALIDATE_INPUTS(**inputs)
+    assert verdict is not True and text in verdict
+
+
+def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (base / "input" / "sneaky").symlink_to(outside)
+    assert "outside" in NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="sneaky")
+    assert NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="photos") is True
+
+
+def _graph(name="train_segmented_lora.api.json"):
+    return load_api_graph(Path(__file__).resolve().parents[1] / "workflows" / name)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda g: g["5"]["inputs"].pop("steps"), "node 5 (SegCkptTrainLoRA): required input steps is missing"),
+    (lambda g: g["3"]["inputs"].update(gradient_checkpointing_interval="two"), "gradient_checkpointing_interval='two'"),
+    (lambda g: g["3"]["inputs"].update(gradient_checkpointing_segment_stride=1), "gradient_checkpointing_segment_stride=1"),
+    (lambda g: g["1"].update(class_type="KSampler"), "node 1: type 'KSampler' is not a node of this pack"),
+    (lambda g: g["2"]["inputs"].update(folder="/etc"), "node 2 (SegCkptImageCaptionDataset): folder='/etc'"),
+    (lambda g: g["6"]["inputs"].update(filename_prefix="../../x"), "filename_prefix='../../x'"),
+])
+def test_invalid_graphs_fail_before_any_node_runs(base, mutate, message):
+    graph = _graph()
+    mutate(graph)
+    with pytest.raises(GraphError) as info:
+        run_graph(graph)
+    assert message in str(info.value)
+    assert not (base / "output").exists()
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
+def test_every_api_workflow_runs_through_segckpt_run(tmp_path, workflow, capsys):
+    graph = load_api_graph(workflow)
+    for node in graph.values():  # keep CI short: fewer steps, smaller images; same graph otherwise
+        if node["class_type"] == "SegCkptTrainLoRA":
+            node["inputs"]["steps"] = 3
+        if node["class_type"] == "SegCkptImageCaptionDataset":
+            node["inputs"]["resolution"] = 64
+    short = tmp_path / workflow.name
+    short.write_text(json.dumps(graph))
+    assert cli.main(["run", str(short), "--base-dir", str(tmp_path)]) == 0
+    loras = list((tmp_path / "models" / "loras").glob("*.safetensors"))
+    assert len(loras) == 1 and load_file(loras[0])
+    assert "plan (flux" in capsys.readouterr().out
+
+
+def test_segckpt_run_refuses_unknown_node_types(tmp_path, capsys):
+    path = tmp_path / "bad.api.json"
+    path.write_text(json.dumps({"1": {"class_type": "CheckpointLoaderSimple", "inputs": {}}}))
+    assert cli.main(["run", str(path), "--base-dir", str(tmp_path)]) == 2
+    assert "CheckpointLoaderSimple" in capsys.readouterr().err
