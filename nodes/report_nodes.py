@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
+from PIL import Image
 
 from ..engine.plots import loss_curve_rgb
+from .environment import current_host
 from .training_nodes import CATEGORY, RUN
 
 
 class LossGraph:
-    """The loss per optimizer step as an IMAGE (``(1, H, W, 3)`` float in [0, 1])."""
+    """The loss per optimizer step as an IMAGE (``(1, H, W, 3)`` float in [0, 1]), also saved as
+    ``loss.png`` in the run folder and shown on the node."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "plot", ("IMAGE",), ("image",)
+    OUTPUT_NODE = True
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -22,7 +27,15 @@ class LossGraph:
     def plot(self, run):
         result = run["result"]
         rgb = loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
-        return (torch.from_numpy(rgb).float().div(255.0).unsqueeze(0),)
+        run_dir = Path(result.config.output)
+        Image.fromarray(rgb).save(run_dir / "loss.png")
+        output_dir = current_host().output_dir.resolve()
+        shown = []
+        if output_dir in run_dir.resolve().parents:
+            subfolder = run_dir.resolve().relative_to(output_dir).as_posix()
+            shown = [{"filename": "loss.png", "subfolder": subfolder, "type": "output"}]
+        image = torch.from_numpy(rgb).float().div(255.0).unsqueeze(0)
+        return {"ui": {"images": shown}, "result": (image,)}
 
 
 class RunReport:

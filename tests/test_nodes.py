@@ -53,7 +53,10 @@ def test_node_functions_return_the_declared_types(base):
                                                     "nodes_test", False, lora_config=lora, unique_id="5")
     after = model.transformer.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    (image,) = NODES["SegCkptLossGraph"]().plot(run)
+    shown = NODES["SegCkptLossGraph"]().plot(run)
+    (image,) = shown["result"]
+    assert shown["ui"]["images"][0]["subfolder"] == "segckpt/nodes_test"
+    assert (base / "output" / "segckpt" / "nodes_test" / "loss.png").is_file()
     assert image.ndim == 4 and image.shape[0] == 1 and image.shape[-1] == 3 and 0 <= image.min() <= image.max() <= 1
     report = NODES["SegCkptRunReport"]().report(run)
     assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
