@@ -38,7 +38,8 @@ _SCHEDULE_OPTIONS = [
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="segckpt", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="segckpt", description="Segmented gradient checkpointing for "
+                                     "LoRA training of diffusion transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
         train.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
     train.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
-                       const=False, default=None, help=SCHEDULE_HELP["gradient_checkpointing"])
+                       const=False, default=None, help="Turn gradient checkpointing off (fastest, highest peak).")
+    train.add_argument("--overwrite", action="store_const", const=True, default=None, help=HELP["overwrite"])
     train.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
                        action="store_const", const=True, default=None,
                        help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
@@ -79,7 +81,25 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if ignored:
             print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config_file")}
-    return TrainConfig.from_dict(given, config)[0]
+    config = TrainConfig.from_dict(given, config)[0]
+    if config.model_path and "family" not in given and not _config_names_family(args.config_file):
+        from pathlib import Path
+
+        from .engine.loading import detect_family
+
+        if Path(config.model_path).is_dir():  # else check_paths names the missing folder
+            config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
+    return config
+
+
+def _config_names_family(path: str | None) -> bool:
+    if not path:
+        return False
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return "family" in data or "model_family" in data
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,7 +114,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
             print(f"segckpt: error: {exc}", file=sys.stderr)
             return 2
-        result = train(config)
+        stop = _StopOnSignal()
+        try:
+            with stop:
+                result = train(config, should_stop=stop)
+        except ValueError as exc:  # ModelLoadError, DatasetError, LoraConfigError, TrainingDiverged, ...
+            print(f"segckpt: error: {exc}", file=sys.stderr)
+            return 2
+        if result.interrupted:
+            print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
+                  f"continue with the same options and --resume", file=sys.stderr)
+            return 130
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
         print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
@@ -109,6 +139,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(support_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
+
+
+class _StopOnSignal:
+    """Ctrl-C / SIGTERM end training cleanly after the current step (the state is saved); a
+    second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.signal_name, self._old = None, {}
+
+    def __call__(self) -> bool:
+        return self.signal_name is not None
+
+    def _handle(self, signum, _frame) -> None:
+        import signal
+
+        self.signal_name = signal.Signals(signum).name
+        print(f"\n{self.signal_name}: stopping after this step (again to abort)", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
 
 
 def _run_workflow(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ field names, the SimpleTuner names listed in :data:`ALIASES`, and the six schedu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -44,7 +45,9 @@ HELP = {
     "lora_dropout": "LoRA dropout probability.",
     "lora_target_modules": "Module names to adapt (default: the family's attention projections).",
     "output": "Output folder: LoRA, resumable training state, report.json, latent cache.",
-    "resume": "Continue from the training state in the output folder.",
+    "resume": "Continue from the training state in the output folder (the options that shape the "
+              "run must match it; steps, schedule, device and saving options may change).",
+    "overwrite": "Replace a finished or interrupted run in the output folder (otherwise refused).",
     "device": "auto (CUDA when available), cpu or cuda.",
     "mixed_precision": "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
     "save_every": "Also save the resumable state every N steps (0 = only at the end or on interruption).",
@@ -63,6 +66,12 @@ ALIASES = {
 }
 
 
+RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path", "data", "resolution",
+               "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
+               "lr_scheduler", "lr_warmup_steps", "weight_decay")
+"""Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
+
+
 class ConfigError(ValueError):
     """A training option is invalid; the message names the key, the value and what is allowed."""
 
@@ -74,6 +83,10 @@ def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class TrainConfig:
     schedule: CheckpointSchedule = DEMO_SCHEDULE
     output: str = "output"
     resume: bool = False
+    overwrite: bool = False
     device: str = "auto"
     mixed_precision: str = "auto"
     save_every: int = 0
@@ -113,7 +127,18 @@ class TrainConfig:
         from .families import family_names, get_family
         from .plan import check_supported
 
+        for key in ("family", "preset", "output"):
+            _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
+                  "a non-empty string")
+        for key in ("model_path", "vae_path", "text_encoder_path", "data"):
+            _need(getattr(self, key) is None or isinstance(getattr(self, key), str), key, getattr(self, key),
+                  "a folder path (string) or unset")
+        for key in ("resume", "overwrite"):
+            _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
+        from .loading import PRESETS
+
+        _need(self.preset in PRESETS, "preset", self.preset, ", ".join(PRESETS))
         check_supported(get_family(self.family), self.schedule)
         _need(_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
               "resolution", self.resolution, "a multiple of 16, >= 16")
@@ -121,14 +146,15 @@ class TrainConfig:
         _need(_int(self.batch_size) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
         _need(_int(self.gradient_accumulation_steps) and self.gradient_accumulation_steps >= 1,
               "gradient_accumulation_steps", self.gradient_accumulation_steps, "an integer >= 1")
-        _need(isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0,
-              "learning_rate", self.learning_rate, "a number > 0")
+        _need(_number(self.learning_rate) and self.learning_rate > 0,
+              "learning_rate", self.learning_rate, "a finite number > 0")
         _need(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", self.lr_scheduler, ", ".join(LR_SCHEDULERS))
         _need(_int(self.lr_warmup_steps) and self.lr_warmup_steps >= 0, "lr_warmup_steps",
               self.lr_warmup_steps, "an integer >= 0")
-        _need(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, "weight_decay",
-              self.weight_decay, "a number >= 0")
-        _need(_int(self.seed) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        _need(_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+              self.weight_decay, "a finite number >= 0")
+        _need(_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
+        _need(_int(self.resolution) and self.resolution <= 8192, "resolution", self.resolution, "at most 8192")
         _need(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
         _need(self.mixed_precision in PRECISIONS, "mixed_precision", self.mixed_precision, ", ".join(PRECISIONS))
         _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
@@ -136,19 +162,39 @@ class TrainConfig:
               self.timing_warmup_steps, "an integer >= 0")
 
     def check_paths(self) -> None:
-        """Check that every path option points at an existing folder (before any heavy work).
+        """Check paths, device and saved state before any heavy work.
 
         Raises:
-            ConfigError: a path does not exist, or ``resume`` without a saved state.
+            ConfigError: a path does not exist; ``device=cuda`` without CUDA; ``resume`` without a
+                saved state or with options that differ from it (:data:`RESUME_KEYS`), or fewer
+                steps than already done; a run already in ``output`` without ``resume`` or
+                ``overwrite`` (nothing a user made is replaced silently).
         """
+        import torch
+
+        from .state import STATE_FILE, read_state_header
+
         for key in ("model_path", "vae_path", "text_encoder_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
-        if self.resume:
-            from .state import STATE_FILE
-
-            state = Path(self.output) / STATE_FILE
-            _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
+        _need(not Path(self.output).exists() or Path(self.output).is_dir(), "output", self.output, "a folder")
+        _need(self.device != "cuda" or torch.cuda.is_available(), "device", self.device,
+              "auto or cpu (CUDA is not available here)")
+        state = Path(self.output) / STATE_FILE
+        if not self.resume:
+            _need(self.overwrite or not state.is_file(), "output", self.output,
+                  "a folder without a training run: it holds one; pass --resume to continue it or "
+                  "--overwrite to replace it")
+            return
+        _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
+        header = read_state_header(self.output)
+        saved, now = header["config"], json.loads(json.dumps(self.to_dict(), default=str))
+        for key in RESUME_KEYS:
+            if saved.get(key) != now.get(key):
+                raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
+                                  f"{saved.get(key)!r}; allowed the saved value (or train into another output)")
+        _need(self.steps >= header["step"], "steps", self.steps,
+              f"at least the {header['step']} steps already done in {self.output}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (schedule keys and LoRA settings nested)."""
@@ -177,6 +223,8 @@ class TrainConfig:
             elif key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"):
                 name = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
                         "lora_target_modules": "target_modules"}[key]
+                if key == "lora_target_modules" and isinstance(value, str):
+                    value = [value]
                 lora[name] = tuple(value) if key == "lora_target_modules" and value is not None else value
             elif key in names:
                 changes[key] = value

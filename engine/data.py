@@ -76,7 +76,10 @@ def scan_folder(folder: str | Path) -> list[Sample]:
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
             txt = path.with_suffix(".txt")
-            caption = txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""
+            try:
+                caption = txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"caption {str(txt)!r} is not UTF-8 text: {exc}") from exc
             samples.append(Sample(path, caption))
     if not samples:
         raise DatasetError(f"data={str(folder)!r} holds no image ({', '.join(IMAGE_SUFFIXES)})")
@@ -91,9 +94,13 @@ def load_image(path: Path, resolution: int) -> torch.Tensor:
     """
     try:
         with Image.open(path) as image:
-            image = ImageOps.exif_transpose(image).convert("RGB")
+            image = ImageOps.exif_transpose(image)
+            if image.mode.startswith("I"):  # 16/32-bit grey: scale to 8 bits before RGB (else clipped)
+                array = np.asarray(image, dtype=np.float64)
+                image = Image.fromarray((array / max(array.max(), 1.0) * 255.0).astype(np.uint8))
+            image = image.convert("RGB")
             image = ImageOps.fit(image, (resolution, resolution), method=Image.Resampling.LANCZOS)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"image {str(path)!r} could not be read: {exc}") from exc
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()

@@ -125,6 +125,24 @@ def _load_component(folder: Path, expected: str | None = None) -> torch.nn.Modul
                                torch_dtype=torch.float32).eval()
 
 
+def detect_family(path: str | Path) -> str:
+    """The family of the diffusers folder at ``path``, from its config (no weights are read).
+
+    Raises:
+        ModelLoadError: no config, unreadable config, or a class no adapter handles.
+    """
+    root = Path(path)
+    folder = root / "transformer" if (root / "model_index.json").is_file() else root
+    try:
+        found = _class_name(folder)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    family = family_for_class(found)
+    if family is None:
+        raise ModelLoadError(f"{folder} holds a {found!r}, which no family adapter handles")
+    return family.name
+
+
 def load_model_folder(path: str | Path, family_name: str | None = None,
                       vae_path: str | Path | None = None,
                       text_encoder_path: str | Path | None = None, seed: int = 0) -> ModelBundle:

@@ -51,10 +51,13 @@ class LoraSettings:
     init: bool | str = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise LoraConfigError(f"lora_rank={self.rank!r} is invalid: allowed an integer >= 1.")
-        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
-            raise LoraConfigError(f"lora_alpha={self.alpha!r} is invalid: allowed a number > 0.")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 1 <= self.rank <= 4096:
+            raise LoraConfigError(f"lora_rank={self.rank!r} is invalid: allowed an integer from 1 to 4096.")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < float("inf"):
+            raise LoraConfigError(f"lora_alpha={self.alpha!r} is invalid: allowed a finite number > 0.")
+        if self.target_modules is not None and not all(isinstance(t, str) and t for t in self.target_modules):
+            raise LoraConfigError(f"lora_target_modules={list(self.target_modules)!r} is invalid: allowed "
+                                  "a list of module names (strings).")
         if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise LoraConfigError(f"lora_dropout={self.dropout!r} is invalid: allowed 0 <= dropout < 1.")
         if self.target_modules is not None and len(self.target_modules) == 0:

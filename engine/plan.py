@@ -89,7 +89,8 @@ class ModelPlan:
             "mode": self.schedule.mode,
             "schedule": self.schedule.to_dict(),
             "lists": [p.to_dict() for p in self.lists],
-            "block_map": {p.name: p.block_map() for p in self.lists},
+            "block_map": {p.name: p.block_map(self.schedule.gradient_checkpointing_backend.startswith("unsloth"))
+                          for p in self.lists},
             "legend": LEGEND,
             "notes": list(self.notes),
         }

@@ -61,6 +61,13 @@ def save_state(state: TrainingState, folder: str | Path) -> Path:
     return atomic_save_file(tensors, Path(folder) / STATE_FILE, header)
 
 
+def read_state_header(folder: str | Path) -> dict[str, Any]:
+    """The saved ``step`` and ``config`` of the state in ``folder``, without reading tensors."""
+    with safe_open(str(Path(folder) / STATE_FILE), framework="pt") as fh:
+        header = fh.metadata()
+    return {"step": int(header["step"]), "config": json.loads(header["config"])}
+
+
 def load_state(folder: str | Path) -> TrainingState:
     """Read a state written by :func:`save_state`.
 

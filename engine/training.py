@@ -32,6 +32,10 @@ from .state import TrainingState, load_state, save_state
 LORA_FILE = "lora.safetensors"
 
 
+class TrainingDiverged(ValueError):
+    """The loss became NaN or infinite; the LoRA of that step is not written."""
+
+
 @dataclass
 class StepRecord:
     """One optimizer step.
@@ -165,7 +169,7 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
     data_dir = config.data or write_sample_dataset(output / "sample_data")
     samples = scan_folder(data_dir)
     cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
-                          family.video_latents, output / "cache", extra=family.name + bundle.source)
+                          family.video_latents, output / "cache", extra=_cache_identity(config, bundle))
     log(f"data: {len(samples)} images from {data_dir} at {config.resolution}px, "
         f"latents {tuple(cache['latents'].shape[1:])}")
 
@@ -251,6 +255,11 @@ def _train_step(config, step, model, family, runner, optimizer, sampler, cache, 
                 output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
                 prediction = family.read_output(model, output, noisy)
             loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
+            if not math.isfinite(loss.item()):  # stop before the optimizer writes NaN into the LoRA
+                raise TrainingDiverged(
+                    f"loss is {loss.item()} at step {step + 1}: training diverged (learning_rate="
+                    f"{config.learning_rate}, lora_alpha={config.lora.alpha}); the last saved state "
+                    "is kept. Lower the learning rate or alpha.")
             loss.backward()  # checkpointed regions are recomputed (offloaded inputs copied back) here
             loss_sum += loss.item()
         optimizer.step()
@@ -261,6 +270,20 @@ def _train_step(config, step, model, family, runner, optimizer, sampler, cache, 
                       stats.recomputed_blocks, stats.recomputed_ffn,
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0)
+
+
+def _cache_identity(config: TrainConfig, bundle: ModelBundle) -> str:
+    """What the cached latents and text embeddings depend on besides the images: the family, the
+    model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
+    and the deterministic embedder are seeded)."""
+    parts = [bundle.family.name, bundle.source, f"seed={config.seed}", f"text={config.text_encoder_path}"]
+    for folder in (config.model_path, config.vae_path, config.text_encoder_path):
+        if folder:
+            for path in sorted(Path(folder).rglob("*")):
+                if path.is_file():
+                    stat = path.stat()
+                    parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
+    return "\n".join(parts)
 
 
 def _save_state(config, output, model, optimizer, noise_gen, sampler, history, step) -> None:

@@ -84,3 +84,77 @@ def test_families_matrix_matches_the_committed_docs(capsys):
     assert printed == committed, "docs/FAMILIES.md is stale: regenerate with `segckpt families > docs/FAMILIES.md`"
     for family in ("flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"):
         assert f"| {family} |" in printed
+
+
+def _short(out, *extra):
+    return ["train", "--steps", "2", "--resolution", "64", "--output", str(out), *extra]
+
+
+def test_existing_run_is_not_overwritten_and_resume_must_match(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(_short(out)) == 0
+    before = (out / "lora.safetensors").read_bytes()
+    assert cli.main(_short(out)) == 2
+    assert "--resume" in capsys.readouterr().err and (out / "lora.safetensors").read_bytes() == before
+    assert cli.main(_short(out, "--resume", "--seed", "5")) == 2
+    assert "resume: seed=5 differs from the saved run's 0" in capsys.readouterr().err
+    assert cli.main(["train", "--steps", "1", "--resolution", "64", "--output", str(out), "--resume"]) == 2
+    assert "steps=1" in capsys.readouterr().err
+    assert cli.main(_short(out, "--overwrite", "--steps", "1")) == 0
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"resume": "false"}, "resume='false'"),
+    ({"family": 123}, "family=123"),
+    ({"data": 5}, "data=5"),
+    ({"lora_target_modules": [1, 2]}, "lora_target_modules=[1, 2]"),
+    ({"learning_rate": float("inf")}, "learning_rate=inf"),
+])
+def test_config_file_values_are_type_checked(no_model, tmp_path, capsys, values, key):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(values))
+    assert cli.main(["train", "--config", str(config), "--output", str(tmp_path / "o")]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_divergence_stops_with_an_error_and_keeps_no_nan_lora(tmp_path, capsys):
+    assert cli.main(_short(tmp_path / "o", "--alpha", "1e30", "--lr", "1e10")) == 2
+    assert "training diverged" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "lora.safetensors").exists()
+
+
+def test_family_is_detected_from_the_model_folder(tmp_path):
+    from segmented_checkpointing.engine.loading import build_preset
+
+    bundle = build_preset("sd3")
+    bundle.transformer.save_pretrained(tmp_path / "m" / "transformer")
+    bundle.vae.save_pretrained(tmp_path / "m" / "vae")
+    (tmp_path / "m" / "model_index.json").write_text("{}")
+    args = cli._parser().parse_args(["train", "--model-path", str(tmp_path / "m")])
+    assert cli.config_from_args(args).family == "sd3"
+
+
+def test_ctrl_c_saves_the_state_and_resume_continues(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    argv = [sys.executable, "-m", "segmented_checkpointing.cli", "train", "--steps", "40", "--resolution", "64",
+            "--output", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
+        if line.startswith("step    2/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "--resume" in err
+    from segmented_checkpointing.engine.state import read_state_header
+
+    done = read_state_header(out)["step"]
+    assert 2 <= done < 40
+    assert cli.main(["train", "--steps", str(done + 1), "--resolution", "64", "--output", str(out), "--resume"]) == 0
+    assert read_state_header(out)["step"] == done + 1

@@ -67,3 +67,12 @@ def test_sampler_is_deterministic_and_resumable():
     assert [c.next_batch() for _ in range(3)] == batches[3:]
     assert EpochSampler(5, 2, seed=3).next_batch() == batches[0]
     assert EpochSampler(5, 2, seed=4).next_batch() != batches[0] or EpochSampler(5, 2, seed=5).next_batch() != batches[0]
+
+
+def test_sixteen_bit_grey_png_is_scaled_not_clipped(tmp_path):
+    import numpy as np
+
+    ramp = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)
+    Image.fromarray(ramp).save(tmp_path / "deep.png")  # mode I;16
+    pixels = load_image(tmp_path / "deep.png", 32)
+    assert -0.2 < pixels.mean() < 0.2 and pixels.min() < -0.9 and pixels.max() > 0.9
