@@ -21,7 +21,11 @@ class ScheduleWarning(UserWarning):
     """A schedule key was ignored or changed for a family or block list; the plan's notes say why."""
 
 
-LEGEND = "C = checkpointed (recomputed in backward), O = checkpointed + offloaded, . = plain (kept)"
+LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
+          "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
+          "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
+          ". = plain (activations kept)")
+_MARKS = {"torch": "C", "unsloth": "O", "torch-ffn": "F", "unsloth-ffn": "f"}
 
 
 @dataclass(frozen=True)
@@ -70,14 +74,24 @@ class ModelPlan:
             lists.append(plan)
         return replace(self, lists=tuple(lists), notes=self.notes + (f"{list_name}: {reason}",))
 
+    def block_maps(self) -> dict[str, str]:
+        """Per list, one character per block (see :data:`LEGEND`)."""
+        mark = _MARKS[self.schedule.gradient_checkpointing_backend]
+        maps = {}
+        for plan in self.lists:
+            routed = not any("never checkpointed" in note for note in plan.notes)
+            plain = "a" if self.schedule.gradient_checkpointing_offload_attention and routed else "."
+            maps[plan.name] = plan.block_map(mark, plain)
+        return maps
+
     def render(self) -> str:
         """Per-list block map, e.g. ``double  CC..CC..  segments: 0-1 4-5``, plus the legend."""
-        offloaded = self.schedule.gradient_checkpointing_backend.startswith("unsloth")
+        maps = self.block_maps()
         width = max([len(p.name) for p in self.lists] + [4])
         lines = [f"plan ({self.family}, {self.schedule.mode}):"]
         for plan in self.lists:
             segs = " ".join(f"{s}-{e - 1}" if e - s > 1 else f"{s}" for s, e in plan.segments) or "none"
-            lines.append(f"  {plan.name:<{width}}  {plan.block_map(offloaded)}  segments: {segs}")
+            lines.append(f"  {plan.name:<{width}}  {maps[plan.name]}  segments: {segs}")
             lines.extend(f"  {'':<{width}}  note: {note}" for note in plan.notes)
         lines.append(f"  legend: {LEGEND}")
         return "\n".join(lines)
@@ -89,8 +103,7 @@ class ModelPlan:
             "mode": self.schedule.mode,
             "schedule": self.schedule.to_dict(),
             "lists": [p.to_dict() for p in self.lists],
-            "block_map": {p.name: p.block_map(self.schedule.gradient_checkpointing_backend.startswith("unsloth"))
-                          for p in self.lists},
+            "block_map": self.block_maps(),
             "legend": LEGEND,
             "notes": list(self.notes),
         }

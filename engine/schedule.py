@@ -248,11 +248,10 @@ class ListPlan:
         done = set(self.checkpointed)
         return tuple(i for i in range(self.num_blocks) if i not in done)
 
-    def block_map(self, offloaded: bool = False) -> str:
-        """One character per block: ``C`` checkpointed, ``O`` checkpointed with offload, ``.`` plain."""
-        mark = "O" if offloaded else "C"
+    def block_map(self, mark: str = "C", plain_mark: str = ".") -> str:
+        """One character per block: ``mark`` for checkpointed blocks, ``plain_mark`` for the others."""
         done = set(self.checkpointed)
-        return "".join(mark if i in done else "." for i in range(self.num_blocks))
+        return "".join(mark if i in done else plain_mark for i in range(self.num_blocks))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, including checkpointed/plain indices."""

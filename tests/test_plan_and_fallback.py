@@ -67,3 +67,22 @@ def test_state_change_between_blocks_falls_back_to_per_block_with_a_warning():
     assert runner.plan.list_plan("single").segments == ((0, 2), (2, 4), (4, 6), (6, 8))
     assert len(runner.stats.fallbacks) == 1
     assert "fell back to per-block" in runner.plan.list_plan("double").notes[-1]
+
+
+@pytest.mark.parametrize("backend, attention, expected", [
+    ("torch", False, "CC..CC.."), ("unsloth", False, "OO..OO.."), ("torch-ffn", False, "FF..FF.."),
+    ("unsloth-ffn", True, "ffaaffaa"), ("torch", True, "CCaaCCaa"),
+])
+def test_block_map_marks_what_each_block_does(backend, attention, expected):
+    schedule = MODES["interval2-stride4"].replace(gradient_checkpointing_backend=backend,
+                                                  gradient_checkpointing_offload_attention=attention)
+    plan = effective_plan(get_family("flux"), schedule, COUNTS, warn=False)
+    assert plan.block_maps() == {"double": expected, "single": expected}
+    assert plan.to_dict()["block_map"]["double"] == expected and expected in plan.render()
+
+
+def test_unrouted_lists_show_plain_even_with_attention_offload():
+    schedule = CheckpointSchedule(gradient_checkpointing_offload_attention=True)
+    plan = effective_plan(get_family("lumina2"), schedule, {"context_refiner": 2, "noise_refiner": 2, "layers": 4},
+                          warn=False)
+    assert plan.block_maps() == {"context_refiner": "..", "noise_refiner": "..", "layers": "CCCC"}

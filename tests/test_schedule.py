@@ -63,7 +63,7 @@ def test_stride_leaves_blocks_plain():
     assert plan.segments == ((0, 2), (4, 6))
     assert plan.plain == (2, 3, 6, 7)
     assert plan.block_map() == "CC..CC.."
-    assert plan.block_map(offloaded=True) == "OO..OO.."
+    assert plan.block_map("O", "a") == "OOaaOOaa"
 
 
 def test_stride_tail_is_never_dropped():
