@@ -105,6 +105,9 @@ def _config_names_family(path: str | None) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``segckpt`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    import warnings
+
+    warnings.formatwarning = lambda message, category, *_args, **_kw: f"segckpt: warning: {message}\n"
     if args.command == "train":
         from .engine.training import train
 

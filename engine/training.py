@@ -228,7 +228,7 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
     lora_path = save_lora(model, output / LORA_FILE, config.lora, meta)
     report = build_report(config, plan, history, timer, device, bundle.source, interrupted)
     report_path = write_report(report, output)
-    log(f"wrote {lora_path}, {report_path}")
+    log(f"wrote {lora_path}, {report_path}, {output / 'training_state.safetensors'}")
     return TrainResult(config, plan, history, lora_path, output / "training_state.safetensors",
                        report_path, report, interrupted, model)
 
