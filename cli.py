@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from .engine.config import HELP, TrainConfig
+from .engine.config import HELP, TrainConfig, read_config_file
 from .engine.schedule import BACKENDS
 from .engine.schedule import HELP as SCHEDULE_HELP
 
@@ -75,14 +75,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     Raises:
         ConfigError, ScheduleError, LoraConfigError: an invalid value, named with its key.
     """
-    config = TrainConfig()
+    config, from_file = TrainConfig(), {}
     if args.config_file:
-        config, ignored = TrainConfig.from_json_file(args.config_file, config)
+        from_file = read_config_file(args.config_file)
+        config, ignored = TrainConfig.from_dict(from_file, config)
         if ignored:
             print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config_file")}
     config = TrainConfig.from_dict(given, config)[0]
-    if config.model_path and "family" not in given and not _config_names_family(args.config_file):
+    if config.model_path and not {"family", "model_family"} & (set(given) | set(from_file)):
         from pathlib import Path
 
         from .engine.loading import detect_family
@@ -90,16 +91,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if Path(config.model_path).is_dir():  # else check_paths names the missing folder
             config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
     return config
-
-
-def _config_names_family(path: str | None) -> bool:
-    if not path:
-        return False
-    import json
-    from pathlib import Path
-
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    return "family" in data or "model_family" in data
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,7 +61,6 @@ ALIASES = {
     "max_train_steps": "steps",
     "train_batch_size": "batch_size",
     "output_dir": "output",
-    "lr_warmup_steps": "lr_warmup_steps",
     "adam_weight_decay": "weight_decay",
 }
 
@@ -74,6 +73,20 @@ RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path"
 
 class ConfigError(ValueError):
     """A training option is invalid; the message names the key, the value and what is allowed."""
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a config file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 JSON, or is not an object.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"config={str(path)!r} could not be read as JSON: {exc}") from exc
+    _need(isinstance(data, dict), "config", str(path), "a JSON object")
+    return data
 
 
 def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -247,9 +260,4 @@ class TrainConfig:
         Raises:
             ConfigError: the file cannot be read or is not a JSON object.
         """
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"config={str(path)!r} could not be read as JSON: {exc}") from exc
-        _need(isinstance(data, dict), "config", str(path), "a JSON object")
-        return cls.from_dict(data, base)
+        return cls.from_dict(read_config_file(path), base)

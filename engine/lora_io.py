@@ -18,7 +18,6 @@ import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from .atomic import atomic_save_file
 
@@ -125,9 +124,3 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
     header = {"format": "diffusers-lora", "lora_settings": json.dumps(asdict(settings))}
     header.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
     return atomic_save_file(to_file_keys(lora_state_dict(model), settings), path, header)
-
-
-def read_lora_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Bare peft-format weights from a file written by :func:`save_lora` (prefix and alphas dropped)."""
-    return {k[len(PREFIX):]: v for k, v in load_file(str(path)).items()
-            if k.startswith(PREFIX) and not k.endswith(".alpha")}

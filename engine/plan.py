@@ -72,7 +72,7 @@ class ModelPlan:
                     notes=plan.notes + (reason,),
                 )
             lists.append(plan)
-        return replace(self, lists=tuple(lists), notes=self.notes + (f"{list_name}: {reason}",))
+        return replace(self, lists=tuple(lists))
 
     def block_maps(self) -> dict[str, str]:
         """Per list, one character per block (see :data:`LEGEND`)."""
@@ -93,7 +93,7 @@ class ModelPlan:
             segs = " ".join(f"{s}-{e - 1}" if e - s > 1 else f"{s}" for s, e in plan.segments) or "none"
             lines.append(f"  {plan.name:<{width}}  {maps[plan.name]}  segments: {segs}")
             lines.extend(f"  {'':<{width}}  note: {note}" for note in plan.notes)
-        lines.extend(f"  note: {note}" for note in self.notes if not note.startswith(tuple(p.name + ":" for p in self.lists)))
+        lines.extend(f"  note: {note}" for note in self.notes)
         lines.append(f"  legend: {LEGEND}")
         return "\n".join(lines)
 

@@ -27,7 +27,7 @@ from .objectives import noisy_latents
 from .plan import ModelPlan, count_blocks, effective_plan
 from .report import build_report, write_report
 from .runner import SegmentRunner
-from .state import TrainingState, load_state, save_state
+from .state import STATE_FILE, TrainingState, load_state, save_state
 
 LORA_FILE = "lora.safetensors"
 
@@ -95,13 +95,8 @@ def learning_rate_at(config: TrainConfig, step: int) -> float:
 
 
 def resolve_device(config: TrainConfig) -> torch.device:
-    """``cuda`` when asked or (``auto``) available, else ``cpu``.
-
-    Raises:
-        ValueError: ``device=cuda`` on a machine without CUDA.
-    """
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' is invalid here: CUDA is not available; allowed auto or cpu")
+    """``cuda`` when asked or (``auto``) available, else ``cpu`` (``TrainConfig.check_paths``
+    already refused ``cuda`` without CUDA)."""
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if use_cuda else "cpu")
 
@@ -228,8 +223,8 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
     lora_path = save_lora(model, output / LORA_FILE, config.lora, meta)
     report = build_report(config, plan, history, timer, device, bundle.source, interrupted)
     report_path = write_report(report, output)
-    log(f"wrote {lora_path}, {report_path}, {output / 'training_state.safetensors'}")
-    return TrainResult(config, plan, history, lora_path, output / "training_state.safetensors",
+    log(f"wrote {lora_path}, {report_path}, {output / STATE_FILE}")
+    return TrainResult(config, plan, history, lora_path, output / STATE_FILE,
                        report_path, report, interrupted, model)
 
 

@@ -4,7 +4,7 @@ Inside ComfyUI, folders come from ``folder_paths`` (input, ``models/diffusers``,
 output), progress goes through ``comfy.utils.ProgressBar``, interruption is
 ``comfy.model_management.processing_interrupted`` and events go to the page through
 ``PromptServer.instance.send_sync``. Without ComfyUI (``segckpt run``) the same layout lives under
-a base folder (``SEGCKPT_BASE_DIR`` or the current directory) and progress is printed.
+a base folder (``SEGCKPT_BASE_DIR`` or the current directory); progress shows as the trainer's log lines.
 
 Every user-given name is resolved with :func:`contained`, which refuses absolute paths, ``..``
 and links that lead outside the allowed root: a ComfyUI server may be reachable by others.
@@ -81,7 +81,7 @@ def current_host() -> Host:
 
 def local_host(base: Path) -> Host:
     """A ComfyUI-like layout under ``base`` (``input/``, ``models/diffusers``, ``models/loras``,
-    ``output/``) with printed progress."""
+    ``output/``); progress and page events are no-ops (the trainer's log lines still print)."""
     base = Path(base)
 
     def progress(node_id: Any, total: int) -> Callable[[int], None]:
