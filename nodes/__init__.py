@@ -19,3 +19,10 @@ _NODES = {
 }
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {name: title for name, (_, title) in _NODES.items()}
+
+from .environment import in_comfyui as _in_comfyui
+
+if _in_comfyui():
+    from .routes import register_with_comfyui
+
+    register_with_comfyui()

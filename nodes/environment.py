@@ -98,7 +98,17 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
 
     def progress(node_id: Any, total: int) -> Callable[[int], None]:
         bar = comfy.utils.ProgressBar(total, node_id=node_id)
-        return lambda value: bar.update_absolute(value, total)
+
+        def update(value: int) -> None:
+            # ComfyUI's progress hook raises (and clears the flag) when the user interrupted: keep
+            # the flag set instead, so the trainer sees `interrupted` at its next check, saves the
+            # resumable state and returns; ComfyUI then stops before the next node.
+            try:
+                bar.update_absolute(value, total)
+            except comfy.model_management.InterruptProcessingException:
+                comfy.model_management.interrupt_current_processing(True)
+
+        return update
 
     def send(event: str, data: dict) -> None:
         from server import PromptServer

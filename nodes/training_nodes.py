@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from ..engine.config import HELP, LR_SCHEDULERS, TrainConfig
-from ..engine.families import family_names
+from ..engine.families import family_names, get_family
 from ..engine.loading import build_preset, load_model_folder
 from ..engine.lora_io import LoraSettings, save_lora
+from ..engine.plan import check_supported
 from ..engine.schedule import BACKENDS, CheckpointSchedule, ScheduleError
 from ..engine.schedule import HELP as SCHEDULE_HELP
 from .environment import BUILTIN_DATA, TINY_PRESET, PathError, contained, current_host, model_folders, resolve_model
@@ -89,13 +90,18 @@ class ImageCaptionDataset:
 
 
 class GradientCheckpointingSchedule:
-    """The six gradient-checkpointing keys (SimpleTuner names); 0 = unset for interval and stride."""
+    """The six gradient-checkpointing keys (SimpleTuner names) for one family; 0 = unset for
+    interval and stride. Outputs ``{"family": name, "schedule": CheckpointSchedule}``."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (SCHEDULE,), ("schedule",)
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
+            "family": (family_names(), _tip(
+                "Family this schedule is for: the block strip shows its plan, and a backend the family "
+                "cannot run is refused when the prompt is queued. Train LoRA refuses a model of another "
+                "family.", default="flux")),
             "gradient_checkpointing": ("BOOLEAN", _tip(SCHEDULE_HELP["gradient_checkpointing"], default=True)),
             "gradient_checkpointing_backend": (list(BACKENDS), _tip(SCHEDULE_HELP["gradient_checkpointing_backend"])),
             "gradient_checkpointing_interval": ("INT", _tip(SCHEDULE_HELP["gradient_checkpointing_interval"]
@@ -109,25 +115,37 @@ class GradientCheckpointingSchedule:
         }}
 
     @staticmethod
-    def schedule(**keys) -> CheckpointSchedule:
-        """The :class:`CheckpointSchedule` of the node's widget values (0 = unset)."""
+    def schedule(family=None, **keys) -> CheckpointSchedule:
+        """The :class:`CheckpointSchedule` of the node's widget values (0 = unset).
+
+        Raises:
+            ScheduleError: a key is invalid, or the family cannot run it (see
+                :func:`~segmented_checkpointing.engine.plan.check_supported`).
+        """
         for key in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride"):
-            keys[key] = keys[key] or None
-        return CheckpointSchedule(**keys)
+            if key in keys:
+                keys[key] = keys[key] or None
+        schedule = CheckpointSchedule(**keys)
+        if family is not None:
+            check_supported(get_family(family), schedule)
+        return schedule
 
     @classmethod
-    def VALIDATE_INPUTS(cls, gradient_checkpointing_interval, gradient_checkpointing_segment_stride):
-        # The other keys are combos, booleans and a bounded INT that ComfyUI checks itself;
-        # naming only these two makes /prompt attribute the error to them.
+    def VALIDATE_INPUTS(cls, family, gradient_checkpointing_backend, gradient_checkpointing_interval,
+                        gradient_checkpointing_segment_stride, gradient_checkpointing_offload_attention):
+        # Only the keys that can be wrong together are named here, so /prompt attributes an error
+        # to them; ComfyUI checks combos, booleans and INT bounds itself.
         try:
-            CheckpointSchedule(gradient_checkpointing_interval=gradient_checkpointing_interval or None,
-                               gradient_checkpointing_segment_stride=gradient_checkpointing_segment_stride or None)
-        except ScheduleError as exc:
-            return str(exc)
+            cls.schedule(family, gradient_checkpointing_backend=gradient_checkpointing_backend,
+                         gradient_checkpointing_interval=gradient_checkpointing_interval,
+                         gradient_checkpointing_segment_stride=gradient_checkpointing_segment_stride,
+                         gradient_checkpointing_offload_attention=gradient_checkpointing_offload_attention)
+        except (ScheduleError, KeyError) as exc:
+            return str(exc).strip("'\"")
         return True
 
-    def build(self, **keys):
-        return (self.schedule(**keys),)
+    def build(self, family, **keys):
+        return ({"family": family, "schedule": self.schedule(family, **keys)},)
 
 
 class ActivationOffloadOptions:
@@ -212,10 +230,16 @@ class TrainLoRA:
         from ..engine.training import train
 
         host = current_host()
+        family = model.family.name
+        if schedule["family"] != family:
+            raise ValueError(f"schedule is for family {schedule['family']!r} but the model is {family!r}: "
+                             "set the Gradient Checkpointing Schedule node's family to the model's")
+        schedule = schedule["schedule"]
         if offload:
             schedule = schedule.replace(**offload)
+        check_supported(model.family, schedule)  # the offload node may ask for a backend the family lacks
         config = TrainConfig(
-            family=model.family.name, data=dataset["data"], resolution=dataset["resolution"], steps=steps,
+            family=family, data=dataset["data"], resolution=dataset["resolution"], steps=steps,
             learning_rate=learning_rate, lr_scheduler=lr_scheduler, batch_size=batch_size,
             gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, schedule=schedule,
             lora=lora_config or LoraSettings(), resume=resume,

@@ -17,7 +17,7 @@ from segmented_checkpointing.engine.schedule import CheckpointSchedule
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
-WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "workflows").glob("*.api.json"))
+WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "workflows" / "api").glob("*.api.json"))
 
 
 @pytest.fixture
@@ -41,10 +41,11 @@ def test_node_functions_return_the_declared_types(base):
     assert isinstance(model, ModelBundle) and not any(p.is_inference() for p in model.transformer.parameters())
     (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
     (schedule,) = NODES["SegCkptSchedule"]().build(
-        gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
+        family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
         gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
         gradient_checkpointing_offload_pin_memory_max_buckets=12)
-    assert isinstance(schedule, CheckpointSchedule) and schedule.gradient_checkpointing_segment_stride is None
+    assert schedule["family"] == "flux" and isinstance(schedule["schedule"], CheckpointSchedule)
+    assert schedule["schedule"].gradient_checkpointing_segment_stride is None
     (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
     assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
     before = copy.deepcopy(model.transformer.state_dict())
@@ -86,7 +87,7 @@ def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
 
 
 def _graph(name="train_segmented_lora.api.json"):
-    return load_api_graph(Path(__file__).resolve().parents[1] / "workflows" / name)
+    return load_api_graph(Path(__file__).resolve().parents[1] / "workflows" / "api" / name)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -127,3 +128,27 @@ def test_segckpt_run_refuses_unknown_node_types(tmp_path, capsys):
     path.write_text(json.dumps({"1": {"class_type": "CheckpointLoaderSimple", "inputs": {}}}))
     assert cli.main(["run", str(path), "--base-dir", str(tmp_path)]) == 2
     assert "CheckpointLoaderSimple" in capsys.readouterr().err
+
+
+def test_schedule_node_refuses_a_backend_the_family_cannot_run():
+    schedule = NODES["SegCkptSchedule"]
+    ok = dict(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_interval=2,
+              gradient_checkpointing_segment_stride=4, gradient_checkpointing_offload_attention=False)
+    assert schedule.VALIDATE_INPUTS(family="flux", **ok) is True
+    verdict = schedule.VALIDATE_INPUTS(family="ideogram4", **ok)  # no FFN boundary (SPEC.md)
+    assert "gradient_checkpointing_backend='torch-ffn'" in verdict and "ideogram4" in verdict
+    verdict = schedule.VALIDATE_INPUTS(family="ideogram4", **{**ok, "gradient_checkpointing_backend": "torch",
+                                                              "gradient_checkpointing_offload_attention": True})
+    assert "gradient_checkpointing_offload_attention=True" in verdict
+
+
+def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
+    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
+    keys = dict(gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
+                gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
+                gradient_checkpointing_offload_pin_memory_max_buckets=0)
+    (wan_schedule,) = NODES["SegCkptSchedule"]().build(family="wan", **keys)
+    with pytest.raises(ValueError, match="schedule is for family 'wan' but the model is 'flux'"):
+        NODES["SegCkptTrainLoRA"]().train(model, dataset, wan_schedule, 1, 1e-3, "constant", 1, 1, 0, "x", False)
+    assert not (base / "output" / "segckpt" / "x").exists()

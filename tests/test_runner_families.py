@@ -8,11 +8,12 @@ from segmented_checkpointing.engine.families import family_names, get_family
 
 from helpers import MODES, one_step
 
-FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
+ISSUE2_FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
+FAMILIES = family_names()  # every registered family (engine/families/*.py)
 
 
 def test_issue_families_registered():
-    assert set(FAMILIES) <= set(family_names())
+    assert set(ISSUE2_FAMILIES) <= set(family_names())
 
 
 _reference: dict = {}
@@ -55,3 +56,20 @@ def test_gradients_equal_with_lora_dropout(family):
     grads, _, _ = one_step(family, MODES["interval2-stride4"], dropout=0.1)
     worst = max((grads[k] - reference[k]).abs().max().item() for k in grads)
     assert worst <= 1e-6
+
+
+def _has_ffn(family: str) -> bool:
+    routed = [bl for bl in get_family(family).block_lists if bl.routed]
+    return bool(routed) and all(bl.ffn for bl in routed)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ISSUE2_FAMILIES and _has_ffn(f)])
+def test_ffn_backend_gradients_equal(family):
+    """Families added after the offload issue: ``torch-ffn`` where an FFN boundary is declared
+    (the issue-2 families run every backend in test_offload.py)."""
+    reference = _reference_grads(family, 0.0)
+    grads, _, runner = one_step(family, MODES["interval2-stride4"].replace(gradient_checkpointing_backend="torch-ffn"))
+    worst = max((grads[k] - reference[k]).abs().max().item() for k in grads)
+    assert worst <= 1e-6, f"{family}/torch-ffn: max abs grad diff {worst}"
+    assert runner.stats.recomputed_ffn == runner.plan.checkpointed_blocks > 0
+    assert runner.stats.recomputed_blocks == 0

@@ -1,7 +1,14 @@
-"""Family adapters. Importing this package registers every family (one file each)."""
+"""Family adapters. Importing this package registers every family: each module in this folder
+(except ``base`` and ``packing``) declares one or more adapters with :func:`register_family`."""
 
-from . import flux, lumina2, pixart, qwenimage, sana, sd3, wan, zimage  # noqa: F401
+import importlib
+import pkgutil
+
 from .base import (  # noqa: F401
     BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, family_for_class, family_names, get_family,
     register_family,
 )
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module not in ("base", "packing"):
+        importlib.import_module(f"{__name__}.{_module}")

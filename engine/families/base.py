@@ -164,8 +164,12 @@ class FamilyAdapter:
     def model_cls(self) -> type:
         """The diffusers model class."""
         import diffusers
+        import diffusers.models
 
-        return getattr(diffusers, self.model_class)
+        cls = getattr(diffusers, self.model_class, None) or getattr(diffusers.models, self.model_class, None)
+        if cls is None:
+            raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")
+        return cls
 
 
 _REGISTRY: dict[str, FamilyAdapter] = {}

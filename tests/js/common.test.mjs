@@ -1,0 +1,86 @@
+// Pure parts of web/ (run: node --test tests/js/).
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  linkedTrainInput, lossPoints, MARKS, OFFLOAD_KEYS, planQuery, recordLoss, SCHEDULE_KEYS, stripLayout, widgetValue,
+} from "../../web/segckpt_common.js";
+
+test("planQuery sends every key and turns interval/stride 0 into unset", () => {
+  const values = {
+    family: "flux", gradient_checkpointing: true, gradient_checkpointing_backend: "torch",
+    gradient_checkpointing_interval: 2, gradient_checkpointing_segment_stride: 0,
+    gradient_checkpointing_offload_attention: false, gradient_checkpointing_offload_pin_memory_max_buckets: 12,
+  };
+  const q = new URLSearchParams(planQuery(values, "tiny"));
+  assert.equal(q.get("family"), "flux");
+  assert.equal(q.get("size"), "tiny");
+  assert.equal(q.get("gradient_checkpointing_interval"), "2");
+  assert.equal(q.get("gradient_checkpointing_segment_stride"), "");
+  assert.equal(q.get("gradient_checkpointing"), "true");
+  assert.deepEqual([...q.keys()], ["family", "size", ...SCHEDULE_KEYS]);
+});
+
+test("stripLayout gives one row per list and one cell per block, inside the width", () => {
+  const plan = { block_map: { double: "CC..CC..", single: "OOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO." } };
+  const { rows, legend, height } = stripLayout(plan, 300, { label: 60, row: 10, gap: 2 });
+  assert.deepEqual(rows.map((r) => r.name), ["double", "single"]);
+  assert.equal(rows[0].cells.length, 8);
+  assert.equal(rows[1].cells.length, 38);
+  assert.equal(rows[1].y, 12);
+  assert.equal(height, 24);
+  assert.deepEqual(rows[0].cells.map((c) => c.mark).join(""), "CC..CC..");
+  for (const row of rows) {
+    assert.equal(row.cells[0].x, 60);
+    const last = row.cells[row.cells.length - 1];
+    assert.ok(last.x + last.w <= 300);
+    for (let i = 1; i < row.cells.length; i++) assert.ok(row.cells[i].x >= row.cells[i - 1].x + row.cells[i - 1].w);
+  }
+  assert.deepEqual(legend, ["C", "O", "."]);
+  for (const mark of legend) assert.ok(MARKS[mark].color && MARKS[mark].label);
+});
+
+test("stripLayout of an empty plan is empty", () => {
+  assert.deepEqual(stripLayout({}, 200), { rows: [], legend: [], height: 0 });
+});
+
+test("recordLoss appends in order and restarts on a new run", () => {
+  let h = [];
+  h = recordLoss(h, { step: 1, loss: 0.9 });
+  h = recordLoss(h, { step: 2, loss: 0.7 });
+  assert.deepEqual(h, [{ step: 1, loss: 0.9 }, { step: 2, loss: 0.7 }]);
+  const again = recordLoss(h, { step: 1, loss: 0.8 });
+  assert.deepEqual(again, [{ step: 1, loss: 0.8 }]);
+  assert.equal(h.length, 2, "input not changed");
+});
+
+test("lossPoints maps the first step to the left edge and the max loss to the top", () => {
+  const box = { x: 10, y: 20, w: 100, h: 50 };
+  const { points, min, max } = lossPoints([{ step: 1, loss: 2 }, { step: 2, loss: NaN }, { step: 3, loss: 1 }], box, 5);
+  assert.equal(min, 1);
+  assert.equal(max, 2);
+  assert.deepEqual(points[0], [10, 20]);
+  assert.deepEqual(points[1], [60, 70]);
+  assert.equal(lossPoints([], box).points.length, 0);
+  const flat = lossPoints([{ step: 1, loss: 3 }], box);
+  assert.deepEqual(flat.points, [[10, 70]]);
+});
+
+test("linkedTrainInput follows schedule -> train.<input> -> node", () => {
+  const loader = { widgets: [{ name: "source", value: "(tiny preset)" }, { name: "family", value: "wan" }] };
+  const offload = { widgets: [] };
+  const train = {
+    inputs: [{ name: "model" }, { name: "dataset" }, { name: "offload" }],
+    getInputNode: (slot) => ({ 0: loader, 2: offload })[slot] ?? null,
+  };
+  const schedule = { getOutputNodes: (slot) => (slot === 0 ? [train] : null) };
+  assert.equal(linkedTrainInput(schedule, "model"), loader);
+  assert.equal(linkedTrainInput(schedule, "offload"), offload);
+  assert.equal(linkedTrainInput(schedule, "lora_config"), null);
+  assert.equal(widgetValue(loader, "family"), "wan");
+  assert.equal(linkedTrainInput({ getOutputNodes: () => null }, "model"), null);
+  assert.equal(linkedTrainInput({}, "model"), null);
+  assert.deepEqual(OFFLOAD_KEYS, ["gradient_checkpointing_backend", "gradient_checkpointing_offload_attention",
+    "gradient_checkpointing_offload_pin_memory_max_buckets"]);
+  assert.equal(widgetValue(null, "x"), undefined);
+});

@@ -1,0 +1,111 @@
+"""Drag-and-drop in headless Chromium against a real ComfyUI (skipped unless ``COMFYUI_PATH`` is set).
+
+Needs Python's ``playwright`` package and a Chromium (``CHROMIUM_PATH``, default
+``/usr/bin/chromium``; nothing is downloaded). The canvas screenshot is written to
+``SEGCKPT_ARTIFACTS`` (default: the test's temporary folder) and its path printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from live_comfyui import ROOT, Server, comfyui_path
+
+UI_FILES = sorted((ROOT / "workflows").glob("*.json"))
+
+DROP = """([name, text]) => {
+  const data = new DataTransfer();
+  data.items.add(new File([text], name, { type: "application/json" }));
+  const target = document.querySelector("#graph-canvas") ?? document.querySelector("canvas");
+  for (const type of ["dragenter", "dragover", "drop"]) {
+    target.dispatchEvent(new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true }));
+  }
+}"""
+
+SET_WIDGETS = """(changes) => {
+  for (const node of window.app.graph._nodes) {
+    for (const widget of node.widgets ?? []) {
+      if (widget.name in changes) widget.value = changes[widget.name];
+    }
+  }
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser_server(tmp_path_factory):
+    checkout = comfyui_path()
+    playwright = pytest.importorskip("playwright.sync_api")
+    chromium = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+    if not Path(chromium).exists():
+        pytest.skip(f"no Chromium at {chromium} (set CHROMIUM_PATH)")
+    server = Server(checkout, tmp_path_factory.mktemp("comfyui-browser"))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield server, browser
+        browser.close()
+    server.stop()
+
+
+def _new_history_entry(server: Server, known: set, timeout: float = 600) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        history = server.get("/history")
+        fresh = [v for k, v in history.items() if k not in known and v.get("status", {}).get("completed") is not None]
+        if fresh:
+            return fresh[0]
+        time.sleep(1)
+    raise TimeoutError("the queued workflow did not finish")
+
+
+@pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)
+def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tmp_path):
+    server, browser = browser_server
+    workflow = json.loads(ui_file.read_text())
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(f"{exc}\n{exc.stack}"))
+    page.goto(server.url, wait_until="networkidle", timeout=120_000)
+    page.wait_for_function("() => window.app?.graph && document.querySelector('canvas')", timeout=120_000)
+    page.wait_for_timeout(1000)
+    # frontend 1.27 throws one error of its own while loading its settings; ours must throw none
+    assert not [e for e in errors if "comfyui-segmented-checkpointing" in e], errors
+    errors.clear()
+
+    page.evaluate(DROP, [ui_file.name, ui_file.read_text()])
+    page.wait_for_function(f"() => window.app.graph._nodes.length === {len(workflow['nodes'])}", timeout=30_000)
+    types = page.evaluate("() => window.app.graph._nodes.map(n => n.type).sort()")
+    assert types == sorted(n["type"] for n in workflow["nodes"])
+
+    page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptSchedule'
+        && n.segckpt?.plan?.block_map)""", timeout=60_000)
+    plan = page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'SegCkptSchedule').segckpt")
+    assert plan["error"] is None and plan["plan"]["size"] == "tiny"  # the loader's source is the tiny preset
+    assert set(plan["plan"]["block_map"]) == {"double", "single"} and len(plan["plan"]["block_map"]["double"]) == 8
+    offload = next((n for n in workflow["nodes"] if n["type"] == "SegCkptOffloadOptions"), None)
+    if offload:  # the strip shows what Train LoRA runs: the offload node's backend over the schedule's
+        assert plan["plan"]["mode"].endswith(f"-{offload['widgets_values'][0]}-offload-attn"), plan["plan"]["mode"]
+
+    known = set(server.get("/history"))
+    page.evaluate(SET_WIDGETS, {"steps": 3, "resolution": 64, "run_name": f"browser_{uuid.uuid4().hex[:8]}"})
+    page.evaluate("() => window.app.queuePrompt(0, 1)")
+    entry = _new_history_entry(server, known)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
+        && n.segckptLoss?.history.length === 3)""", timeout=30_000)
+
+    version = page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__ ?? 'unknown'")
+    shot = Path(os.environ.get("SEGCKPT_ARTIFACTS", tmp_path)) / f"canvas-{ui_file.stem}-frontend-{version}.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shot))
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+    assert not errors, errors
+    page.close()

@@ -1,0 +1,62 @@
+"""The plan route the schedule node's block strip reads (served by aiohttp, as inside ComfyUI)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from segmented_checkpointing.engine.preview import preview_plan, reference_block_counts
+from segmented_checkpointing.nodes.routes import PLAN_ROUTE, register_routes
+
+
+def _get(query: dict) -> tuple[int, dict]:
+    async def go():
+        routes = web.RouteTableDef()
+        register_routes(routes)
+        app = web.Application()
+        app.add_routes(routes)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get(PLAN_ROUTE, params=query)
+            return response.status, await response.json()
+    return asyncio.run(go())
+
+
+def test_plan_route_returns_the_engine_plan():
+    query = {"family": "flux", "size": "tiny", "gradient_checkpointing_interval": "2",
+             "gradient_checkpointing_segment_stride": "4", "gradient_checkpointing_backend": "unsloth"}
+    status, plan = _get(query)
+    assert status == 200
+    assert plan == {**preview_plan(query)}
+    assert plan["block_map"] == {"double": "OO..OO..", "single": "OO..OO.."}
+    assert plan["num_blocks"] == {"double": 8, "single": 8}
+
+
+def test_full_size_uses_the_class_defaults():
+    # FluxTransformer2DModel's defaults are Flux.1's 19 double + 38 single blocks
+    assert dict(reference_block_counts("flux", "full")) == {"double": 19, "single": 38}
+    status, plan = _get({"family": "flux", "gradient_checkpointing": "false"})
+    assert status == 200 and plan["block_map"]["single"] == "." * 38
+
+
+@pytest.mark.parametrize("query, text", [
+    ({"family": "nope"}, "family='nope' is invalid"),
+    ({}, "family='' is invalid"),
+    ({"family": "flux", "size": "huge"}, "size='huge' is invalid"),
+    ({"family": "flux", "path": "/etc/passwd"}, "parameter path='/etc/passwd' is unknown"),
+    ({"family": "flux", "gradient_checkpointing_interval": "two"}, "gradient_checkpointing_interval='two'"),
+    ({"family": "flux", "gradient_checkpointing_interval": "2", "gradient_checkpointing_segment_stride": "1"},
+     "gradient_checkpointing_segment_stride=1"),
+    ({"family": "flux", "gradient_checkpointing_offload_pin_memory_max_buckets": "-1"},
+     "gradient_checkpointing_offload_pin_memory_max_buckets=-1"),
+])
+def test_bad_parameters_answer_400_naming_them(query, text):
+    status, body = _get(query)
+    assert status == 400 and text in body["error"]
+
+
+def test_repeated_parameter_is_refused():
+    status, body = _get([("family", "flux"), ("family", "wan")])
+    assert status == 400 and "family" in body["error"]

@@ -1,0 +1,27 @@
+"""The frontend's pure JavaScript (web/segckpt_common.js) under node's built-in test runner."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_js_unit_tests_pass_under_node_test():
+    done = subprocess.run(["node", "--test", "tests/js/"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "# fail 0" in done.stdout and "# pass 0" not in done.stdout
+
+
+def test_web_files_are_es_modules_without_dependencies():
+    for path in (ROOT / "web").glob("*.js"):
+        sources = re.findall(r'^import[^;]*?from\s+"([^"]+)";', path.read_text(), flags=re.M | re.S)
+        assert all(s.startswith(("./", "../../scripts/")) for s in sources), (path.name, sources)
+        if path.name == "segckpt_common.js":
+            assert not sources, "the pure module imports nothing (node --test loads it)"

@@ -1,0 +1,100 @@
+// Gradient Checkpointing Schedule node: draws its effective per-block plan as a strip of cells
+// per block list, from GET /segckpt/plan (the engine's plan; one source of truth), refreshed when
+// a widget changes.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
+import {
+  linkedTrainInput, MARKS, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, stripLayout, TINY_PRESET, widgetValue,
+} from "./segckpt_common.js";
+
+const ROW = 12, GAP = 3, LEGEND_ROW = 14, HEADER = 16;
+
+function panelHeight(node) {
+  const state = node.segckpt;
+  if (!state?.plan) return HEADER + 2 * LEGEND_ROW;
+  const lists = Object.keys(state.plan.block_map).length;
+  const legend = Math.ceil(stripLayout(state.plan, 100).legend.length / 2);
+  return HEADER + lists * (ROW + GAP) + legend * LEGEND_ROW + 8;
+}
+
+function currentQuery(node) {
+  const values = { family: widgetValue(node, "family") };
+  for (const key of SCHEDULE_KEYS) values[key] = widgetValue(node, key);
+  const offload = linkedTrainInput(node, "offload"); // Train LoRA applies its keys over ours
+  if (offload) for (const key of OFFLOAD_KEYS) values[key] = widgetValue(offload, key) ?? values[key];
+  const loader = linkedTrainInput(node, "model");
+  const size = widgetValue(loader, "source") === TINY_PRESET ? "tiny" : "full";
+  return { query: planQuery(values, size), loaderFamily: widgetValue(loader, "family"), offload: !!offload };
+}
+
+async function refresh(node, query) {
+  const state = node.segckpt;
+  try {
+    const response = await api.fetchApi(`/segckpt/plan?${query}`);
+    const body = await response.json();
+    if (state.query !== query) return; // a newer request superseded this one
+    state.error = response.ok ? null : body.error ?? `HTTP ${response.status}`;
+    state.plan = response.ok ? body : null;
+  } catch (error) {
+    state.error = String(error);
+    state.plan = null;
+  }
+  fitHeight(node);
+}
+
+function draw(node, ctx, area) {
+  const state = (node.segckpt ??= { query: null, plan: null, error: null, timer: null });
+  const { query, loaderFamily, offload } = currentQuery(node);
+  if (query !== state.query) {
+    state.query = query;
+    clearTimeout(state.timer);
+    state.timer = setTimeout(() => refresh(node, query), 150);
+  }
+  ctx.save();
+  ctx.font = "11px sans-serif";
+  ctx.textBaseline = "middle";
+  ctx.fillStyle = "#a1a1aa";
+  const family = widgetValue(node, "family");
+  let header = state.plan ? `plan: ${state.plan.mode}, ${state.plan.size} ${state.plan.family}` : "plan: …";
+  if (state.plan && offload) header += " (with the offload options)";
+  if (loaderFamily && family && loaderFamily !== family) {
+    header = `model is ${loaderFamily}: set family to match`;
+    ctx.fillStyle = "#f87171";
+  }
+  if (state.error) {
+    ctx.fillStyle = "#f87171";
+    header = state.error;
+  }
+  fillText(ctx, header, area.x, area.y + HEADER / 2, area.w);
+  if (state.plan && !state.error) {
+    const layout = stripLayout(state.plan, area.w, { label: 64, row: ROW, gap: GAP });
+    for (const row of layout.rows) {
+      const y = area.y + HEADER + row.y;
+      ctx.fillStyle = "#d4d4d8";
+      fillText(ctx, row.name, area.x, y + ROW / 2, 60);
+      for (const cell of row.cells) {
+        ctx.fillStyle = MARKS[cell.mark]?.color ?? "#000";
+        ctx.fillRect(area.x + cell.x, y, cell.w, ROW);
+      }
+    }
+    const top = area.y + HEADER + layout.height + 4;
+    layout.legend.forEach((mark, i) => {
+      const x = area.x + (i % 2) * (area.w / 2);
+      const y = top + Math.floor(i / 2) * LEGEND_ROW;
+      ctx.fillStyle = MARKS[mark].color;
+      ctx.fillRect(x, y + 3, 9, 9);
+      ctx.fillStyle = "#d4d4d8";
+      fillText(ctx, MARKS[mark].label, x + 13, y + 8, area.w / 2 - 16);
+    });
+  }
+  ctx.restore();
+}
+
+app.registerExtension({
+  name: "segckpt.ScheduleStrip",
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name !== "SegCkptSchedule") return;
+    addBottomPanel(nodeType, panelHeight, draw);
+  },
+});

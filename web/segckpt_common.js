@@ -1,0 +1,131 @@
+// Pure helpers of the pack's frontend: no DOM, no ComfyUI imports, so node's test runner can load
+// them (tests/js/). The node extensions (schedule_strip.js, train_loss_curve.js) draw with them.
+
+/** The six schedule keys, in the order of the Gradient Checkpointing Schedule node's widgets. */
+export const SCHEDULE_KEYS = [
+  "gradient_checkpointing",
+  "gradient_checkpointing_backend",
+  "gradient_checkpointing_interval",
+  "gradient_checkpointing_segment_stride",
+  "gradient_checkpointing_offload_attention",
+  "gradient_checkpointing_offload_pin_memory_max_buckets",
+];
+
+/** Block-map marks (engine/plan.py LEGEND): fill colour and short label. */
+export const MARKS = {
+  C: { color: "#3b82f6", label: "checkpointed" },
+  O: { color: "#a855f7", label: "checkpointed, inputs offloaded" },
+  F: { color: "#10b981", label: "FFN checkpointed" },
+  f: { color: "#14b8a6", label: "FFN checkpointed, offloaded" },
+  a: { color: "#f59e0b", label: "plain, attention offloaded" },
+  ".": { color: "#52525b", label: "plain" },
+};
+
+export const TINY_PRESET = "(tiny preset)";
+
+/**
+ * Query string of GET /segckpt/plan for the schedule node's widget values.
+ * @param {Record<string, unknown>} values widget name -> value (interval/stride 0 = unset)
+ * @param {"full"|"tiny"} size reference model size
+ * @returns {string} e.g. "family=flux&size=tiny&gradient_checkpointing=true&..."
+ */
+export function planQuery(values, size = "full") {
+  const params = new URLSearchParams();
+  params.set("family", String(values.family ?? ""));
+  params.set("size", size);
+  for (const key of SCHEDULE_KEYS) {
+    if (!(key in values)) continue;
+    let value = values[key];
+    if ((key.endsWith("_interval") || key.endsWith("_stride")) && Number(value) === 0) value = "";
+    params.set(key, String(value));
+  }
+  return params.toString();
+}
+
+/**
+ * Layout of the block strip: one row per block list, one cell per block.
+ * @param {{block_map: Record<string, string>}} plan the route's answer
+ * @param {number} width pixels available
+ * @param {{label?: number, row?: number, gap?: number}} opts label column width, row height, gap
+ * @returns {{rows: {name: string, y: number, cells: {x: number, w: number, mark: string}[]}[],
+ *            legend: string[], height: number}} cells in pixels relative to the strip's origin;
+ *          legend = marks present, in MARKS order.
+ */
+export function stripLayout(plan, width, opts = {}) {
+  const label = opts.label ?? 64, row = opts.row ?? 14, gap = opts.gap ?? 4;
+  const rows = [];
+  const used = new Set();
+  let y = 0;
+  for (const [name, map] of Object.entries(plan.block_map ?? {})) {
+    const n = map.length;
+    const span = Math.max(0, width - label);
+    const cells = [];
+    for (let i = 0; i < n; i++) {
+      const x0 = label + Math.floor((i * span) / n);
+      const x1 = label + Math.floor(((i + 1) * span) / n);
+      cells.push({ x: x0, w: Math.max(1, x1 - x0 - (span / n >= 4 ? 1 : 0)), mark: map[i] });
+      used.add(map[i]);
+    }
+    rows.push({ name, y, cells });
+    y += row + gap;
+  }
+  const legend = Object.keys(MARKS).filter((m) => used.has(m));
+  return { rows, legend, height: y };
+}
+
+/**
+ * Append one `segckpt.loss` event to a loss history; a step that does not follow the last one
+ * (a new run) starts a new history.
+ * @param {{step: number, loss: number}[]} history
+ * @param {{step: number, loss: number, total?: number}} detail
+ * @returns {{step: number, loss: number}[]} the new history (the input is not changed)
+ */
+export function recordLoss(history, detail) {
+  const last = history.length ? history[history.length - 1].step : 0;
+  const base = detail.step > last ? history : [];
+  return [...base, { step: detail.step, loss: detail.loss }];
+}
+
+/**
+ * Polyline of the loss curve inside a box; non-finite losses are skipped.
+ * @param {{step: number, loss: number}[]} history
+ * @param {{x: number, y: number, w: number, h: number}} box pixels (y grows downwards)
+ * @param {number} total steps of the run (x axis end); defaults to the last step
+ * @returns {{points: [number, number][], min: number, max: number}}
+ */
+export function lossPoints(history, box, total) {
+  const finite = history.filter((p) => Number.isFinite(p.loss));
+  if (!finite.length) return { points: [], min: NaN, max: NaN };
+  const min = Math.min(...finite.map((p) => p.loss));
+  const max = Math.max(...finite.map((p) => p.loss));
+  const end = Math.max(total ?? 0, finite[finite.length - 1].step, 2);
+  const span = max - min || 1;
+  const points = finite.map((p) => [
+    box.x + ((p.step - 1) / (end - 1)) * box.w,
+    box.y + box.h - ((p.loss - min) / span) * box.h,
+  ]);
+  return { points, min, max };
+}
+
+/**
+ * The node wired into input `name` of the Train node that this schedule node feeds, if any:
+ * "model" gives the Load Diffusion Model node, "offload" the Activation Offload Options node.
+ * Uses only LiteGraph's getOutputNodes / getInputNode / inputs, present in every frontend.
+ * @returns {object|null} that node, or null when not wired that way
+ */
+export function linkedTrainInput(scheduleNode, name) {
+  for (const train of scheduleNode.getOutputNodes?.(0) ?? []) {
+    const slot = (train.inputs ?? []).findIndex((input) => input.name === name);
+    const node = slot >= 0 ? train.getInputNode?.(slot) : null;
+    if (node) return node;
+  }
+  return null;
+}
+
+/** Offload keys an Activation Offload Options node overrides on the schedule. */
+export const OFFLOAD_KEYS = SCHEDULE_KEYS.filter((key) => key.includes("backend") || key.includes("offload"));
+
+/** Value of the widget called `name` on a node, or undefined. */
+export function widgetValue(node, name) {
+  return (node?.widgets ?? []).find((w) => w.name === name)?.value;
+}
