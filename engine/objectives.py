@@ -22,7 +22,7 @@ def _alphas_cumprod() -> torch.Tensor:
     return torch.cumprod(1.0 - betas, dim=0)
 
 
-def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Generator
+def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Generator, shared: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw noise and timesteps for a batch of clean latents.
 
@@ -30,6 +30,8 @@ def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Genera
         objective: ``flow`` or ``epsilon``.
         latents: clean latents x0, ``(B, C, ...)`` on the CPU (the generator's device).
         generator: a CPU generator (its state is part of the resumable training state).
+        shared: one noise level for the whole batch (models whose timestep is per batch, not
+            per sample: :attr:`~.families.base.FamilyAdapter.shared_sigma`).
 
     Returns:
         ``(noisy latents like x0, sigmas (B,) in [0, 1), target like x0)``; for ``epsilon``
@@ -39,14 +41,15 @@ def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Genera
         ValueError: unknown objective.
     """
     b = latents.shape[0]
+    draws = 1 if shared else b
     noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
     shape = (b,) + (1,) * (latents.ndim - 1)
     if objective == "flow":
-        sigmas = torch.sigmoid(torch.randn(b, generator=generator))
+        sigmas = torch.sigmoid(torch.randn(draws, generator=generator)).expand(b).contiguous()
         s = sigmas.view(shape).to(latents.dtype)
         return (1 - s) * latents + s * noise, sigmas, noise - latents
     if objective == "epsilon":
-        t = torch.randint(0, NUM_TRAIN_TIMESTEPS, (b,), generator=generator)
+        t = torch.randint(0, NUM_TRAIN_TIMESTEPS, (draws,), generator=generator).expand(b).contiguous()
         abar = _alphas_cumprod()[t].view(shape).to(latents.dtype)
         return abar.sqrt() * latents + (1 - abar).sqrt() * noise, t.float() / NUM_TRAIN_TIMESTEPS, noise
     raise ValueError(f"objective={objective!r} is invalid: allowed {', '.join(OBJECTIVES)}")

@@ -156,6 +156,7 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
     check_supported(family, schedule)
     interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
     notes: list[str] = []
+    plan_notes = tuple(family.plan_notes)
     if schedule.gradient_checkpointing and not family.segmented and (interval > 1 or stride):
         notes.append(
             f"{family.name} has no segmented whole-block path: gradient_checkpointing_interval="
@@ -185,7 +186,7 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
     if warn:
         for note in notes:
             warnings.warn(note, ScheduleWarning, stacklevel=2)
-    return ModelPlan(family.name, schedule, tuple(lists), tuple(notes))
+    return ModelPlan(family.name, schedule, tuple(lists), plan_notes + tuple(notes))
 
 
 def count_blocks(family: FamilyAdapter, model: Any) -> dict[str, int]:

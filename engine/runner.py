@@ -55,6 +55,8 @@ class RunnerStats:
         recomputed_blocks: whole blocks entered again during backward recompute.
         recomputed_ffn: FFN sub-blocks recomputed (``*-ffn`` backends).
         plain_blocks: blocks run without checkpointing.
+        undeclared_calls: checkpoint calls for modules outside the family's declared lists
+            (checkpointed per call, as diffusers does; a correct adapter declares them all).
         fallbacks: lists switched to per-block, with the reason.
     """
 
@@ -62,11 +64,13 @@ class RunnerStats:
     recomputed_blocks: int = 0
     recomputed_ffn: int = 0
     plain_blocks: int = 0
+    undeclared_calls: int = 0
     fallbacks: list[str] = field(default_factory=list)
 
     def reset(self) -> None:
         """Zero the per-step counters (fallbacks are kept: they hold for the whole run)."""
         self.checkpoint_calls = self.recomputed_blocks = self.recomputed_ffn = self.plain_blocks = 0
+        self.undeclared_calls = 0
 
 
 @dataclass
@@ -268,6 +272,7 @@ class SegmentRunner:
         where = self._where.get(id(block))
         if where is None:  # a module outside the declared lists: checkpoint it as diffusers does
             self.stats.checkpoint_calls += 1
+            self.stats.undeclared_calls += 1
             return self._checkpoint(block, *args, **kwargs)
         list_index, block_index = where
         if self._pending is not None:

@@ -242,7 +242,8 @@ def _train_step(config, step, model, family, runner, optimizer, sampler, cache, 
         loss_sum = 0.0
         for _ in range(config.gradient_accumulation_steps):
             index = sampler.next_batch()
-            noisy, sigmas, target = noisy_latents(family.objective, cache["latents"][index], noise_gen)
+            noisy, sigmas, target = noisy_latents(family.objective, cache["latents"][index], noise_gen,
+                                                 family.shared_sigma)
             text = TextBatch(cache["text_seq"][index], cache["text_mask"][index],
                              cache["text_pooled"][index] if "text_pooled" in cache else None).to(device)
             noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)

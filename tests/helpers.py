@@ -55,7 +55,7 @@ def random_batch(family, model, batch: int = 2, size: int = 8, seed: int = 1):
     spec = family.text(model.config)
     shape = (batch, family.latent_channels, 1, size, size) if family.video_latents else (batch, family.latent_channels, size, size)
     latents = torch.randn(shape, generator=g)
-    sigmas = torch.rand(batch, generator=g)
+    sigmas = torch.rand(1 if family.shared_sigma else batch, generator=g).expand(batch).contiguous()
     seq = torch.randn(batch, spec.max_length, spec.seq_dim, generator=g)
     pooled = torch.randn(batch, spec.pooled_dim, generator=g) if spec.pooled_dim else None
     mask = torch.ones(batch, spec.max_length, dtype=torch.bool)

@@ -48,6 +48,7 @@ def test_gradients_equal_and_recomputes_match_plan(family, mode):
         routed = [p for p, bl in zip(plan.lists, get_family(family).block_lists) if bl.routed]
         assert all(len(p.checkpointed) == p.num_blocks for p in routed)
     assert not runner.stats.fallbacks, runner.stats.fallbacks
+    assert runner.stats.undeclared_calls == 0, "the model checkpoints modules the adapter does not declare"
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])

@@ -8,6 +8,7 @@ demo. It registers itself with one call to :func:`register_family`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -60,7 +61,9 @@ class BlockList:
 
     Attributes:
         name: short name used in plans and reports (``double``, ``single``, ``blocks``, ...).
-        attr: the model attribute holding the ``nn.ModuleList``.
+        attr: the model attribute holding the ``nn.ModuleList``, or a dotted path to the blocks
+            (``"text_fusion.refiner_blocks"``, ``"down_blocks.*.resnets"``, ``"mid_block.resnets[1:]"``;
+            see :func:`resolve_blocks`).
         carry: the list's :class:`Carry`.
         ffn: attribute path of the feed-forward sub-module inside a block (``"ff"``), or a
             tuple of sibling sub-modules the block calls as a chain on one tensor (Flux's single
@@ -138,8 +141,12 @@ class FamilyAdapter:
         segmented: the family supports interval/stride (whole-block segments); when ``False``
             the interval and stride are ignored with a warning and every block is per-block.
         stride_honoured: the family honours the stride.
+        shared_sigma: the model takes one timestep per batch, not per sample (MiniMax H3): the
+            trainer draws one noise level per micro-batch.
         lora_targets: default LoRA target module names (attention projections).
         notes: free-text notes shown in the support table.
+        plan_notes: notes every plan of this family carries (the generic fallback says there
+            whether its segments were proven by the probe).
     """
 
     name: str
@@ -154,12 +161,18 @@ class FamilyAdapter:
     objective: str = "flow"
     segmented: bool = True
     stride_honoured: bool = True
+    shared_sigma: bool = False
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     notes: tuple[str, ...] = field(default=())
+    plan_notes: tuple[str, ...] = field(default=())
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
-        """The ``nn.ModuleList`` of ``block_list`` in ``model``."""
-        return getattr(model, block_list.attr)
+        """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by
+        :attr:`BlockList.attr`, or the modules its path names (see :func:`resolve_blocks`)."""
+        plain = getattr(model, block_list.attr, None) if "." not in block_list.attr else None
+        if isinstance(plain, torch.nn.ModuleList):
+            return plain
+        return torch.nn.ModuleList(resolve_blocks(model, block_list.attr))
 
     def model_cls(self) -> type:
         """The diffusers model class."""
@@ -170,6 +183,43 @@ class FamilyAdapter:
         if cls is None:
             raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")
         return cls
+
+
+_PART = re.compile(r"(\*|\w+)(?:\[(-?\d*):(-?\d*)\])?")
+
+
+def resolve_blocks(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    """The modules at dotted ``path`` under ``model``, flattened in order.
+
+    Each part is an attribute name (skipped for modules that lack it or hold ``None``) or ``*``
+    (every child), optionally followed by a slice ``[a:b]`` of the ``nn.ModuleList`` elements it
+    names; an ``nn.ModuleList`` left at the end is expanded into its elements.
+    ``"down_blocks.*.resnets"`` -> every resnet of every down block.
+    """
+    current: list[torch.nn.Module] = [model]
+    for part in path.split("."):
+        match = _PART.fullmatch(part)
+        if match is None:
+            raise ValueError(f"block path {path!r}: bad part {part!r}")
+        name, start, stop = match.groups()
+        found: list[torch.nn.Module] = []
+        for module in current:
+            if name == "*":
+                items = list(module.children())
+            else:
+                child = getattr(module, name, None)
+                if child is None:
+                    continue
+                items = [child]
+            if start is not None:  # a slice was given (its bounds may be empty strings)
+                elements = [e for i in items for e in (i if isinstance(i, torch.nn.ModuleList) else [i])]
+                items = elements[slice(int(start) if start else None, int(stop) if stop else None)]
+            found.extend(items)
+        current = found
+    out: list[torch.nn.Module] = []
+    for module in current:
+        out.extend(module if isinstance(module, torch.nn.ModuleList) else [module])
+    return out
 
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
