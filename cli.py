@@ -43,10 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
-    for option, key, kind in _TRAIN_OPTIONS:
-        train.add_argument(option, dest=key, type=kind, default=None, help=HELP.get(key))
-    train.add_argument("--targets", dest="lora_target_modules", nargs="+", default=None,
-                       help=HELP["lora_target_modules"])
+    _add_run_options(train)
     for option, key in _SCHEDULE_OPTIONS:
         extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
         train.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
@@ -56,10 +53,29 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
                        action="store_const", const=True, default=None,
                        help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
-    train.add_argument("--config", dest="config_file", default=None,
-                       help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
     train.add_argument("--resume", action="store_const", const=True, default=None, help=HELP["resume"])
     sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
+    sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
+                           description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
+                                       "and attention offload the family supports) for a few steps after warm-up "
+                                       "and write sweep.md, sweep.csv, sweep.json and sweep.png into --output.")
+    _add_run_options(sweep)
+    plan = sub.add_parser("plan", help="Pick the fastest schedule predicted to fit a memory budget.",
+                          description="Probe one step without checkpointing (per-block activation bytes and "
+                                      "time), predict every candidate schedule's peak and sec/step, and print "
+                                      "the fastest one that fits --budget (then measure it with --measure N).")
+    _add_run_options(plan)
+    plan.add_argument("--budget", dest="plan_budget", required=True,
+                      help="Memory budget in GiB, or 'device' (fit this device's memory).")
+    plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
+                      help="Steps to run the chosen schedule for its measured numbers (0 = predict only; default 3).")
+    sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
+    sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
+                       help="Measured steps per mode after warm-up (default 3).")
+    sweep.add_argument("--budget-gib", dest="sweep_budget", type=float, default=None,
+                       help="Memory budget drawn as a line on the plot, GiB.")
+    sweep.add_argument("--no-attention-offload", dest="sweep_attention", action="store_false", default=True,
+                       help="Leave out the attention-offload modes (halves the sweep).")
     run = sub.add_parser("run", help="Run an API-format workflow in-process with this pack's nodes.",
                          description="Run an API-format workflow (ComfyUI 'Save (API)') without ComfyUI. "
                                      "Folders follow ComfyUI's layout under --base-dir: input/, "
@@ -67,6 +83,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("workflow", help="FILE.api.json")
     run.add_argument("--base-dir", default=".", help="Folder holding input/, models/ and output/ (default: .).")
     return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The model, data and optimisation options shared by ``train`` and ``sweep``."""
+    for option, key, kind in _TRAIN_OPTIONS:
+        parser.add_argument(option, dest=key, type=kind, default=None, help=HELP.get(key))
+    parser.add_argument("--targets", dest="lora_target_modules", nargs="+", default=None,
+                        help=HELP["lora_target_modules"])
+    parser.add_argument("--config", dest="config_file", default=None,
+                        help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -81,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         config, ignored = TrainConfig.from_dict(from_file, config)
         if ignored:
             print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
-    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config_file")}
+    given = {k: v for k, v in vars(args).items()
+             if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
     config = TrainConfig.from_dict(given, config)[0]
     if config.model_path and not {"family", "model_family"} & (set(given) | set(from_file)):
         from pathlib import Path
@@ -127,12 +154,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "run":
         return _run_workflow(args)
+    if args.command == "sweep":
+        return _sweep(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "families":
         from .engine.support import support_table
 
         print(support_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .engine.sweep import run_sweep, sweep_schedules, write_outputs
+    from .engine.training import load_bundle
+
+    try:
+        if args.output is None:
+            args.output = "output/sweep"
+        config = config_from_args(args)
+        if args.sweep_warmup < 0 or args.sweep_measure < 1:
+            raise ValueError(f"--warmup={args.sweep_warmup} / --measure={args.sweep_measure} are invalid: "
+                             "allowed warm-up >= 0 and measure >= 1")
+        bundle = load_bundle(config)
+    except ValueError as exc:
+        print(f"segckpt: error: {exc}", file=sys.stderr)
+        return 2
+    cells = run_sweep(config, bundle, sweep_schedules(args.sweep_attention), args.sweep_warmup, args.sweep_measure)
+    budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
+    paths = write_outputs(cells, Path(config.output), bundle.family.name, budget)
+    print(Path(paths["markdown"]).read_text(), end="")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .engine.planner import parse_budget, plan_for_budget, write_choice
+    from .engine.training import load_bundle, resolve_device
+
+    try:
+        if args.output is None:
+            args.output = "output/plan"
+        config = config_from_args(args)
+        budget = parse_budget(args.plan_budget, resolve_device(config))
+        if args.plan_measure < 0:
+            raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
+        bundle = load_bundle(config)
+        choice = plan_for_budget(config, bundle, budget, measure_steps=args.plan_measure)
+    except ValueError as exc:  # ConfigError, PlannerError, ...
+        print(f"segckpt: error: {exc}", file=sys.stderr)
+        return 2
+    print(choice.render())
+    path = write_choice(choice, Path(config.output))["schedule"]
+    print(f"chosen: {choice.chosen.schedule.mode}; its keys are in {path} (segckpt train --config {path})")
+    return 0
 
 
 class _StopOnSignal:

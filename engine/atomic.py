@@ -43,3 +43,8 @@ def atomic_save_file(tensors: Mapping[str, torch.Tensor], path: str | Path,
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write a UTF-8 text file atomically."""
     return _atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write a binary file (e.g. a PNG) atomically."""
+    return _atomic(path, lambda tmp: Path(tmp).write_bytes(data))

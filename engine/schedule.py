@@ -144,7 +144,7 @@ class CheckpointSchedule:
     def mode(self) -> str:
         """Short name of the schedule: ``none``, ``layer``, ``interval2``, ``interval2-stride4``."""
         if not self.gradient_checkpointing:
-            return "none"
+            return "none-offload-attn" if self.gradient_checkpointing_offload_attention else "none"
         name = "layer" if self.interval == 1 else f"interval{self.interval}"
         if self.stride != self.interval:
             name += f"-stride{self.stride}"

@@ -1,5 +1,6 @@
 """ComfyUI node classes: thin adapters over ``engine/`` (see ``training_nodes.py``)."""
 
+from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
 from .training_nodes import (
     ActivationOffloadOptions, GradientCheckpointingSchedule, ImageCaptionDataset, LoadDiffusionModel,
@@ -16,6 +17,8 @@ _NODES = {
     "SegCkptSaveLoRA": (SaveLoRA, "Save LoRA"),
     "SegCkptLossGraph": (LossGraph, "Loss Graph"),
     "SegCkptRunReport": (RunReport, "Run Report"),
+    "SegCkptSweep": (CheckpointingSweep, "Checkpointing Sweep"),
+    "SegCkptSchedulePlanner": (SchedulePlanner, "Schedule Planner"),
 }
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {name: title for name, (_, title) in _NODES.items()}

@@ -27,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACK_FOLDER = "comfyui-segmented-checkpointing"
 NODE_TYPES = ("SegCkptLoadDiffusionModel", "SegCkptImageCaptionDataset", "SegCkptSchedule", "SegCkptOffloadOptions",
-              "SegCkptLoRAConfig", "SegCkptTrainLoRA", "SegCkptSaveLoRA", "SegCkptLossGraph", "SegCkptRunReport")
+              "SegCkptLoRAConfig", "SegCkptTrainLoRA", "SegCkptSaveLoRA", "SegCkptLossGraph", "SegCkptRunReport",
+              "SegCkptSweep", "SegCkptSchedulePlanner")
 
 
 def comfyui_path() -> Path:

@@ -115,12 +115,22 @@ def test_every_api_workflow_runs_through_segckpt_run(tmp_path, workflow, capsys)
             node["inputs"]["steps"] = 3
         if node["class_type"] == "SegCkptImageCaptionDataset":
             node["inputs"]["resolution"] = 64
+        if node["class_type"] in ("SegCkptSweep", "SegCkptSchedulePlanner"):
+            node["inputs"]["measured_steps"] = 1
     short = tmp_path / workflow.name
     short.write_text(json.dumps(graph))
     assert cli.main(["run", str(short), "--base-dir", str(tmp_path)]) == 0
-    loras = list((tmp_path / "models" / "loras").glob("*.safetensors"))
-    assert len(loras) == 1 and load_file(loras[0])
-    assert "plan (flux" in capsys.readouterr().out
+    types = {node["class_type"] for node in graph.values()}
+    out = capsys.readouterr().out
+    if "SegCkptSaveLoRA" in types:
+        loras = list((tmp_path / "models" / "loras").glob("*.safetensors"))
+        assert len(loras) == 1 and load_file(loras[0])
+        assert "plan (flux" in out
+    if "SegCkptSweep" in types:
+        assert {p.name for p in (tmp_path / "output" / "segckpt" / "sweep").iterdir()} >= {
+            "sweep.md", "sweep.csv", "sweep.json", "sweep.png"}
+    if "SegCkptSchedulePlanner" in types:
+        assert json.loads((tmp_path / "output" / "segckpt" / "plan" / "schedule.json").read_text())
 
 
 def test_segckpt_run_refuses_unknown_node_types(tmp_path, capsys):

@@ -1,0 +1,237 @@
+"""Checkpointing sweep: measure every mode on the user's own model and fill the documents' matrix.
+
+For one model, dataset shape and batch, each mode (none, layer, interval 2, interval 2 stride 4;
+each with the backends and attention offload the family supports) trains for a few steps after
+warm-up through the same :func:`~.training.train` as a real run, on a fresh copy of the model.
+Each cell is written in the documents' format (seeds/000 "Benchmarks": "sec/step / peak GiB"):
+
+* ``ok``: ``0.412 / 3.21`` (median sec/step after warm-up / largest peak of the steps after
+  warm-up in GiB: the first step also allocates the optimizer state, once);
+* ``OOM``: the accelerator ran out of memory (caught; memory is freed and the next cell runs);
+* ``failed``: the cell did not reach its measured steps (the error message is kept);
+* ``unsupported``: the family has no boundary for that backend/option (not wired);
+* ``not run``: excluded by the caller.
+
+Cells whose numbers equal another mode's within noise while their plans differ are flagged
+"option may not have taken effect". Outputs: markdown, CSV, JSON and a PNG plot (peak memory
+against sec/step, one point per measured mode, the budget as a line).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import gc
+import io
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .atomic import atomic_write_bytes, atomic_write_text
+from .config import TrainConfig
+from .families import get_family
+from .plan import check_supported
+from .schedule import BACKENDS, CheckpointSchedule, ScheduleError
+
+BASE_MODES = {
+    "none": CheckpointSchedule(gradient_checkpointing=False),
+    "layer": CheckpointSchedule(),
+    "interval2": CheckpointSchedule(gradient_checkpointing_interval=2),
+    "interval2-stride4": CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4),
+}
+"""The documents' four schedules (seeds/000 "Benchmarks")."""
+STATUSES = ("ok", "OOM", "failed", "unsupported", "not run")
+NOISE = 0.05
+"""Relative difference under which two cells' sec/step count as equal (same-process noise)."""
+
+
+def sweep_schedules(offload_attention: bool = True) -> list[CheckpointSchedule]:
+    """Every mode of the sweep: the four base schedules x the four backends (checkpointed
+    schedules only) x attention offload off/on."""
+    schedules = []
+    for name, base in BASE_MODES.items():
+        backends = ("torch",) if name == "none" else BACKENDS
+        for backend in backends:
+            for attention in (False, True) if offload_attention else (False,):
+                schedules.append(base.replace(gradient_checkpointing_backend=backend,
+                                              gradient_checkpointing_offload_attention=attention))
+    return schedules
+
+
+@dataclass
+class SweepCell:
+    """One measured (or skipped) mode.
+
+    Attributes:
+        mode: the schedule's short name (``interval2-stride4-unsloth-offload-attn``).
+        schedule: the six keys.
+        status: one of :data:`STATUSES`.
+        sec_per_step: median seconds per optimizer step after warm-up (``ok`` only).
+        peak_bytes: the largest peak of the steps after warm-up, bytes (``ok`` only).
+        block_map: the plan the run applied (per list, see ``plan.LEGEND``).
+        error: the error message of ``OOM`` / ``failed`` / ``unsupported`` cells.
+        flags: notes such as "option may not have taken effect".
+    """
+
+    mode: str
+    schedule: dict[str, Any]
+    status: str
+    sec_per_step: float | None = None
+    peak_bytes: int | None = None
+    block_map: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    flags: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        """The documents' cell format: ``sec/step / peak GiB`` or the status."""
+        if self.status != "ok":
+            return self.status
+        return f"{self.sec_per_step:.3f} / {self.peak_bytes / 2**30:.4g}"
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] | None = None,
+              warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
+              trainer: Callable[..., Any] | None = None, log: Callable[[str], None] = print) -> list[SweepCell]:
+    """Measure each schedule on a fresh copy of ``bundle``.
+
+    Args:
+        config: the run settings shared by every cell (data, resolution, batch, lr, seed,
+            device); its schedule, steps, output and resume are replaced per cell.
+        bundle: the loaded model (:class:`~.loading.ModelBundle`); never changed (each cell
+            trains a deep copy).
+        schedules: modes to run, default :func:`sweep_schedules`.
+        warmup_steps: steps excluded from sec/step. measured_steps: steps measured after them.
+        skip: schedules for which it returns True are ``not run``.
+        trainer: the training entry point (default :func:`~.training.train`; tests inject faults).
+        log: where progress lines go.
+
+    Returns:
+        One :class:`SweepCell` per schedule, in order, with flags set.
+    """
+    family = get_family(bundle.family.name)
+    cells = []
+    for schedule in schedules or sweep_schedules():
+        cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
+        if skip is not None and skip(schedule):
+            cell.status = "not run"
+        else:
+            try:
+                check_supported(family, schedule)
+            except ScheduleError as exc:
+                cell.status, cell.error = "unsupported", str(exc)
+        if cell.status == "ok":
+            _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer)
+        log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0][:120]})" if cell.error else ""))
+        cells.append(cell)
+    flag_ineffective(cells)
+    return cells
+
+
+def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
+              trainer: Callable[..., Any] | None = None, **kwargs: Any):
+    """Train a deep copy of ``bundle`` with ``schedule`` for ``warmup_steps + measured_steps``
+    steps in a temporary folder (deleted afterwards); return the :class:`~.training.TrainResult`.
+
+    ``config`` gives everything else (data, resolution, batch, device); ``kwargs`` go to the
+    trainer (default :func:`~.training.train`)."""
+    from .training import train
+
+    with tempfile.TemporaryDirectory(prefix="segckpt-run-") as folder, torch.inference_mode(False):
+        copy_ = dataclasses.replace(bundle, transformer=copy.deepcopy(bundle.transformer))
+        run = dataclasses.replace(config, schedule=schedule, steps=warmup_steps + measured_steps,
+                                  timing_warmup_steps=warmup_steps, output=folder, resume=False, save_every=0)
+        return (trainer or train)(run, bundle=copy_, log=lambda line: None, **kwargs)
+
+
+def _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer) -> None:
+    try:
+        result = short_run(config, bundle, schedule, warmup_steps, measured_steps, trainer)
+    except Exception as exc:  # a cell never stops the sweep
+        cell.status = "OOM" if _is_oom(exc) else "failed"
+        cell.error = f"{type(exc).__name__}: {exc}"
+        return
+    finally:
+        _free_memory()
+    totals = result.report["totals"]
+    if totals["steps"] < warmup_steps + measured_steps or totals["sec_per_step"] is None:
+        cell.status, cell.error = "failed", f"reached {totals['steps']} of {warmup_steps + measured_steps} steps"
+        return
+    # post-warm-up figures: step 1 also allocates the optimizer state once
+    cell.sec_per_step = totals["sec_per_step"]
+    cell.peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+    cell.block_map = result.plan.block_maps()
+
+
+def flag_ineffective(cells: list[SweepCell], noise: float = NOISE) -> None:
+    """Flag cells whose sec/step and peak equal another cell's within noise while the applied
+    plans differ: the option may not have taken effect."""
+    measured = [c for c in cells if c.status == "ok"]
+    for a in measured:
+        for b in measured:
+            if a is b or a.block_map == b.block_map and a.schedule == b.schedule:
+                continue
+            same_time = abs(a.sec_per_step - b.sec_per_step) <= noise * max(a.sec_per_step, b.sec_per_step)
+            same_peak = a.peak_bytes == b.peak_bytes or abs(a.peak_bytes - b.peak_bytes) <= 0.005 * max(a.peak_bytes, b.peak_bytes)
+            if same_time and same_peak:
+                flag = f"option may not have taken effect (same as {b.mode})"
+                if not any(f.startswith("option may not") for f in a.flags):
+                    a.flags.append(flag)
+
+
+def to_markdown(cells: list[SweepCell], family: str) -> str:
+    """The sweep as a markdown table in the documents' cell format."""
+    lines = [f"# Checkpointing sweep: {family}", "", "Cells: `sec/step / peak GiB`, or OOM / failed / "
+             "unsupported / not run.", "", "| mode | backend | attention offload | result | notes |",
+             "|---|---|---|---|---|"]
+    for c in cells:
+        notes = "; ".join(c.flags + ([c.error.splitlines()[0][:160]] if c.error else []))
+        lines.append(f"| {c.mode} | {c.schedule['gradient_checkpointing_backend']} | "
+                     f"{'yes' if c.schedule['gradient_checkpointing_offload_attention'] else 'no'} | {c.text()} | {notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(cells: list[SweepCell]) -> str:
+    """The sweep as CSV: one row per cell (sec/step, peak bytes and GiB, status, error, flags)."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["mode", "status", "sec_per_step", "peak_bytes", "peak_gib", "cell", "error", "flags"])
+    for c in cells:
+        writer.writerow([c.mode, c.status, c.sec_per_step, c.peak_bytes,
+                         None if c.peak_bytes is None else c.peak_bytes / 2**30, c.text(), c.error, "; ".join(c.flags)])
+    return out.getvalue()
+
+
+def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budget_bytes: int | None = None) -> dict[str, Path]:
+    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder`` (atomically).
+
+    Returns:
+        The four paths by kind (``markdown``, ``csv``, ``json``, ``png``).
+    """
+    from .plots import sweep_plot_png
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": folder / "sweep.md", "csv": folder / "sweep.csv", "json": folder / "sweep.json",
+             "png": folder / "sweep.png"}
+    atomic_write_text(paths["markdown"], to_markdown(cells, family))
+    atomic_write_text(paths["csv"], to_csv(cells))
+    atomic_write_text(paths["json"], json.dumps({"family": family, "budget_bytes": budget_bytes,
+                                                 "cells": [dataclasses.asdict(c) for c in cells]}, indent=2) + "\n")
+    atomic_write_bytes(paths["png"], sweep_plot_png(cells, family, budget_bytes))
+    return paths

@@ -1,0 +1,114 @@
+"""Nodes that measure and choose schedules: Checkpointing Sweep and Schedule Planner.
+
+Thin adapters over ``engine/sweep.py`` and ``engine/planner.py``: they build the run settings
+from their inputs, call the engine on a copy of the model, and wrap the results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..engine.config import HELP, TrainConfig
+from ..engine.lora_io import LoraSettings
+from ..engine.planner import parse_budget, plan_for_budget, write_choice
+from ..engine.sweep import run_sweep, sweep_schedules, write_outputs
+from ..engine.training import resolve_device
+from .environment import PathError, contained, current_host
+from .training_nodes import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, _tip
+
+
+def _run_inputs() -> dict:
+    return {
+        "model": (MODEL, _tip("From Load Diffusion Model.")),
+        "dataset": (DATASET, _tip("From Image+Caption Dataset (sets the image size).")),
+        "batch_size": ("INT", _tip(HELP["batch_size"], default=1, min=1, max=1024)),
+        "warmup_steps": ("INT", _tip("Steps per mode excluded from the figures.", default=1, min=1, max=100)),
+        "measured_steps": ("INT", _tip("Steps per mode measured after the warm-up.", default=3, min=1, max=1000)),
+        "run_name": ("STRING", _tip("Subfolder of output/segckpt for the results.", default="sweep")),
+    }
+
+
+def _config(model, dataset, batch_size, lora_config, output) -> TrainConfig:
+    return TrainConfig(family=model.family.name, data=dataset["data"], resolution=dataset["resolution"],
+                       batch_size=batch_size, lora=lora_config or LoraSettings(), output=str(output))
+
+
+def _validate_run_name(run_name):
+    try:
+        contained(current_host().output_dir / "segckpt", run_name, "run_name")
+    except PathError as exc:
+        return str(exc)
+    return True
+
+
+class CheckpointingSweep:
+    """Measures every checkpointing mode on the connected model: a plot (IMAGE) and the table."""
+
+    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "sweep", True
+    RETURN_TYPES, RETURN_NAMES = ("IMAGE", "STRING"), ("plot", "table")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {**_run_inputs(),
+                         "attention_offload_modes": ("BOOLEAN", _tip("Also measure every mode with attention "
+                                                                     "offload (doubles the sweep).", default=False)),
+                         "budget_gib": ("FLOAT", _tip("Memory budget drawn on the plot, GiB (0 = none).",
+                                                      default=0.0, min=0.0, max=4096.0, step=0.0001))},
+            "optional": {"lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16."))},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, run_name):
+        return _validate_run_name(run_name)
+
+    def sweep(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, attention_offload_modes,
+              budget_gib, lora_config=None):
+        folder = contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        config = _config(model, dataset, batch_size, lora_config, folder)
+        cells = run_sweep(config, model, sweep_schedules(attention_offload_modes), warmup_steps, measured_steps)
+        budget = int(budget_gib * 2**30) if budget_gib > 0 else None
+        paths = write_outputs(cells, folder, model.family.name, budget)
+        rgb = torch.from_numpy(np.asarray(Image.open(paths["png"]).convert("RGB")).copy())
+        image = rgb.float().div(255.0).unsqueeze(0)
+        table = paths["markdown"].read_text()
+        output_dir = current_host().output_dir.resolve()
+        subfolder = folder.resolve().relative_to(output_dir).as_posix()
+        return {"ui": {"text": [table], "images": [{"filename": "sweep.png", "subfolder": subfolder, "type": "output"}]},
+                "result": (image, table)}
+
+
+class SchedulePlanner:
+    """Picks the fastest schedule predicted to fit a memory budget; wires into Train LoRA."""
+
+    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "plan", True
+    RETURN_TYPES, RETURN_NAMES = (SCHEDULE, "STRING"), ("schedule", "report")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        inputs = _run_inputs()
+        inputs["run_name"] = ("STRING", _tip("Subfolder of output/segckpt for the planner's files.", default="plan"))
+        inputs["measured_steps"] = ("INT", _tip("Steps to run the chosen schedule for its measured numbers "
+                                                "(0 = predict only).", default=2, min=0, max=1000))
+        return {
+            "required": {**inputs, "budget_gib": ("FLOAT", _tip(
+                "Memory budget in GiB; 0 = fit this device (its total memory).", default=0.0, min=0.0,
+                max=4096.0, step=0.0001))},
+            "optional": {"lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16."))},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, run_name):
+        return _validate_run_name(run_name)
+
+    def plan(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None):
+        folder = contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        config = _config(model, dataset, batch_size, lora_config, folder)
+        budget = parse_budget("device" if budget_gib == 0 else budget_gib, resolve_device(config))
+        choice = plan_for_budget(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps)
+        write_choice(choice, folder)
+        report = choice.render()
+        return {"ui": {"text": [report]},
+                "result": ({"family": model.family.name, "schedule": choice.chosen.schedule}, report)}

@@ -1,0 +1,106 @@
+"""Checkpointing sweep: cell statuses (OOM, failed, unsupported, not run), flags, and the outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.loading import build_preset
+from segmented_checkpointing.engine.lora_io import LoraSettings
+from segmented_checkpointing.engine.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.sweep import (
+    SweepCell, flag_ineffective, run_sweep, sweep_schedules, to_markdown, write_outputs,
+)
+from segmented_checkpointing.engine.training import train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _config(tmp_path, family="ideogram4"):
+    return TrainConfig(family=family, resolution=32, output=str(tmp_path / "unused"), lora=LoraSettings(rank=4, alpha=4.0))
+
+
+def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path):
+    bundle = build_preset("ideogram4")  # no FFN and no attention boundary: those modes are unsupported
+    schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule(),
+                 CheckpointSchedule(gradient_checkpointing_interval=2),
+                 CheckpointSchedule(gradient_checkpointing_backend="torch-ffn"),
+                 CheckpointSchedule(gradient_checkpointing_offload_attention=True),
+                 CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)]
+    calls = []
+
+    def faulty(config, **kwargs):
+        calls.append(config.schedule.mode)
+        if config.schedule.mode == "layer":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if config.schedule.mode == "interval2":
+            raise RuntimeError("block 3 exploded")
+        return train(config, **kwargs)
+
+    before = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
+    cells = run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=1, trainer=faulty,
+                      skip=lambda s: s.gradient_checkpointing_segment_stride == 4, log=lambda line: None)
+    status = {c.mode: c.status for c in cells}
+    assert status == {"none": "ok", "layer": "OOM", "interval2": "failed", "layer-torch-ffn": "unsupported",
+                      "layer-offload-attn": "unsupported", "interval2-stride4": "not run"}
+    assert calls == ["none", "layer", "interval2"]  # the sweep went on after the OOM and the failure
+    by_mode = {c.mode: c for c in cells}
+    assert "out of memory" in by_mode["layer"].error and "block 3 exploded" in by_mode["interval2"].error
+    assert "no FFN boundary" in by_mode["layer-torch-ffn"].error
+    none = by_mode["none"]
+    assert none.sec_per_step > 0 and none.peak_bytes > 0 and none.text() == (
+        f"{none.sec_per_step:.3f} / {none.peak_bytes / 2**30:.4g}")
+    after = bundle.transformer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # every cell trained a copy
+    table = to_markdown(cells, "ideogram4")
+    for text in ("| layer | torch | no | OOM |", "| interval2 | torch | no | failed |", "unsupported", "not run"):
+        assert text in table
+
+
+def test_cells_with_equal_numbers_but_different_plans_are_flagged():
+    def cell(mode, sec, peak, block_map):
+        return SweepCell(mode, {"gradient_checkpointing_backend": "torch", "m": mode}, "ok", sec, peak, block_map)
+
+    cells = [cell("none", 1.0, 1000, {"a": "...."}), cell("layer", 1.01, 1001, {"a": "CCCC"}),
+             cell("interval2", 1.5, 500, {"a": "CCCC"}), SweepCell("x", {}, "OOM")]
+    flag_ineffective(cells)
+    assert cells[0].flags == ["option may not have taken effect (same as layer)"]
+    assert cells[1].flags == ["option may not have taken effect (same as none)"]
+    assert cells[2].flags == [] and cells[3].flags == []
+
+
+def test_sweep_modes_cover_the_documents_schedules():
+    modes = [s.mode for s in sweep_schedules()]
+    assert modes[:2] == ["none", "none-offload-attn"] and len(modes) == 2 + 3 * 4 * 2
+    assert {"layer", "interval2", "interval2-stride4", "interval2-stride4-unsloth-ffn-offload-attn"} <= set(modes)
+
+
+def test_segckpt_sweep_writes_markdown_csv_json_and_a_png_with_one_point_per_measured_mode(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "--resolution", "32", "--warmup", "1", "--measure", "1", "--no-attention-offload",
+                     "--rank", "4", "--budget-gib", "0.001", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| interval2-stride4 | torch | no |" in printed
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    data = json.loads((out / "sweep.json").read_text())
+    assert len(rows) == len(data["cells"]) == 1 + 3 * 4 and data["family"] == "flux"
+    measured = [r for r in rows if r["status"] == "ok"]
+    assert len(measured) == len(rows)  # every mode is wired for flux
+    assert all(float(r["sec_per_step"]) > 0 and int(r["peak_bytes"]) > 0 for r in measured)
+    image = Image.open(out / "sweep.png")
+    assert image.format == "PNG" and image.size[0] > 400
+    assert image.text["segckpt:points"] == str(len(measured))
+    assert (out / "sweep.md").read_text().startswith("# Checkpointing sweep: flux")
+
+
+def test_write_outputs_of_failed_sweep_still_plots(tmp_path):
+    cells = [SweepCell("none", {"gradient_checkpointing_backend": "torch",
+                                "gradient_checkpointing_offload_attention": False}, "failed", error="boom")]
+    paths = write_outputs(cells, tmp_path, "flux", budget_bytes=2**30)
+    assert Image.open(paths["png"]).text["segckpt:points"] == "0"
