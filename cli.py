@@ -59,12 +59,12 @@ def _parser() -> argparse.ArgumentParser:
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
                                        "and attention offload the family supports) for a few steps after warm-up "
                                        "and write sweep.md, sweep.csv, sweep.json and sweep.png into --output.")
-    _add_run_options(sweep)
+    _add_run_options(sweep, "Folder for sweep.md, sweep.csv, sweep.json and sweep.png (default output/sweep).")
     plan = sub.add_parser("plan", help="Pick the fastest schedule predicted to fit a memory budget.",
                           description="Probe one step without checkpointing (per-block activation bytes and "
                                       "time), predict every candidate schedule's peak and sec/step, and print "
                                       "the fastest one that fits --budget (then measure it with --measure N).")
-    _add_run_options(plan)
+    _add_run_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
     plan.add_argument("--budget", dest="plan_budget", required=True,
                       help="Memory budget in GiB, or 'device' (fit this device's memory).")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
@@ -85,10 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The model, data and optimisation options shared by ``train`` and ``sweep``."""
+def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = None) -> None:
+    """The model, data and optimisation options shared by ``train``, ``sweep`` and ``plan``
+    (the latter two leave out the options of a long run: steps, saving, timing warm-up)."""
+    skip = () if output_help is None else ("--steps", "--save-every", "--timing-warmup-steps")
     for option, key, kind in _TRAIN_OPTIONS:
-        parser.add_argument(option, dest=key, type=kind, default=None, help=HELP.get(key))
+        if option in skip:
+            continue
+        text = output_help if option == "--output" and output_help else HELP.get(key)
+        parser.add_argument(option, dest=key, type=kind, default=None, help=text)
     parser.add_argument("--targets", dest="lora_target_modules", nargs="+", default=None,
                         help=HELP["lora_target_modules"])
     parser.add_argument("--config", dest="config_file", default=None,
@@ -176,9 +181,12 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.output is None:
             args.output = "output/sweep"
         config = config_from_args(args)
-        if args.sweep_warmup < 0 or args.sweep_measure < 1:
-            raise ValueError(f"--warmup={args.sweep_warmup} / --measure={args.sweep_measure} are invalid: "
-                             "allowed warm-up >= 0 and measure >= 1")
+        if args.sweep_warmup < 0:
+            raise ValueError(f"--warmup={args.sweep_warmup} is invalid: allowed an integer >= 0")
+        if args.sweep_measure < 1:
+            raise ValueError(f"--measure={args.sweep_measure} is invalid: allowed an integer >= 1")
+        if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
+            raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
         bundle = load_bundle(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -201,7 +209,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.output is None:
             args.output = "output/plan"
         config = config_from_args(args)
-        budget = parse_budget(args.plan_budget, resolve_device(config))
+        budget = parse_budget(args.plan_budget, resolve_device(config), key="--budget")
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
         bundle = load_bundle(config)

@@ -162,7 +162,8 @@ class PlanChoice:
         """A table of the candidates (predicted sec/step / peak GiB), the chosen one marked."""
         lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
-                 f"{'':2}{'mode':<44} {'predicted':>22}"]
+                 f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   (-> chosen, x predicted over "
+                 f"the budget less {MARGIN:.0%} headroom)"]
         for p in sorted(self.candidates, key=lambda p: p.sec_per_step):
             mark = "->" if p is self.chosen else ("  " if p.fits else " x")
             lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:.4g}")
@@ -526,11 +527,11 @@ def device_budget(device: str | torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parse_budget(value: str | float | int, device: str | torch.device = "cpu") -> int:
+def parse_budget(value: str | float | int, device: str | torch.device = "cpu", key: str = "budget") -> int:
     """A budget in bytes from ``"device"`` or a number of GiB.
 
     Raises:
-        PlannerError: not ``device`` nor a positive number; the message names ``budget``.
+        PlannerError: not ``device`` nor a finite positive number; the message names ``key``.
     """
     if isinstance(value, str) and value.strip().lower() in ("device", "fit this device"):
         return device_budget(device)
@@ -538,8 +539,8 @@ def parse_budget(value: str | float | int, device: str | torch.device = "cpu") -
         gib = float(value)
     except (TypeError, ValueError):
         gib = -1.0
-    if not gib > 0:
-        raise PlannerError(f"budget={value!r} is invalid: allowed a number of GiB > 0, or 'device'")
+    if not 0 < gib < 2**20:  # also refuses nan and inf
+        raise PlannerError(f"{key}={value!r} is invalid: allowed a number of GiB > 0 (below 1 PiB), or 'device'")
     return int(gib * 2**30)
 
 
@@ -553,20 +554,32 @@ def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
 
 
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
-                    warmup_steps: int = 1, trainer: Callable[..., Any] | None = None) -> PlanChoice:
+                    warmup_steps: int = 1, trainer: Callable[..., Any] | None = None,
+                    max_tries: int = 4) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) run the chosen schedule to measure it.
 
+    When the measured peak of the steps after warm-up exceeds the budget, that candidate is
+    marked as not fitting and the next one is chosen and measured, at most ``max_tries`` times.
+
     Raises:
-        PlannerError: nothing is predicted to fit.
+        PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
     """
-    choice = choose(probe(config, bundle, warmup_steps, trainer), budget_bytes)
-    if measure_steps > 0:
+    measured_probe = probe(config, bundle, warmup_steps, trainer)
+    excluded: list[str] = []
+    notes: list[str] = []
+    for _ in range(max_tries):
+        candidates = [s for s in sweep_schedules() if s.mode not in excluded]
+        choice = choose(measured_probe, budget_bytes, candidates)
+        choice.notes = notes
+        if measure_steps <= 0:
+            return choice
         result = short_run(config, bundle, choice.chosen.schedule, warmup_steps, measure_steps, trainer)
         choice.measured_sec_per_step = result.report["totals"]["sec_per_step"]
-        choice.measured_peak_bytes = result.report["totals"]["peak_bytes"]
-        if choice.measured_peak_bytes > budget_bytes:
-            choice.notes.append("measured peak exceeds the budget: the prediction was too low; pick the next "
-                                "candidate or lower the batch/resolution")
-    return choice
-
-
+        choice.measured_peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+        if choice.measured_peak_bytes <= budget_bytes:
+            return choice
+        notes.append(f"{choice.chosen.schedule.mode} measured {choice.measured_peak_bytes / 2**30:.4g} GiB, over the "
+                     f"budget (predicted {choice.chosen.peak_bytes / 2**30:.4g}): tried the next candidate")
+        excluded.append(choice.chosen.schedule.mode)
+    raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the {max_tries} candidates tried fits when "
+                       f"measured ({'; '.join(notes)})")

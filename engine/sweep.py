@@ -137,7 +137,7 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
                 cell.status, cell.error = "unsupported", str(exc)
         if cell.status == "ok":
             _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer)
-        log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0][:120]})" if cell.error else ""))
+        log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
         cells.append(cell)
     flag_ineffective(cells)
     return cells

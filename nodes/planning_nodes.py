@@ -106,7 +106,7 @@ class SchedulePlanner:
     def plan(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None):
         folder = contained(current_host().output_dir / "segckpt", run_name, "run_name")
         config = _config(model, dataset, batch_size, lora_config, folder)
-        budget = parse_budget("device" if budget_gib == 0 else budget_gib, resolve_device(config))
+        budget = parse_budget("device" if budget_gib == 0 else budget_gib, resolve_device(config), key="budget_gib")
         choice = plan_for_budget(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps)
         write_choice(choice, folder)
         report = choice.render()

@@ -74,7 +74,8 @@ def test_nothing_fits_names_the_smallest_peak():
     assert generous.chosen.schedule.mode == "none"  # fits: the documents say leave checkpointing off
 
 
-@pytest.mark.parametrize("value, ok", [("device", True), ("2.5", True), (3, True), ("0", False), ("lots", False)])
+@pytest.mark.parametrize("value, ok", [("device", True), ("2.5", True), (3, True), ("0", False), ("lots", False),
+                                       ("inf", False), ("nan", False), ("-1", False)])
 def test_budget_parsing(value, ok):
     if ok:
         assert parse_budget(value) > 0
@@ -90,3 +91,20 @@ def test_segckpt_plan_prints_the_choice_and_writes_its_keys(tmp_path, capsys):
     assert "->none " in out and "measured none:" in out
     assert (tmp_path / "schedule.json").is_file() and (tmp_path / "plan.txt").is_file()
     assert cli.main(["plan", "--budget", "nope", "--output", str(tmp_path)]) == 2
+
+
+def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
+    from segmented_checkpointing.engine.planner import plan_for_budget
+    from segmented_checkpointing.engine.training import train
+
+    def pessimistic(config, **kwargs):  # "none" measures far over any budget; the rest as measured
+        result = train(config, **kwargs)
+        if config.schedule.mode == "none" and config.steps == 2:
+            for record in result.history:
+                record["peak_bytes"] = 10**12
+        return result
+
+    config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
+    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, trainer=pessimistic)
+    assert choice.chosen.schedule.mode != "none" and choice.measured_peak_bytes <= 2**30
+    assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()

@@ -104,3 +104,11 @@ def test_write_outputs_of_failed_sweep_still_plots(tmp_path):
                                 "gradient_checkpointing_offload_attention": False}, "failed", error="boom")]
     paths = write_outputs(cells, tmp_path, "flux", budget_bytes=2**30)
     assert Image.open(paths["png"]).text["segckpt:points"] == "0"
+
+
+@pytest.mark.parametrize("args, text", [(["--budget-gib", "-2"], "--budget-gib=-2.0 is invalid"),
+                                        (["--measure", "0"], "--measure=0 is invalid"),
+                                        (["--warmup", "-1"], "--warmup=-1 is invalid")])
+def test_segckpt_sweep_refuses_bad_options_before_any_work(tmp_path, capsys, args, text):
+    assert cli.main(["sweep", *args, "--output", str(tmp_path / "never")]) == 2
+    assert text in capsys.readouterr().err and not (tmp_path / "never").exists()
