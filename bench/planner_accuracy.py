@@ -16,7 +16,8 @@ import torch
 
 from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.planner import predict, probe
+from segmented_checkpointing.engine.planner import predict
+from segmented_checkpointing.engine.probe import probe
 from segmented_checkpointing.engine.sweep import run_sweep, sweep_schedules
 
 

@@ -1,0 +1,319 @@
+"""The planner's probe: per-block activation bytes and time, measured on one training step.
+
+One run of :func:`~.training.train` itself without checkpointing (so the numbers are measured
+exactly like a sweep cell) records, through module hooks and a saved-tensor hook, per block of
+every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
+attention parts of them, its carried inputs, its forward time and forward transient, and its
+trainable (LoRA) bytes; plus the step's peak and sec/step. One more short run with attention
+offload calibrates the offloader's cost per tensor on this machine. :mod:`.planner` predicts
+every candidate schedule from the resulting :class:`Probe`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import TrainConfig
+from .families import get_family
+from .families.base import FamilyAdapter
+from .schedule import CheckpointSchedule
+from .sweep import short_run
+
+@dataclass
+class BlockCost:
+    """Measured cost of one block (bytes, seconds); the fields are described in :mod:`.planner`."""
+
+    list_name: str
+    index: int
+    act: int = 0
+    carried: int = 0
+    ffn: int = 0
+    ffn_in: int = 0
+    attn: int = 0
+    fwd_s: float = 0.0
+    ffn_s: float = 0.0
+    fwd_peak: int = 0
+    grad: int = 0
+    ffn_in_attn: int = 0
+    attn_tensors: int = 0
+
+
+@dataclass
+class Probe:
+    """What one probe run measured.
+
+    Attributes:
+        family: family name. device: ``cpu`` or ``cuda``.
+        blocks: per-list block costs, in forward order of the lists.
+        peak_bytes: the probe step's peak (same scope as a sweep cell). sec_per_step: its time.
+        offload_s_per_tensor / offload_s_per_byte: cost of one tensor kept in host memory by the
+            engine's offloader (pack and unpack), calibrated by one short attention-offload run.
+        blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
+    """
+
+    family: str
+    device: str
+    blocks: dict[str, list[BlockCost]]
+    peak_bytes: int
+    sec_per_step: float
+    offload_s_per_tensor: float
+    offload_s_per_byte: float
+    blocks_end_bytes: int | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """All blocks' saved activations, bytes."""
+        return sum(b.act for costs in self.blocks.values() for b in costs)
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes of the step at its peak besides block activations (never negative); it holds the
+        backward transient of the gradients."""
+        return max(0, self.peak_bytes - self.activation_bytes)
+
+    @property
+    def forward_base_bytes(self) -> int:
+        """Bytes besides block activations while the blocks run forward (no gradients yet)."""
+        if self.blocks_end_bytes is None:
+            return self.base_bytes
+        return max(0, min(self.base_bytes, self.blocks_end_bytes - self.activation_bytes))
+
+
+@dataclass
+class _Seen:
+    """Raw observations of one block call (storage pointers -> bytes)."""
+
+    saved: dict[int, tuple[int, bool, bool]] = field(default_factory=dict)  # ptr -> (bytes, in ffn, in attn)
+    inputs: list[tuple[Any, int, int]] = field(default_factory=list)  # (arg key, ptr, bytes)
+    outputs: set[int] = field(default_factory=set)
+    ffn_inputs: dict[int, int] = field(default_factory=dict)  # ptr -> bytes
+    window: tuple[int, int] | None = None
+
+
+def _tracker():
+    """The CPU live-tensor tracker measuring the current step, if one is active."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from .memory import LiveTensorTracker
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, LiveTensorTracker):
+            return mode
+    return None
+
+
+class _Collector:
+    """Module and saved-tensor hooks that attribute saved bytes and forward time to blocks.
+
+    Observations are kept raw and resolved by :meth:`costs` after the step: an input whose
+    storage is the previous block's output is carried; one passed unchanged to several blocks
+    (time embedding, rotary tables) is shared and belongs to ``base``; a storage saved by
+    several blocks counts for the first.
+    """
+
+    def __init__(self, model: torch.nn.Module, family: FamilyAdapter, sync: Callable[[], None]):
+        self.active = False
+        self.sync = sync
+        self.scopes: list[tuple[str, int, float]] = []
+        self.resident: set[int] = set()
+        self.lists = [(bl.name, list(family.blocks(model, bl))) for bl in family.block_lists]
+        self.seen: dict[tuple[str, int], _Seen] = {}
+        self.costs_: dict[tuple[str, int], BlockCost] = {}
+        self.handles = []
+        self.blocks_end_bytes: int | None = None
+        for bl, (name, blocks) in zip(family.block_lists, self.lists):
+            for i, block in enumerate(blocks):
+                key = (name, i)
+                self.seen[key], self.costs_[key] = _Seen(), BlockCost(name, i)
+                self._scope(block, "block", key)
+                if bl.ffn:  # a chain (Flux single: act_mlp(proj_mlp(x))) is one scope, first to last
+                    names = (bl.ffn,) if isinstance(bl.ffn, str) else bl.ffn
+                    self._scope(block.get_submodule(names[0]), "ffn", key, block.get_submodule(names[-1]))
+                if bl.attention:
+                    self._scope(block.get_submodule(bl.attention), "attn", key)
+
+    def _scope(self, module, kind, key, last=None) -> None:
+        def pre(_module, args, kwargs):
+            if not self.active:
+                return
+            self.sync()
+            seen = self.seen[key]
+            if kind == "block":
+                seen.inputs = [(k, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                               for k, t in [*enumerate(args), *kwargs.items()] if isinstance(t, torch.Tensor)]
+            elif kind == "ffn":
+                seen.ffn_inputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                   for t in args if isinstance(t, torch.Tensor)}
+            tracker = _tracker()
+            if kind == "block" and tracker is not None:  # a window for this block's own peak
+                seen.window = (tracker.current_bytes, tracker.peak_bytes)
+                tracker.peak_bytes = tracker.current_bytes
+            self.scopes.append((kind, key, time.perf_counter()))
+
+        def post(_module, _args, _kwargs, output):
+            if not self.active or not self.scopes:
+                return
+            self.sync()
+            kind_, key_, started = self.scopes.pop()
+            cost = self.costs_[key_]
+            if kind_ == "block":
+                cost.fwd_s += time.perf_counter() - started
+                tracker, window = _tracker(), self.seen[key_].window
+                if tracker is not None and window is not None:
+                    cost.fwd_peak = max(cost.fwd_peak, tracker.peak_bytes - window[0])
+                    tracker.peak_bytes = max(tracker.peak_bytes, window[1])  # the step's peak is kept
+                    self.blocks_end_bytes = tracker.current_bytes  # after the last block: forward's end
+                outputs = output if isinstance(output, (tuple, list)) else [output]
+                self.seen[key_].outputs = {t.untyped_storage().data_ptr() for t in outputs if isinstance(t, torch.Tensor)}
+            elif kind_ == "ffn":
+                cost.ffn_s += time.perf_counter() - started
+
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append((last or module).register_forward_hook(post, with_kwargs=True))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.active and self.scopes and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            kinds = {kind for kind, _, _ in self.scopes}
+            saved = self.seen[self.scopes[-1][1]].saved
+            if storage.data_ptr() not in saved:
+                saved[storage.data_ptr()] = (storage.nbytes(), "ffn" in kinds, "attn" in kinds)
+        return tensor
+
+    def costs(self) -> dict[str, list[BlockCost]]:
+        """Resolve the raw observations into per-block costs."""
+        credited: set[int] = set(self.resident)
+        result: dict[str, list[BlockCost]] = {}
+        for name, blocks in self.lists:
+            seen = [self.seen[(name, i)] for i in range(len(blocks))]
+            pointer_uses: dict[int, int] = {}
+            for s in seen:
+                for ptr in {ptr for _, ptr, _ in s.inputs}:
+                    pointer_uses[ptr] = pointer_uses.get(ptr, 0) + 1
+            shared = {ptr for ptr, uses in pointer_uses.items() if uses > 1}
+            carried_keys: set = set()
+            for i in range(1, len(seen)):
+                carried_keys |= {k for k, ptr, _ in seen[i].inputs if ptr in seen[i - 1].outputs}
+            costs = []
+            for i, s in enumerate(seen):
+                cost = self.costs_[(name, i)]
+                cost.grad = sum(p.numel() * p.element_size() for p in blocks[i].parameters() if p.requires_grad)
+                cost.carried = sum(n for k, ptr, n in s.inputs if k in carried_keys and ptr not in shared)
+                for ptr, (nbytes, in_ffn, in_attn) in s.saved.items():
+                    if ptr in shared or ptr in credited:
+                        continue
+                    credited.add(ptr)
+                    cost.act += nbytes
+                    cost.ffn += nbytes if in_ffn else 0
+                    cost.attn += nbytes if in_attn else 0
+                    cost.attn_tensors += 1 if in_attn else 0
+                # what a checkpoint of the FFN keeps that plain execution does not: its input,
+                # unless the block saves it outside the FFN anyway (a frozen linear saves nothing)
+                cost.ffn_in = sum(n for ptr, n in s.ffn_inputs.items()
+                                  if ptr not in shared and not (ptr in s.saved and not s.saved[ptr][1]))
+                # an FFN input the attention saves too (Flux single blocks): attention offload
+                # cannot free it while a torch-ffn checkpoint holds it
+                cost.ffn_in_attn = sum(n for ptr, n in s.ffn_inputs.items()
+                                       if ptr in s.saved and s.saved[ptr][2] and not s.saved[ptr][1])
+                costs.append(cost)
+            result[name] = costs
+        return result
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, trainer, none_sec: float,
+                  tensors: int, nbytes: int) -> tuple[float, float]:
+    """(seconds per offloaded tensor, seconds per offloaded byte) of the engine's offloader on this
+    machine: one short run with attention offload and no checkpointing, against the probe's
+    sec/step, divided by what it offloads (0 when the family has no attention boundary)."""
+    if not tensors:
+        return 0.0, 0.0
+    result = short_run(config, bundle, CheckpointSchedule(gradient_checkpointing=False,
+                                                          gradient_checkpointing_offload_attention=True),
+                       warmup_steps, 2, trainer)
+    extra = max(0.0, result.report["totals"]["sec_per_step"] - none_sec)
+    # split between per-tensor bookkeeping and per-byte copies: copies at the measured memcpy rate
+    per_byte = _copy_seconds_per_byte(torch.device(result.report["environment"]["device"]))
+    per_tensor = max(0.0, extra - per_byte * nbytes) / tensors
+    return per_tensor, per_byte
+
+
+def _copy_seconds_per_byte(device: torch.device) -> float:
+    """Seconds per byte of one device -> host -> device round trip (16 MiB, best of 3)."""
+    source = torch.empty(4 << 20, dtype=torch.float32, device=device)
+    target = torch.empty(source.shape, dtype=source.dtype, pin_memory=device.type == "cuda")
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        source.copy_(target)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best / source.nbytes
+
+
+def probe(config: TrainConfig, bundle, warmup_steps: int = 1,
+          trainer: Callable[..., Any] | None = None) -> Probe:
+    """Measure per-block activation bytes and forward time on one step without checkpointing.
+
+    Args:
+        config: the run settings (data, resolution, batch, device, ...); the schedule, steps
+            and output are replaced.
+        bundle: the loaded model (never changed: the probe trains a deep copy).
+        warmup_steps: steps before the measured one.
+        trainer: the training entry point (default :func:`~.training.train`).
+    """
+    from .training import resolve_device, train
+
+    trainer = trainer or train
+    family = get_family(bundle.family.name)
+    device = resolve_device(config)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory(prefix="segckpt-probe-") as folder, torch.inference_mode(False):
+        model_copy = dataclasses.replace(bundle, transformer=copy.deepcopy(bundle.transformer))
+        # LoRA is added inside train(); hooks attach to the blocks, which train() keeps
+        collector = _Collector(model_copy.transformer, family, sync)
+        # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
+        probe_config = dataclasses.replace(
+            config, schedule=CheckpointSchedule(gradient_checkpointing=False), steps=warmup_steps + 2,
+            timing_warmup_steps=warmup_steps, output=folder, resume=False, save_every=0)
+
+        def activate() -> None:  # after train() added the LoRA: its weights are resident too
+            model = model_copy.transformer
+            collector.resident = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+            collector.active = True
+
+        def on_step(record, total):
+            if record.step == warmup_steps:  # record the step after the warm-up
+                activate()
+            else:
+                collector.active = False
+
+        if warmup_steps == 0:
+            raise ValueError("warmup_steps=0 is invalid: allowed >= 1 (the probe records after train() set up LoRA)")
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(collector.pack, lambda t: t):
+                result = trainer(probe_config, bundle=model_copy, on_step=on_step, log=lambda line: None)
+        finally:
+            collector.close()
+    recorded, clean = result.history[warmup_steps], result.history[-1]
+    costs = collector.costs()
+    routed_attention = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
+    attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
+    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, trainer, clean["seconds"],
+                                         sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
+    return Probe(family.name, device.type, costs, max(recorded["peak_bytes"], clean["peak_bytes"]),
+                 clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes)
