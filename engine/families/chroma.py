@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
-from .packing import image_ids, pack_2x2, unpack_2x2
+from .packing import image_ids, pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, temb_i, rope, mask) -> (encoder, hidden)
 _DOUBLE = Carry(((0, 1), (1, 0)))
@@ -59,10 +59,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
-
-
 CHROMA = register_family(
     FamilyAdapter(
         name="chroma",
@@ -74,7 +70,7 @@ CHROMA = register_family(
         ),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
+        read_output=read_packed_2x2,
         tiny_config={
             "patch_size": 1,
             "in_channels": 64,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
-from .packing import image_ids, pack_2x2, unpack_2x2
+from .packing import image_ids, pack_2x2, read_packed_2x2
 
 # Both lists are called as block(hidden, encoder, temb, rope, joint_attention_kwargs) and
 # return (encoder, hidden).
@@ -28,10 +28,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     return inputs
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
-
-
 FLUX = register_family(
     FamilyAdapter(
         name="flux",
@@ -43,7 +39,7 @@ FLUX = register_family(
         ),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"], cfg["pooled_projection_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
+        read_output=read_packed_2x2,
         tiny_config={
             "patch_size": 1,
             "in_channels": 64,

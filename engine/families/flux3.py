@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
-from .packing import pack_2x2, unpack_2x2
+from .packing import pack_2x2, read_packed_2x2
 
 # joint: block(content, encoder, content_mod, txt_mod, rope) -> (encoder, content)
 _JOINT = Carry(((0, 1), (1, 0)))
@@ -83,10 +83,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
-
-
 FLUX3 = register_family(
     FamilyAdapter(
         name="flux3",
@@ -98,7 +94,7 @@ FLUX3 = register_family(
         ),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
+        read_output=read_packed_2x2,
         tiny_config={
             "in_channels": 128,
             "cond_in_channels": 128,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from .packing import pack_2x2, unpack_2x2
+from .packing import pack_2x2, read_packed_2x2
 
 
 def _position_ids(text_len: int, height: int, width: int, device: torch.device) -> torch.Tensor:
@@ -55,10 +55,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
-
-
 def _unrouted(name: str, attr: str) -> BlockList:
     return BlockList(name, attr, SINGLE, ffn="ff", attention="attn", routed=False)
 
@@ -74,7 +70,7 @@ KREA2 = register_family(
         ),
         text=lambda cfg: TextSpec(cfg["num_text_layers"] * cfg["text_hidden_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
+        read_output=read_packed_2x2,
         tiny_config={
             "in_channels": 64,
             "num_layers": 8,

@@ -31,3 +31,9 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
     ids[..., 1] += torch.arange(height // 2)[:, None]
     ids[..., 2] += torch.arange(width // 2)[None, :]
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+def read_packed_2x2(model, output, latents: torch.Tensor) -> torch.Tensor:
+    """``read_output`` of families whose model returns packed 2x2 tokens first (Flux and kin):
+    ``output[0]`` ``(B, H/2 * W/2, 4C)`` back to latents ``(B, C, H, W)``."""
+    return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
