@@ -38,13 +38,19 @@ holds besides block activations. For a candidate schedule the model then predict
 The planner returns the fastest predicted schedule whose predicted peak fits; predictions within
 ``TIE`` of each other follow the documents' decision rule (seeds/001 "How to decide"): no
 checkpointing, then ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth``; plain over offload;
-the larger interval and stride. :func:`plan_for_budget` can then measure the chosen schedule.
+the larger interval and stride. The time model is only as good as its calibration: on a shared
+CPU, step times drift by tens of percent and schedules predicted a few percent apart can be 15%
+apart in fact. So when asked to measure, :func:`plan_for_budget` times the chosen prediction, the
+fastest fitting one on the other side of the offloader and the next fastest fitting one (see
+:func:`contenders`) head to head in lockstep, and keeps the fastest measured one that fits
+(measured ties again follow the documents' rule).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -56,8 +62,9 @@ from .config import TrainConfig
 from .families import get_family
 from .plan import check_supported, effective_plan
 from .schedule import CheckpointSchedule, ScheduleError
+from .lockstep import lockstep_runs, paired_ratio, step_seconds
 from .probe import Probe, probe
-from .sweep import short_run, sweep_schedules
+from .sweep import sweep_schedules
 
 TIE = 0.03
 """Relative sec/step difference under which two predictions count as equal."""
@@ -70,12 +77,26 @@ class PlannerError(ValueError):
 
 @dataclass
 class Prediction:
-    """Predicted peak (bytes) and sec/step of one candidate schedule."""
+    """Predicted peak (bytes) and sec/step of one candidate schedule, and, for the candidates the
+    planner timed head to head, what they measured.
+
+    Attributes:
+        offloaded_tensors: tensors per step the plan copies to host memory (0: the offloader
+            has nothing to do, e.g. attention offload when every block is checkpointed).
+        measured_sec_per_step: median seconds per step after warm-up (lockstep run), or None.
+        measured_peak_bytes: largest peak of the steps after warm-up, or None.
+        relative_time: median of its step times over the fastest-predicted contender's,
+            step by step (:func:`~.lockstep.paired_ratio`; 1.0 for that one), or None.
+    """
 
     schedule: CheckpointSchedule
     peak_bytes: int
     sec_per_step: float
     fits: bool = False
+    offloaded_tensors: int = 0
+    measured_sec_per_step: float | None = None
+    measured_peak_bytes: int | None = None
+    relative_time: float | None = None
 
 
 @dataclass
@@ -97,14 +118,19 @@ class PlanChoice:
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
-        """A table of the candidates (predicted sec/step / peak GiB), the chosen one marked."""
+        """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
+        the chosen one marked."""
         lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
-                 f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   (-> chosen, x predicted over "
-                 f"the budget less {MARGIN:.0%} headroom)"]
+                 f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   {'measured (x time of the first)':>30}",
+                 f"{'':2}(-> chosen, x predicted over the budget less {MARGIN:.0%} headroom)"]
         for p in sorted(self.candidates, key=lambda p: p.sec_per_step):
             mark = "->" if p is self.chosen else ("  " if p.fits else " x")
-            lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:.4g}")
+            measured = ""
+            if p.measured_sec_per_step is not None:
+                measured = (f"   {p.measured_sec_per_step:>9.3f} / {p.measured_peak_bytes / 2**30:.4g}"
+                            + (f" (x{p.relative_time:.3f})" if p.relative_time is not None else ""))
+            lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:<18.4g}{measured}")
         if self.measured_sec_per_step is not None:
             lines.append(f"measured {self.chosen.schedule.mode}: {self.measured_sec_per_step:.3f} sec/step / "
                          f"{self.measured_peak_bytes / 2**30:.4g} GiB")
@@ -180,7 +206,7 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
             i += 1
     peak = max(probe_.base_bytes + max(worst, kept_before), probe_.forward_base_bytes + forward_worst)
     seconds += tensors * probe_.offload_s_per_tensor + copied * probe_.offload_s_per_byte
-    return Prediction(schedule, int(peak), seconds)
+    return Prediction(schedule, int(peak), seconds, offloaded_tensors=tensors)
 
 
 def _preference(schedule: CheckpointSchedule) -> tuple:
@@ -258,18 +284,64 @@ def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
             "schedule": atomic_write_text(folder / "schedule.json", json.dumps(keys, indent=2) + "\n")}
 
 
+CONTENDERS = 3
+"""At most this many fitting candidates are timed head to head when the planner measures."""
+WINDOW = 0.25
+"""Besides the hedge of :func:`contenders`, those predicted within this share of the fastest
+fitting prediction are timed."""
+
+
+def contenders(choice: PlanChoice, count: int = CONTENDERS, window: float = WINDOW) -> list[Prediction]:
+    """The fitting candidates worth timing, the chosen one first; then a hedge against the
+    offloader's cost, which is one calibrated number that moves every offloading prediction at
+    once: the fastest fitting one whose offloaded tensors per step differ from the chosen one's by
+    at least half the most any fitting candidate offloads, whatever its prediction; then the
+    fastest predicted within ``window`` of the fastest; ``count`` in all."""
+    fitting = sorted((p for p in choice.candidates if p.fits), key=lambda p: p.sec_per_step)
+    picked = [choice.chosen]
+    most, own = max(p.offloaded_tensors for p in fitting), choice.chosen.offloaded_tensors
+    hedge = next((p for p in fitting if most > 0 and 2 * abs(p.offloaded_tensors - own) >= most), None)
+    if hedge is not None and count > 1:
+        picked.append(hedge)
+    limit = fitting[0].sec_per_step * (1 + window)
+    picked += [p for p in fitting if p.sec_per_step <= limit and all(p is not q for q in picked)]
+    return picked[:count]
+
+
+def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: list[Prediction],
+                       warmup_steps: int, measure_steps: int, trainer) -> None:
+    """Run ``timed`` in lockstep; record their measured numbers; choose the fastest measured one
+    that fits (measured ties within ``TIE`` follow the documents' rule)."""
+    results = lockstep_runs(config, bundle, [p.schedule for p in timed], warmup_steps, measure_steps, trainer)
+    for prediction, result in zip(timed, results):
+        prediction.measured_sec_per_step = statistics.median(step_seconds(result, warmup_steps))
+        prediction.measured_peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+        prediction.relative_time = paired_ratio(result, results[0], warmup_steps) if len(timed) > 1 else None
+    fitting = [p for p in timed if p.measured_peak_bytes <= choice.budget_bytes]
+    if fitting and len(timed) > 1:
+        fastest = min(p.relative_time for p in fitting)
+        choice.chosen = min((p for p in fitting if p.relative_time <= fastest * (1 + TIE)),
+                            key=lambda p: _preference(p.schedule))
+    choice.measured_sec_per_step = choice.chosen.measured_sec_per_step
+    choice.measured_peak_bytes = choice.chosen.measured_peak_bytes
+
+
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, trainer: Callable[..., Any] | None = None,
-                    max_tries: int = 4) -> PlanChoice:
-    """Probe, choose, and (``measure_steps`` > 0) run the chosen schedule to measure it.
+                    max_tries: int = 4, count: int = CONTENDERS, probe_: Probe | None = None) -> PlanChoice:
+    """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
-    When the measured peak of the steps after warm-up exceeds the budget, that candidate is
-    marked as not fitting and the next one is chosen and measured, at most ``max_tries`` times.
+    With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
+    :func:`contenders`) train ``measure_steps`` steps after ``warmup_steps`` in lockstep
+    (:mod:`.lockstep`: one step of each in turn, so a shared machine's drift cancels) and the
+    fastest measured one whose measured peak fits is chosen. Candidates measured over the budget
+    are marked as not fitting and the choice repeats without them, at most ``max_tries`` times.
+    ``probe_``: a probe of the same model and settings to reuse (several budgets), else one runs.
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
     """
-    measured_probe = probe(config, bundle, warmup_steps, trainer)
+    measured_probe = probe_ or probe(config, bundle, warmup_steps, trainer)
     excluded: list[str] = []
     notes: list[str] = []
     for _ in range(max_tries):
@@ -278,13 +350,15 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
         choice.notes = notes
         if measure_steps <= 0:
             return choice
-        result = short_run(config, bundle, choice.chosen.schedule, warmup_steps, measure_steps, trainer)
-        choice.measured_sec_per_step = result.report["totals"]["sec_per_step"]
-        choice.measured_peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+        timed = contenders(choice, count)
+        _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, trainer)
+        for p in timed:
+            if p.measured_peak_bytes > budget_bytes:
+                p.fits = False
+                excluded.append(p.schedule.mode)
+                notes.append(f"{p.schedule.mode} measured {p.measured_peak_bytes / 2**30:.4g} GiB, over the budget "
+                             f"(predicted {p.peak_bytes / 2**30:.4g}): tried the next candidate")
         if choice.measured_peak_bytes <= budget_bytes:
             return choice
-        notes.append(f"{choice.chosen.schedule.mode} measured {choice.measured_peak_bytes / 2**30:.4g} GiB, over the "
-                     f"budget (predicted {choice.chosen.peak_bytes / 2**30:.4g}): tried the next candidate")
-        excluded.append(choice.chosen.schedule.mode)
-    raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the {max_tries} candidates tried fits when "
-                       f"measured ({'; '.join(notes)})")
+    raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the candidates tried fits when measured "
+                       f"({'; '.join(notes)})")

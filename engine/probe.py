@@ -4,8 +4,8 @@ One run of :func:`~.training.train` itself without checkpointing (so the numbers
 exactly like a sweep cell) records, through module hooks and a saved-tensor hook, per block of
 every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
 attention parts of them, its carried inputs, its forward time and forward transient, and its
-trainable (LoRA) bytes; plus the step's peak and sec/step. One more short run with attention
-offload calibrates the offloader's cost per tensor on this machine. :mod:`.planner` predicts
+trainable (LoRA) bytes; plus the step's peak and sec/step. Two more short runs in lockstep, with
+and without attention offload, calibrate the offloader's cost per tensor on this machine. :mod:`.planner` predicts
 every candidate schedule from the resulting :class:`Probe`.
 """
 
@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .families import get_family
 from .families.base import FamilyAdapter
 from .schedule import CheckpointSchedule
-from .sweep import short_run
+from .lockstep import lockstep_runs, paired_difference
 
 @dataclass
 class BlockCost:
@@ -54,7 +54,7 @@ class Probe:
         blocks: per-list block costs, in forward order of the lists.
         peak_bytes: the probe step's peak (same scope as a sweep cell). sec_per_step: its time.
         offload_s_per_tensor / offload_s_per_byte: cost of one tensor kept in host memory by the
-            engine's offloader (pack and unpack), calibrated by one short attention-offload run.
+            engine's offloader (pack and unpack), calibrated by two short runs in lockstep.
         blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
     """
 
@@ -231,19 +231,20 @@ class _Collector:
             handle.remove()
 
 
-def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, trainer, none_sec: float,
-                  tensors: int, nbytes: int) -> tuple[float, float]:
+def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, trainer, tensors: int,
+                  nbytes: int) -> tuple[float, float]:
     """(seconds per offloaded tensor, seconds per offloaded byte) of the engine's offloader on this
-    machine: one short run with attention offload and no checkpointing, against the probe's
-    sec/step, divided by what it offloads (0 when the family has no attention boundary)."""
+    machine: the median extra time of a run with attention offload over one without, timed in
+    lockstep (:mod:`.lockstep`: a step of each in turn, so machine drift cancels), divided by what
+    it offloads (0 when the family has no attention boundary)."""
     if not tensors:
         return 0.0, 0.0
-    result = short_run(config, bundle, CheckpointSchedule(gradient_checkpointing=False,
-                                                          gradient_checkpointing_offload_attention=True),
-                       warmup_steps, 2, trainer)
-    extra = max(0.0, result.report["totals"]["sec_per_step"] - none_sec)
+    plain = CheckpointSchedule(gradient_checkpointing=False)
+    without, with_offload = lockstep_runs(config, bundle, [plain, plain.replace(
+        gradient_checkpointing_offload_attention=True)], warmup_steps, 3, trainer)
+    extra = max(0.0, paired_difference(with_offload, without, warmup_steps))
     # split between per-tensor bookkeeping and per-byte copies: copies at the measured memcpy rate
-    per_byte = _copy_seconds_per_byte(torch.device(result.report["environment"]["device"]))
+    per_byte = _copy_seconds_per_byte(torch.device(with_offload.report["environment"]["device"]))
     per_tensor = max(0.0, extra - per_byte * nbytes) / tensors
     return per_tensor, per_byte
 
@@ -313,7 +314,7 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1,
     costs = collector.costs()
     routed_attention = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
     attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
-    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, trainer, clean["seconds"],
+    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, trainer,
                                          sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
     return Probe(family.name, device.type, costs, max(recorded["peak_bytes"], clean["peak_bytes"]),
                  clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes)

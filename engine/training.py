@@ -170,6 +170,9 @@ def _train(config, output, bundle, on_step, should_stop, log) -> TrainResult:
 
     # Model: frozen base + LoRA (fp32 weights; bf16 autocast on CUDA), then the checkpoint plan.
     model = bundle.transformer
+    # peft initialises lora_A from torch's global generator: seed it, or two runs with one seed in
+    # one process (a ComfyUI server, a sweep) would start from different adapters
+    torch.manual_seed(config.seed)
     params = add_lora(model, config.lora, family.lora_targets)
     model.to(device).train()
     plan = effective_plan(family, config.schedule, count_blocks(family, model))

@@ -90,8 +90,9 @@ class SchedulePlanner:
     def INPUT_TYPES(cls):
         inputs = _run_inputs()
         inputs["run_name"] = ("STRING", _tip("Subfolder of output/segckpt for the planner's files.", default="plan"))
-        inputs["measured_steps"] = ("INT", _tip("Steps to run the chosen schedule for its measured numbers "
-                                                "(0 = predict only).", default=2, min=0, max=1000))
+        inputs["measured_steps"] = ("INT", _tip("Steps to time the chosen prediction and 2 other fitting "
+                                                "ones head to head (one step of each in turn) before deciding; "
+                                                "0 = predict only.", default=2, min=0, max=1000))
         return {
             "required": {**inputs, "budget_gib": ("FLOAT", _tip(
                 "Memory budget in GiB; 0 = fit this device (its total memory).", default=0.0, min=0.0,

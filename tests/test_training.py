@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -48,6 +49,23 @@ def test_ten_plus_resume_plus_ten_equals_twenty(data_dir):
     assert [h["step"] for h in second.history] == list(range(1, 21))
     assert [h["loss"] for h in full.history] == pytest.approx([h["loss"] for h in second.history], abs=1e-6)
     assert full.history[0]["loss"] != full.history[1]["loss"]
+
+
+def test_one_seed_gives_one_adapter_whatever_ran_before_in_the_process(data_dir):
+    """peft draws lora_A from torch's global generator: a server that ran anything before (or a
+    sweep's previous cell) must not change the adapter a seed gives."""
+    from segmented_checkpointing.engine.loading import build_preset
+
+    bundle, runs = build_preset("flux"), []  # loaded once (as a server or a sweep does): no reseeding
+    for name in ("first", "second"):
+        torch.rand(1000)  # anything else drawing from the global generator
+        copy_ = dataclasses.replace(bundle, transformer=copy.deepcopy(bundle.transformer))
+        runs.append(train(_config(data_dir, name, steps=2), bundle=copy_, **QUIET))
+    a, b = (load_file(r.lora_path) for r in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = load_file(train(_config(data_dir, "other-seed", steps=2, seed=7), **QUIET).lora_path)
+    lora_a = [k for k in a if k.endswith("lora_A.weight")]
+    assert lora_a and not any(torch.equal(other[k], a[k]) for k in lora_a)
 
 
 def test_learning_rate_schedule():
