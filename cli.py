@@ -63,14 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Pick the fastest schedule predicted to fit a memory budget.",
                           description="Probe one step without checkpointing (per-block activation bytes and "
                                       "time), predict every candidate schedule's peak and sec/step, and print "
-                                      "the fastest one that fits --budget; with --measure N, time it and two other "
-                                      "fitting candidates head to head (lockstep) and keep the fastest "
+                                      "the fastest one that fits --budget; with --measure N, time it and up to two "
+                                      "other fitting candidates head to head (lockstep) and keep the fastest "
                                       "measured one that fits.")
     _add_run_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
     plan.add_argument("--budget", dest="plan_budget", required=True,
                       help="Memory budget in GiB, or 'device' (fit this device's memory).")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
-                      help="Steps to time the chosen prediction and 2 other fitting ones in lockstep "
+                      help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
                            "before deciding (0 = predict only; default 3).")
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,

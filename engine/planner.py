@@ -40,14 +40,15 @@ The planner returns the fastest predicted schedule whose predicted peak fits; pr
 checkpointing, then ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth``; plain over offload;
 the larger interval and stride. The time model is only as good as its calibration: on a shared
 CPU, step times drift by tens of percent and schedules predicted a few percent apart can be 15%
-apart in fact. So when asked to measure, :func:`plan_for_budget` times the chosen prediction, the
-fastest fitting one on the other side of the offloader and the next fastest fitting one (see
+apart in fact. So when asked to measure, :func:`plan_for_budget` times the chosen prediction and the
+fastest fitting ones had the calibrated offloader cost been half or twice as large (see
 :func:`contenders`) head to head in lockstep, and keeps the fastest measured one that fits
 (measured ties again follow the documents' rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -286,25 +287,24 @@ def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
 
 CONTENDERS = 3
 """At most this many fitting candidates are timed head to head when the planner measures."""
-WINDOW = 0.25
-"""Besides the hedge of :func:`contenders`, those predicted within this share of the fastest
-fitting prediction are timed."""
+SENSITIVITY = (0.5, 2.0)
+"""Factors on the calibrated offloader cost under which :func:`contenders` re-ranks."""
 
 
-def contenders(choice: PlanChoice, count: int = CONTENDERS, window: float = WINDOW) -> list[Prediction]:
-    """The fitting candidates worth timing, the chosen one first; then a hedge against the
-    offloader's cost, which is one calibrated number that moves every offloading prediction at
-    once: the fastest fitting one whose offloaded tensors per step differ from the chosen one's by
-    at least half the most any fitting candidate offloads, whatever its prediction; then the
-    fastest predicted within ``window`` of the fastest; ``count`` in all."""
-    fitting = sorted((p for p in choice.candidates if p.fits), key=lambda p: p.sec_per_step)
+def contenders(choice: PlanChoice, count: int = CONTENDERS) -> list[Prediction]:
+    """The fitting candidates worth timing, the chosen one first: the fastest fitting ones had the
+    offloader cost half and twice what the probe calibrated (``SENSITIVITY``). The offloader's
+    cost is one number from two short runs, and it decides between recomputing and offloading;
+    recompute time comes from every block's own forward time. When no other calibration changes
+    the ranking (e.g. ``none`` fits: nothing beats doing no extra work), only the chosen one."""
     picked = [choice.chosen]
-    most, own = max(p.offloaded_tensors for p in fitting), choice.chosen.offloaded_tensors
-    hedge = next((p for p in fitting if most > 0 and 2 * abs(p.offloaded_tensors - own) >= most), None)
-    if hedge is not None and count > 1:
-        picked.append(hedge)
-    limit = fitting[0].sec_per_step * (1 + window)
-    picked += [p for p in fitting if p.sec_per_step <= limit and all(p is not q for q in picked)]
+    fitting = [p for p in choice.candidates if p.fits]
+    for factor in SENSITIVITY:
+        shifted = dataclasses.replace(choice.probe, offload_s_per_tensor=choice.probe.offload_s_per_tensor * factor,
+                                      offload_s_per_byte=choice.probe.offload_s_per_byte * factor)
+        best = min(fitting, key=lambda p: predict(shifted, p.schedule).sec_per_step)
+        if all(best is not q for q in picked):
+            picked.append(best)
     return picked[:count]
 
 

@@ -90,7 +90,7 @@ class SchedulePlanner:
     def INPUT_TYPES(cls):
         inputs = _run_inputs()
         inputs["run_name"] = ("STRING", _tip("Subfolder of output/segckpt for the planner's files.", default="plan"))
-        inputs["measured_steps"] = ("INT", _tip("Steps to time the chosen prediction and 2 other fitting "
+        inputs["measured_steps"] = ("INT", _tip("Steps to time the chosen prediction and up to 2 other fitting "
                                                 "ones head to head (one step of each in turn) before deciding; "
                                                 "0 = predict only.", default=2, min=0, max=1000))
         return {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from segmented_checkpointing import cli
@@ -40,7 +42,7 @@ def test_predictions_match_a_measured_sweep_and_the_choice_fits(family):
     for share in (0.25, 0.5, 0.75):
         budget = int(share * none_peak)
         try:
-            choice = plan_for_budget(config, bundle, budget, measure_steps=4, probe_=measured_probe)
+            choice = plan_for_budget(config, bundle, budget, measure_steps=6, probe_=measured_probe)
         except PlannerError:
             assert min(c.peak_bytes for c in cells) > budget * 0.95, (family, share)
             continue
@@ -113,38 +115,33 @@ def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
     assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()
 
 
-def _prediction(mode: str, seconds: float, fits: bool = True, offloaded: int = 0):
-    from segmented_checkpointing.engine.planner import Prediction
-
-    return Prediction(next(s for s in CANDIDATES if s.mode == mode), 1, seconds, fits, offloaded)
-
-
-def test_contenders_hedge_the_offloader_calibration():
-    from segmented_checkpointing.engine.planner import PlanChoice, contenders
-
-    chosen = _prediction("interval2", 1.0)
-    others = [_prediction("interval2-stride4", 1.1), _prediction("layer", 1.2),
-              _prediction("layer-offload-attn", 1.2),  # every block checkpointed: nothing to offload
-              _prediction("none-offload-attn", 0.5, fits=False, offloaded=8), _prediction("layer-unsloth", 1.3, offloaded=2),
-              _prediction("layer-torch-ffn-offload-attn", 1.4, offloaded=8),
-              _prediction("interval2-torch-ffn", 1.05, fits=False)]
-    choice = PlanChoice(1, chosen, [chosen, *others], probe=None)
-    # the chosen one; the fastest fitting one offloading at least half the most (8 of 8; not
-    # layer-unsloth, 2 of 8), outside the window (1.4 > 1.25); the fastest other within the window
-    assert [p.schedule.mode for p in contenders(choice)] == ["interval2", "layer-torch-ffn-offload-attn",
-                                                             "interval2-stride4"]
-    assert [p.schedule.mode for p in contenders(choice, count=1)] == ["interval2"]
-
-
-def test_measuring_keeps_the_fastest_measured_contender():
-    """A contender that measures slower than predicted (here: the prediction's choice, made 3x
-    slower by the trainer) loses to the next one timed beside it."""
+def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fastest():
+    """The planner times the choices it would make had the offloader cost half and twice the
+    calibrated value; a contender that measures slower than predicted (here: the prediction's
+    choice, made 3x slower by the trainer) loses to one timed beside it."""
+    from segmented_checkpointing.engine.planner import contenders
     from segmented_checkpointing.engine.training import train
 
     config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
     measured_probe = probe(config, bundle)
     budget = int(0.6 * measured_probe.peak_bytes)
-    predicted = choose(measured_probe, budget).chosen.schedule.mode
+    assert [p.schedule.mode for p in contenders(choose(measured_probe, 10 * measured_probe.peak_bytes))] == ["none"]
+
+    def at(seconds_per_tensor):
+        return dataclasses.replace(measured_probe, offload_s_per_tensor=seconds_per_tensor, offload_s_per_byte=0.0)
+
+    costs = [1e-7 * 2**k for k in range(24)]
+    offloads = [choose(at(c), budget).chosen.offloaded_tensors > 0 for c in costs]
+    assert offloads[0] and not offloads[-1]  # cheap offload: an offloading choice; dear: recompute
+    k = offloads.index(False)  # the first cost at which the choice stops offloading
+    choice = choose(at(costs[k]), budget)
+    timed = [p.schedule.mode for p in contenders(choice)]
+    assert timed[0] == choice.chosen.schedule.mode
+    assert choose(at(costs[k - 1]), budget).chosen.schedule.mode in timed  # half the cost
+    if k + 1 < len(costs):
+        assert choose(at(costs[k + 1]), budget).chosen.schedule.mode in timed  # twice the cost
+
+    predicted = choice.chosen.schedule.mode
 
     def slowed(config, **kwargs):
         result = train(config, **kwargs)
@@ -153,9 +150,8 @@ def test_measuring_keeps_the_fastest_measured_contender():
                 record["seconds"] *= 3
         return result
 
-    choice = plan_for_budget(config, bundle, budget, measure_steps=2, trainer=slowed, probe_=measured_probe)
-    timed = [p for p in choice.candidates if p.measured_sec_per_step is not None]
-    assert len(timed) == 3 and choice.chosen.schedule.mode != predicted
-    assert choice.chosen in timed and choice.chosen.relative_time < 0.6
-    assert choice.measured_peak_bytes <= budget
-    assert f"->{choice.chosen.schedule.mode}" in choice.render() and "(x1.000)" in choice.render()
+    planned = plan_for_budget(config, bundle, budget, measure_steps=2, trainer=slowed, probe_=at(costs[k]))
+    measured = [p for p in planned.candidates if p.measured_sec_per_step is not None]
+    assert len(measured) >= 2 and planned.chosen.schedule.mode != predicted
+    assert planned.chosen.relative_time < 0.6 and planned.measured_peak_bytes <= budget
+    assert f"->{planned.chosen.schedule.mode}" in planned.render() and "(x1.000)" in planned.render()
