@@ -123,7 +123,7 @@ class PlanChoice:
         the chosen one marked."""
         lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
-                 f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   {'measured (x time of the first)':>30}",
+                 f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   {'measured (x the predicted choice)':>33}",
                  f"{'':2}(-> chosen, x predicted over the budget less {MARGIN:.0%} headroom)"]
         for p in sorted(self.candidates, key=lambda p: p.sec_per_step):
             mark = "->" if p is self.chosen else ("  " if p.fits else " x")
