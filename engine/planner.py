@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -63,9 +62,9 @@ from .config import TrainConfig
 from .families import get_family
 from .plan import check_supported, effective_plan
 from .schedule import CheckpointSchedule, ScheduleError
-from .lockstep import lockstep_runs, paired_ratio, step_seconds
+from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe
-from .sweep import sweep_schedules
+from .sweep import peak_after_warmup, sweep_schedules
 
 TIE = 0.03
 """Relative sec/step difference under which two predictions count as equal."""
@@ -285,13 +284,11 @@ def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
             "schedule": atomic_write_text(folder / "schedule.json", json.dumps(keys, indent=2) + "\n")}
 
 
-CONTENDERS = 3
-"""At most this many fitting candidates are timed head to head when the planner measures."""
 SENSITIVITY = (0.5, 2.0)
 """Factors on the calibrated offloader cost under which :func:`contenders` re-ranks."""
 
 
-def contenders(choice: PlanChoice, count: int = CONTENDERS) -> list[Prediction]:
+def contenders(choice: PlanChoice) -> list[Prediction]:
     """The fitting candidates worth timing, the chosen one first: the fastest fitting ones had the
     offloader cost half and twice what the probe calibrated (``SENSITIVITY``). The offloader's
     cost is one number from two short runs, and it decides between recomputing and offloading;
@@ -305,7 +302,7 @@ def contenders(choice: PlanChoice, count: int = CONTENDERS) -> list[Prediction]:
         best = min(fitting, key=lambda p: predict(shifted, p.schedule).sec_per_step)
         if all(best is not q for q in picked):
             picked.append(best)
-    return picked[:count]
+    return picked
 
 
 def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: list[Prediction],
@@ -314,8 +311,8 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
     that fits (measured ties within ``TIE`` follow the documents' rule)."""
     results = lockstep_runs(config, bundle, [p.schedule for p in timed], warmup_steps, measure_steps, trainer)
     for prediction, result in zip(timed, results):
-        prediction.measured_sec_per_step = statistics.median(step_seconds(result, warmup_steps))
-        prediction.measured_peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+        prediction.measured_sec_per_step = result.report["totals"]["sec_per_step"]
+        prediction.measured_peak_bytes = peak_after_warmup(result, warmup_steps)
         prediction.relative_time = paired_ratio(result, results[0], warmup_steps) if len(timed) > 1 else None
     fitting = [p for p in timed if p.measured_peak_bytes <= choice.budget_bytes]
     if fitting and len(timed) > 1:
@@ -328,7 +325,7 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, trainer: Callable[..., Any] | None = None,
-                    max_tries: int = 4, count: int = CONTENDERS, probe_: Probe | None = None) -> PlanChoice:
+                    max_tries: int = 4, probe_: Probe | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
     With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
@@ -350,7 +347,7 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
         choice.notes = notes
         if measure_steps <= 0:
             return choice
-        timed = contenders(choice, count)
+        timed = contenders(choice)
         _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, trainer)
         for p in timed:
             if p.measured_peak_bytes > budget_bytes:

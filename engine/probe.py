@@ -5,8 +5,8 @@ exactly like a sweep cell) records, through module hooks and a saved-tensor hook
 every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
 attention parts of them, its carried inputs, its forward time and forward transient, and its
 trainable (LoRA) bytes; plus the step's peak and sec/step. Two more short runs in lockstep, with
-and without attention offload, calibrate the offloader's cost per tensor on this machine. :mod:`.planner` predicts
-every candidate schedule from the resulting :class:`Probe`.
+and without attention offload, calibrate the offloader's cost per tensor on this machine.
+:mod:`.planner` predicts every candidate schedule from the resulting :class:`Probe`.
 """
 
 from __future__ import annotations

@@ -159,6 +159,12 @@ def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_
         return (trainer or train)(run, bundle=copy_, log=lambda line: None, **kwargs)
 
 
+def peak_after_warmup(result, warmup_steps: int) -> int:
+    """The largest peak (bytes) of a run's steps after ``warmup_steps`` (step 1 also allocates
+    the optimizer state, once)."""
+    return max(h["peak_bytes"] for h in result.history[warmup_steps:])
+
+
 def _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer) -> None:
     try:
         result = short_run(config, bundle, schedule, warmup_steps, measured_steps, trainer)
@@ -174,7 +180,7 @@ def _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, train
         return
     # post-warm-up figures: step 1 also allocates the optimizer state once
     cell.sec_per_step = totals["sec_per_step"]
-    cell.peak_bytes = max(h["peak_bytes"] for h in result.history[warmup_steps:])
+    cell.peak_bytes = peak_after_warmup(result, warmup_steps)
     cell.block_map = result.plan.block_maps()
 
 
