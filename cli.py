@@ -10,8 +10,15 @@ allowed.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any, Sequence
+
+# What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
+# built for other torch builds, torchao-serialized checkpoints) concerns nothing this command does;
+# set before the engine's imports (peft imports torchao) so that it never reaches the console.
+for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 from .engine.config import HELP, TrainConfig, read_config_file
 from .engine.schedule import BACKENDS
@@ -28,6 +35,8 @@ _TRAIN_OPTIONS: list[tuple[str, str, Any]] = [
     ("--alpha", "lora_alpha", float), ("--lora-dropout", "lora_dropout", float),
     ("--output", "output", str), ("--device", "device", str), ("--mixed-precision", "mixed_precision", str),
     ("--save-every", "save_every", int), ("--timing-warmup-steps", "timing_warmup_steps", int),
+    ("--base-precision", "base_model_precision", str), ("--attention-backend", "attention_backend", str),
+    ("--on-nonfinite", "on_nonfinite", str),
 ]
 _SCHEDULE_OPTIONS = [
     ("--interval", "gradient_checkpointing_interval"),
@@ -131,9 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``segckpt`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
-    import warnings
-
-    warnings.formatwarning = lambda message, category, *_args, **_kw: f"segckpt: warning: {message}\n"
+    _console_messages()
     if args.command == "train":
         from .engine.training import train
 
@@ -224,6 +231,19 @@ def _plan(args: argparse.Namespace) -> int:
     path = write_choice(choice, Path(config.output))["schedule"]
     print(f"chosen: {choice.chosen.schedule.mode}; its keys are in {path} (segckpt train --config {path})")
     return 0
+
+
+def _console_messages() -> None:
+    """Our warnings print as one ``segckpt: warning:`` line; other libraries' keep their origin
+    (a torch warning is not ours to claim)."""
+    import warnings
+
+    def one_line(message, category, filename, lineno, *_args, **_kw) -> str:
+        if category.__module__.startswith(__package__ or "segmented_checkpointing"):
+            return f"segckpt: warning: {message}\n"
+        return f"warning ({category.__name__}, {filename}:{lineno}): {message}\n"
+
+    warnings.formatwarning = one_line
 
 
 class _StopOnSignal:

@@ -10,8 +10,9 @@ tokens), then, if the budget allows, 32 blocks of width 4096 (32 x 128) on 3072 
 Frozen bf16 base, rank-16 LoRA on ``to_q/to_k/to_v/to_out.0`` (bf16 too, no autocast), AdamW,
 batch 1, MSE loss; 2 warm-up + 3 measured steps per cell.
 
-Columns: none / torch-ffn / torch / unsloth-ffn / unsloth (per-block: interval unset), each
-without and with ``gradient_checkpointing_offload_attention``. A cell is ``median post-warm-up
+Columns: none / torch-ffn / torch / interval2 / interval2-stride4 / unsloth-ffn / unsloth
+(backends per block; the interval columns use the torch backend), each without and with
+``gradient_checkpointing_offload_attention``. A cell is ``median post-warm-up
 sec/step / peak``: on CUDA ``max_memory_allocated`` over the measured steps in GiB (absolute,
 weights included; reset after each cell's warm-up); on CPU (``--smoke``) the live-tensor peak of
 the measured steps in MiB, host pool excluded (transient only). Status cells: ``OOM``, ``failed``
@@ -22,14 +23,16 @@ since the sweep began (imports excluded) plus the slowest finished cell of its r
 counters (last measured step), and notes (plan notes, warnings, options that had no effect).
 
 Run on a CUDA machine:  ``bash bench/gpu_sweep.sh [--budget-s 400] [--skip-large] [--out FILE]``
-CPU check (< 30 s):     ``python bench/gpu_sweep.py --smoke`` (2-3 blocks of width 64/96, fp32;
+CPU check (< 30 s):     ``python bench/gpu_sweep.py --smoke`` (4-6 blocks of width 64/96, fp32;
                         written to gpu_sweep_smoke.md in the temporary directory unless ``--out``)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
 import platform
 import sys
@@ -38,6 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import diffusers
 import peft
@@ -106,7 +110,7 @@ FAMILY = FamilyAdapter(
     read_output=lambda model, output, latents: unpack_2x2(output, *latents.shape[-2:]),
 )
 LARGE_RESERVE_S = 60.0  # start the large stack only with at least this much budget left
-MODES = ("none", "torch-ffn", "torch", "unsloth-ffn", "unsloth")
+MODES = ("none", "torch-ffn", "torch", "interval2", "interval2-stride4", "unsloth-ffn", "unsloth")
 COLUMNS = [(mode, attn) for mode in MODES for attn in (False, True)]
 
 
@@ -130,8 +134,8 @@ class Preset:
 
 FULL = Preset(rows=tuple((Stack(3072, 24, 24), s, s) for s in (64, 128, 256)),
               large=((Stack(4096, 32, 32), 96, 128),), dtype=torch.bfloat16, warmup=2, steps=3)
-SMOKE = Preset(rows=((Stack(64, 2, 2), 16, 16), (Stack(64, 2, 2), 16, 32)),
-               large=((Stack(96, 2, 3), 16, 24),), dtype=torch.float32, warmup=1, steps=2)
+SMOKE = Preset(rows=((Stack(64, 2, 4), 16, 16), (Stack(64, 2, 4), 16, 32)),
+               large=((Stack(96, 2, 6), 16, 24),), dtype=torch.float32, warmup=1, steps=2)
 
 
 @dataclass
@@ -150,9 +154,15 @@ class Cell:
 
 
 def schedule_for(mode: str, attn: bool) -> CheckpointSchedule:
+    """The schedule of a column: ``none``, a backend (per block), ``interval2`` or
+    ``interval2-stride4`` (torch backend), with or without attention offload."""
+    keys = {"gradient_checkpointing_offload_attention": attn}
     if mode == "none":
-        return CheckpointSchedule(gradient_checkpointing=False, gradient_checkpointing_offload_attention=attn)
-    return CheckpointSchedule(gradient_checkpointing_backend=mode, gradient_checkpointing_offload_attention=attn)
+        return CheckpointSchedule(gradient_checkpointing=False, **keys)
+    if mode.startswith("interval2"):
+        stride = 4 if mode.endswith("stride4") else None
+        return CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=stride, **keys)
+    return CheckpointSchedule(gradient_checkpointing_backend=mode, **keys)
 
 
 def build(stack: Stack, device: torch.device, dtype: torch.dtype) -> SyntheticStack:
@@ -170,24 +180,46 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_cell(model, latents, target, schedule, device, warmup: int, steps: int, notes: set[str]) -> Cell:
-    """Warm-up steps, then measured steps of one schedule; raises on OOM / failure."""
-    plan = effective_plan(FAMILY, schedule, count_blocks(FAMILY, model), warn=False)
-    notes.update(plan.notes)
-    runner = SegmentRunner(model, FAMILY, plan).install()
-    off = runner.offloader
+REFERENCES = ("diffusers-none", "diffusers-layer")
+"""Reference columns: the model called directly, without and with diffusers' own per-block
+checkpointing (``enable_gradient_checkpointing()`` with its default function)."""
+
+
+def run_cell(model, latents, target, schedule, device, warmup: int, steps: int, notes: set[str],
+             family: FamilyAdapter = FAMILY, inputs: dict | None = None,
+             context: Callable[[], Any] = contextlib.nullcontext) -> Cell:
+    """Warm-up steps, then measured steps of one schedule; raises on OOM / failure.
+
+    Args:
+        schedule: a :class:`CheckpointSchedule` run by our runner, or one of :data:`REFERENCES`.
+        family, inputs: the adapter and the model's inputs (default: this script's stack).
+        context: a fresh context manager per forward + backward (autocast, SDPA kernels).
+    """
+    inputs = inputs if inputs is not None else family.make_inputs(model, latents, None, None)
+    runner = None
+    if schedule in REFERENCES:
+        if schedule == "diffusers-layer":
+            model.enable_gradient_checkpointing()
+        forward = functools.partial(model, **inputs)
+    else:
+        plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+        notes.update(plan.notes)
+        runner = SegmentRunner(model, family, plan).install()
+        forward = functools.partial(runner.forward, **inputs)
+    off = runner.offloader if runner else None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     timer = StepTimer(device, warmup)
     memory = PeakMemory(device, exclude=off.pool.is_host if off else None)
-    inputs = FAMILY.make_inputs(model, latents, None, None)
 
     def step() -> None:
-        runner.stats.reset()
+        if runner:
+            runner.stats.reset()
         if off:
             off.stats.reset()
         with timer.step():
-            prediction = FAMILY.read_output(model, runner.forward(**inputs), latents)
-            F.mse_loss(prediction.float(), target).backward()
+            with context():
+                prediction = family.read_output(model, forward(), latents)
+                F.mse_loss(prediction.float(), target.float()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -197,27 +229,33 @@ def run_cell(model, latents, target, schedule, device, warmup: int, steps: int, 
         with memory.measure() as reading:
             for _ in range(steps):
                 step()
-        s = runner.stats
-        notes.update(s.fallbacks)
-        stats = dict(ckpt_calls=s.checkpoint_calls, recomputed_blocks=s.recomputed_blocks,
-                     recomputed_ffn=s.recomputed_ffn, off_tensors=off.stats.tensors if off else 0,
+        s = runner.stats if runner else None
+        if s:
+            notes.update(s.fallbacks)
+        stats = dict(ckpt_calls=s.checkpoint_calls if s else 0, recomputed_blocks=s.recomputed_blocks if s else 0,
+                     recomputed_ffn=s.recomputed_ffn if s else 0, off_tensors=off.stats.tensors if off else 0,
                      off_bytes=off.stats.bytes if off else 0, pool_bytes=off.pool.pool_bytes if off else 0,
                      pinned=("yes" if off.pool.pinned else "no") if off else "-")
         return Cell("ok", timer.median_s(), reading.peak_bytes, reading.step_bytes, stats=stats)
     finally:
-        runner.close()
+        if runner:
+            runner.close()
         model.disable_gradient_checkpointing()
         model.zero_grad(set_to_none=True)
 
 
-def guarded_cell(model, latents, target, mode, attn, device, preset, notes) -> Cell:
-    """:func:`run_cell` with status cells for unsupported / OOM / failed, memory freed afterwards."""
+def guarded_cell(model, latents, target, mode, attn, device, preset, notes, **cell_options) -> Cell:
+    """:func:`run_cell` with status cells for unsupported / OOM / failed, memory freed afterwards.
+
+    ``mode`` is a column of :data:`MODES` or one of :data:`REFERENCES`; ``cell_options`` go to
+    :func:`run_cell` (family, inputs, context)."""
     start = time.monotonic()
+    schedule = mode if mode in REFERENCES else schedule_for(mode, attn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            cell = run_cell(model, latents, target, schedule_for(mode, attn), device, preset.warmup,
-                            preset.steps, notes)
+            cell = run_cell(model, latents, target, schedule, device, preset.warmup, preset.steps, notes,
+                            **cell_options)
         except ScheduleError as exc:
             cell = Cell("unsupported", error=str(exc))
         except torch.cuda.OutOfMemoryError as exc:

@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .attention_kernels import parse_attention_backend
 from .lora_io import LoraSettings
+from .nonfinite import POLICIES as NONFINITE_POLICIES
+from .precision import BASE_PRECISIONS
 from .schedule import KEYS as SCHEDULE_KEYS
 from .schedule import CheckpointSchedule
 
@@ -49,7 +52,16 @@ HELP = {
               "run must match it; steps, schedule, device and saving options may change).",
     "overwrite": "Replace a finished or interrupted run in the output folder (otherwise refused).",
     "device": "auto (CUDA when available), cpu or cuda.",
-    "mixed_precision": "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
+    "mixed_precision": "auto (bf16 autocast on CUDA, fp16 for an fp16 base; on the CPU fp32, or the autocast "
+                       "of a bf16/fp16 base), bf16 or fp32.",
+    "base_model_precision": "Frozen base weights: auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16, fp32, "
+                            "int8-torchao or fp8-torchao (Linear weights quantized weight-only through torchao), "
+                            "no_change (the dtype the weight files hold). LoRA and optimizer state stay fp32.",
+    "attention_backend": "SDPA kernels for forward, backward and every recompute: auto (flash, efficient, math; "
+                         "cuDNN is left out because its fused backward returns NaN on some shapes) or a "
+                         "comma-separated list of flash, efficient, math, cudnn in priority order.",
+    "on_nonfinite": "When the loss or a LoRA gradient is NaN/inf: stop (keep the last good step's LoRA and "
+                    "state, exit status 2) or skip (drop that step's update, report it, go on).",
     "save_every": "Also save the resumable state every N steps (0 = only at the end or on interruption).",
     "timing_warmup_steps": "Steps excluded from the sec/step figure (warm-up).",
 }
@@ -133,6 +145,9 @@ class TrainConfig:
     overwrite: bool = False
     device: str = "auto"
     mixed_precision: str = "auto"
+    base_model_precision: str = "auto"
+    attention_backend: str = "auto"
+    on_nonfinite: str = "stop"
     save_every: int = 0
     timing_warmup_steps: int = 2
 
@@ -170,6 +185,12 @@ class TrainConfig:
         _need(_int(self.resolution) and self.resolution <= 8192, "resolution", self.resolution, "at most 8192")
         _need(self.device in DEVICES, "device", self.device, ", ".join(DEVICES))
         _need(self.mixed_precision in PRECISIONS, "mixed_precision", self.mixed_precision, ", ".join(PRECISIONS))
+        _need(self.base_model_precision in BASE_PRECISIONS, "base_model_precision", self.base_model_precision,
+              ", ".join(BASE_PRECISIONS))
+        names = parse_attention_backend(self.attention_backend)
+        if not isinstance(self.attention_backend, str):  # a JSON list: kept as its canonical string
+            object.__setattr__(self, "attention_backend", ",".join(names))
+        _need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", self.on_nonfinite, ", ".join(NONFINITE_POLICIES))
         _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
               self.timing_warmup_steps, "an integer >= 0")

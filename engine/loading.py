@@ -8,17 +8,22 @@ are refused with a message saying how to convert them).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import safetensors
 import torch
+from safetensors import safe_open
 
 from .families import FamilyAdapter, TextBatch, family_for_class, get_family
 from .text import DeterministicTextEmbedder, load_text_encoder
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PRESETS = ("tiny",)
+_SAFETENSORS_FLOAT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F64": torch.float64}
 
 
 class ModelLoadError(ValueError):
@@ -36,6 +41,8 @@ class ModelBundle:
         encode_text: captions -> :class:`TextBatch` (a local text encoder, or the deterministic
             embedder of the built-in default).
         source: where it came from (``preset:tiny`` or the folder path), for the report.
+        base_precision: the ``base_model_precision`` it was loaded for (``None``: not chosen
+            yet; training applies the run's own).
     """
 
     family: FamilyAdapter
@@ -43,6 +50,7 @@ class ModelBundle:
     vae: torch.nn.Module
     encode_text: Callable[[list[str]], TextBatch]
     source: str
+    base_precision: str | None = None
 
 
 def tiny_vae_config(latent_channels: int) -> dict[str, Any]:
@@ -110,7 +118,8 @@ def _class_name(folder: Path) -> str:
     return json.loads(config.read_text(encoding="utf-8")).get("_class_name", "")
 
 
-def _load_component(folder: Path, expected: str | None = None) -> torch.nn.Module:
+def _load_component(folder: Path, expected: str | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     import diffusers
 
     name = _class_name(folder)
@@ -121,8 +130,30 @@ def _load_component(folder: Path, expected: str | None = None) -> torch.nn.Modul
     if cls is None:
         raise ModelLoadError(f"{folder}: class {name!r} is not a diffusers model class")
     check_safetensors_folder(folder)
-    return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True,
-                               torch_dtype=torch.float32).eval()
+    return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, torch_dtype=dtype).eval()
+
+
+def stored_dtype(path: str | Path) -> torch.dtype:
+    """The floating dtype most of the transformer's weights are stored in (headers only).
+
+    Raises:
+        ModelLoadError: no readable ``.safetensors`` weights.
+    """
+    root = Path(path)
+    folder = root / "transformer" if (root / "model_index.json").is_file() else root
+    counts: dict[str, int] = {}
+    try:
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as fh:
+                for key in fh.keys():
+                    part = fh.get_slice(key)
+                    counts[part.get_dtype()] = counts.get(part.get_dtype(), 0) + math.prod(part.get_shape())
+    except (OSError, safetensors.SafetensorError) as exc:
+        raise ModelLoadError(f"{folder}: the .safetensors weights could not be read: {exc}") from exc
+    floating = {k: v for k, v in counts.items() if k in _SAFETENSORS_FLOAT}
+    if not floating:
+        raise ModelLoadError(f"{folder} has no floating-point .safetensors weights")
+    return _SAFETENSORS_FLOAT[max(floating, key=floating.get)]
 
 
 def detect_family(path: str | Path) -> str:
@@ -145,8 +176,12 @@ def detect_family(path: str | Path) -> str:
 
 def load_model_folder(path: str | Path, family_name: str | None = None,
                       vae_path: str | Path | None = None,
-                      text_encoder_path: str | Path | None = None, seed: int = 0) -> ModelBundle:
+                      text_encoder_path: str | Path | None = None, seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> ModelBundle:
     """Load a diffusers folder from a local path (never the network).
+
+    The transformer is loaded in ``dtype`` (the run's storage dtype: a 12 B-parameter base never
+    exists in fp32 when bf16 was asked for); the VAE stays fp32 (it encodes the data once).
 
     ``path`` is either a pipeline folder (``model_index.json`` with ``transformer/`` and ``vae/``
     subfolders, optionally ``text_encoder/`` + ``tokenizer/``) or a bare transformer folder (then
@@ -171,7 +206,7 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
         if found != family.model_class:
             raise ModelLoadError(f"{transformer_dir} holds a {found!r} but family {family.name!r} "
                                  f"needs a {family.model_class!r}")
-    transformer = _load_component(transformer_dir, family.model_class)
+    transformer = _load_component(transformer_dir, family.model_class, dtype)
     vae_dir = Path(vae_path) if vae_path else (root / "vae" if pipeline else None)
     if vae_dir is None or not vae_dir.is_dir():
         raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")

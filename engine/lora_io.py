@@ -20,6 +20,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from .atomic import atomic_save_file
+from .precision import quiet_torchao
 
 PREFIX = "transformer."
 
@@ -66,6 +67,9 @@ class LoraSettings:
 def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tuple[str, ...]) -> list[torch.nn.Parameter]:
     """Freeze ``model`` and inject a LoRA adapter with peft; return the trainable parameters.
 
+    The adapter's weights are fp32 whatever the base's dtype (bf16, fp16, quantized): peft
+    creates them in the base layer's dtype, and bf16 LoRA updates lose small steps.
+
     Raises:
         LoraConfigError: no module of ``model`` matches the target names.
     """
@@ -74,14 +78,19 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tu
                         target_modules=targets, init_lora_weights=settings.init)
     model.requires_grad_(False)
     try:
-        if isinstance(model, PeftAdapterMixin):
-            model.add_adapter(config)
-        else:  # diffusers classes without PeftAdapterMixin (PixArt, OmniGen, DiT, ...)
-            inject_adapter_in_model(config, model)
+        with quiet_torchao():  # peft imports torchao (when installed) to recognise quantized layers
+            if isinstance(model, PeftAdapterMixin):
+                model.add_adapter(config)
+            else:  # diffusers classes without PeftAdapterMixin (PixArt, OmniGen, DiT, ...)
+                inject_adapter_in_model(config, model)
     except ValueError as exc:
         raise LoraConfigError(f"lora_target_modules={targets!r} matched no module of "
                               f"{type(model).__name__}: {exc}") from exc
-    return [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.dtype != torch.float32:
+            p.data = p.data.float()
+    return params
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,6 +23,21 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+def resident_storages(module: torch.nn.Module) -> set[int]:
+    """Storage pointers of ``module``'s parameters and buffers, the inner tensors of wrapper
+    subclasses (torchao's quantized weights: data and scales) included: what offload never copies."""
+    pointers: set[int] = set()
+    pending = [*module.parameters(), *module.buffers()]
+    while pending:
+        tensor = pending.pop()
+        if is_traceable_wrapper_subclass(tensor):
+            pending.extend(getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+        else:
+            pointers.add(tensor.untyped_storage().data_ptr())
+    return pointers
 
 
 class PinnedMemoryWarning(UserWarning):
@@ -206,7 +221,7 @@ class Offloader:
 
         Views of one memory range saved several times in the block (the input of ``to_q``,
         ``to_k`` and ``to_v``, each reshaped by its LoRA) are copied once and shared; tensors in
-        resident storage (parameters) are never copied.
+        resident storage (parameters) and wrapper subclasses (quantized weights) are never copied.
         """
         regions: dict[tuple, tuple[torch.Tensor, _Region]] = {}
 
@@ -214,7 +229,7 @@ class Offloader:
             if self.recomputing():
                 self.stats.packed_in_recompute += 1
                 return tensor
-            if (tensor.numel() == 0 or tensor.layout != torch.strided
+            if (tensor.numel() == 0 or tensor.layout != torch.strided or is_traceable_wrapper_subclass(tensor)
                     or (select is not None and id(tensor) not in select)
                     or tensor.untyped_storage().data_ptr() in self.resident):
                 return tensor

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .config import TrainConfig
 from .families import get_family
 from .families.base import FamilyAdapter
 from .schedule import CheckpointSchedule
 from .lockstep import lockstep_runs, paired_difference
+from .offload import resident_storages
 
 @dataclass
 class BlockCost:
@@ -179,7 +181,8 @@ class _Collector:
         self.handles.append((last or module).register_forward_hook(post, with_kwargs=True))
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.active and self.scopes and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+        if (self.active and self.scopes and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
+                and not is_traceable_wrapper_subclass(tensor)):
             storage = tensor.untyped_storage()
             kinds = {kind for kind, _, _ in self.scopes}
             saved = self.seen[self.scopes[-1][1]].saved
@@ -294,7 +297,7 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1,
 
         def activate() -> None:  # after train() added the LoRA: its weights are resident too
             model = model_copy.transformer
-            collector.resident = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+            collector.resident = resident_storages(model)
             collector.active = True
 
         def on_step(record, total):

@@ -18,8 +18,14 @@ REPORT_FILE = "report.json"
 
 
 def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: StepTimer,
-                 device: torch.device, source: str, interrupted: bool) -> dict[str, Any]:
+                 device: torch.device, source: str, interrupted: bool,
+                 setup: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run report as a JSON-ready dict.
+
+    ``setup`` (from the trainer): ``precision`` (base, storage and compute dtypes, Linear layers
+    and how many are quantized), ``attention_backend`` (SDPA kernels), ``memory`` (bytes of the
+    frozen weights, of the LoRA and of the optimizer state; the activation peak is added here)
+    and ``stopped`` (the non-finite guard's message, or None).
 
     ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak
@@ -28,6 +34,11 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     """
     measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
     peak = max((h["peak_bytes"] for h in history), default=0)
+    setup = dict(setup or {})
+    # the step's own memory above what it started with; step 1 also creates the optimizer state
+    later = history[1:] or history
+    memory = {**setup.pop("memory", {}), "activation_peak_bytes": max(
+        (h["peak_bytes"] - h.get("start_bytes", 0) for h in later), default=0)}
     return {
         "config": config.to_dict(),
         "model": {"family": plan.family, "source": source},
@@ -45,6 +56,9 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
             else "cpu live tensors created during the step",
             "final_loss": history[-1]["loss"] if history else None,
         },
+        "memory": memory,
+        **setup,
+        "skipped_steps": [h["step"] for h in history if h.get("skipped")],
         "environment": {"device": str(device), "torch": torch.__version__,
                         "python": platform.python_version()},
     }

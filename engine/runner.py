@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .families.base import BlockList, Carry, FamilyAdapter
-from .offload import HostPool, Offloader
+from .offload import HostPool, Offloader, resident_storages
 from .plan import ModelPlan, ScheduleWarning
 
 
@@ -198,9 +198,7 @@ class SegmentRunner:
         self.offloader: Offloader | None = None
         if (self.backend or "").startswith("unsloth") or self.offload_attention:
             pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
-            resident = {t.untyped_storage().data_ptr()
-                        for t in [*model.parameters(), *model.buffers()]}
-            self.offloader = Offloader(pool, lambda: self.recomputing, resident)
+            self.offloader = Offloader(pool, lambda: self.recomputing, resident_storages(model))
         self._index_plan()
 
     @property

@@ -32,6 +32,7 @@ class TrainingState:
         rng: ``{"cpu": ..., "noise": ..., "cuda.<i>": ...}`` uint8 RNG state tensors.
         history: per-step records so far.
         config: the run's config as a dict (for the report; not used to override options).
+        grad_scaler: ``torch.amp.GradScaler.state_dict()`` of fp16 loss scaling (empty otherwise).
     """
 
     step: int
@@ -41,6 +42,7 @@ class TrainingState:
     rng: dict[str, torch.Tensor]
     history: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    grad_scaler: dict[str, Any] = field(default_factory=dict)
 
 
 def save_state(state: TrainingState, folder: str | Path) -> Path:
@@ -57,6 +59,7 @@ def save_state(state: TrainingState, folder: str | Path) -> Path:
         "param_groups": json.dumps(state.optimizer["param_groups"]),
         "history": json.dumps(state.history),
         "config": json.dumps(state.config, default=str),
+        "grad_scaler": json.dumps(state.grad_scaler),
     }
     return atomic_save_file(tensors, Path(folder) / STATE_FILE, header)
 
@@ -91,4 +94,5 @@ def load_state(folder: str | Path) -> TrainingState:
                 optim_state.setdefault(int(index), {})[name] = fh.get_tensor(key)
     optimizer = {"state": optim_state, "param_groups": json.loads(header["param_groups"])}
     return TrainingState(int(header["step"]), json.loads(header["data_position"]), lora, optimizer,
-                         rng, json.loads(header["history"]), json.loads(header["config"]))
+                         rng, json.loads(header["history"]), json.loads(header["config"]),
+                         json.loads(header.get("grad_scaler", "{}")))

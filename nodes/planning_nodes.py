@@ -32,7 +32,8 @@ def _run_inputs() -> dict:
 
 def _config(model, dataset, batch_size, lora_config, output) -> TrainConfig:
     return TrainConfig(family=model.family.name, data=dataset["data"], resolution=dataset["resolution"],
-                       batch_size=batch_size, lora=lora_config or LoraSettings(), output=str(output))
+                       batch_size=batch_size, lora=lora_config or LoraSettings(), output=str(output),
+                       base_model_precision=model.base_precision or "auto")
 
 
 def _validate_run_name(run_name):

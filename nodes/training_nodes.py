@@ -13,13 +13,16 @@ from typing import Any
 
 import torch
 
+from ..engine.attention_kernels import AttentionBackendError, parse_attention_backend
 from ..engine.config import HELP, LR_SCHEDULERS, TrainConfig
 from ..engine.families import family_names, get_family
-from ..engine.loading import build_preset, load_model_folder
 from ..engine.lora_io import LoraSettings, save_lora
+from ..engine.nonfinite import POLICIES as NONFINITE_POLICIES
 from ..engine.plan import check_supported
+from ..engine.precision import BASE_PRECISIONS
 from ..engine.schedule import BACKENDS, CheckpointSchedule, ScheduleError
 from ..engine.schedule import HELP as SCHEDULE_HELP
+from ..engine.training import load_bundle
 from .environment import BUILTIN_DATA, TINY_PRESET, PathError, contained, current_host, model_folders, resolve_model
 
 CATEGORY = "training/gradient checkpointing"
@@ -43,6 +46,7 @@ class LoadDiffusionModel:
             "source": ([TINY_PRESET] + model_folders(current_host()),
                        _tip("A diffusers folder under models/diffusers, or the tiny random-init preset.")),
             "seed": ("INT", _tip("Seed of the preset's random init.", default=0, min=0, max=2**31 - 1)),
+            "base_model_precision": (list(BASE_PRECISIONS), _tip(HELP["base_model_precision"], default="auto")),
         }}
 
     @classmethod
@@ -54,11 +58,13 @@ class LoadDiffusionModel:
                 return str(exc)
         return True
 
-    def load(self, family, source, seed):
+    def load(self, family, source, seed, base_model_precision="auto"):
+        # a folder loads straight into its storage dtype; quantizing (on the training device) and
+        # casting a preset happen in Train LoRA, on its copy
+        folder = None if source == TINY_PRESET else str(resolve_model(current_host(), source))
+        config = TrainConfig(family=family, model_path=folder, seed=seed, base_model_precision=base_model_precision)
         with torch.inference_mode(False):  # weights must not become inference tensors
-            if source == TINY_PRESET:
-                return (build_preset(family, seed=seed),)
-            return (load_model_folder(resolve_model(current_host(), source), family, seed=seed),)
+            return (load_bundle(config),)
 
 
 class ImageCaptionDataset:
@@ -212,21 +218,24 @@ class TrainLoRA:
             "optional": {
                 "offload": (OFFLOAD, _tip("Optional: overrides the schedule's backend and offload keys.")),
                 "lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16.")),
+                "attention_backend": ("STRING", _tip(HELP["attention_backend"], default="auto")),
+                "on_nonfinite": (list(NONFINITE_POLICIES), _tip(HELP["on_nonfinite"], default="stop")),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name):
+    def VALIDATE_INPUTS(cls, run_name, attention_backend="auto"):
         try:
             contained(current_host().output_dir / "segckpt", run_name, "run_name")
-        except PathError as exc:
+            parse_attention_backend(attention_backend)
+        except (PathError, AttentionBackendError) as exc:
             return str(exc)
         return True
 
     def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
               gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
-              unique_id=None):
+              attention_backend="auto", on_nonfinite="stop", unique_id=None):
         from ..engine.training import train
 
         host = current_host()
@@ -242,7 +251,8 @@ class TrainLoRA:
             family=family, data=dataset["data"], resolution=dataset["resolution"], steps=steps,
             learning_rate=learning_rate, lr_scheduler=lr_scheduler, batch_size=batch_size,
             gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, schedule=schedule,
-            lora=lora_config or LoraSettings(), resume=resume,
+            lora=lora_config or LoraSettings(), resume=resume, attention_backend=attention_backend,
+            on_nonfinite=on_nonfinite, base_model_precision=model.base_precision or "auto",
             output=str(contained(host.output_dir / "segckpt", run_name, "run_name")))
         update = host.progress(unique_id, steps)
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("none", "torch-ffn", "torch", "unsloth-ffn", "unsloth")
+MODES = ("none", "torch-ffn", "torch", "interval2", "interval2-stride4", "unsloth-ffn", "unsloth")
 COLUMNS = [name for mode in MODES for name in (mode, f"{mode} +attn-offload")]
 NUMBERS = re.compile(r"^\d+\.\d+ / \d+\.\d+$")  # sec/step / peak MiB
 
@@ -46,6 +46,35 @@ def test_smoke_sweep_fills_every_cell(tmp_path):
     for (row, column), cells in counters.items():
         backend, attention = column.split(" +")[0], column.endswith("+attn-offload")
         # unsloth* offload boundary inputs; attention offload acts only outside whole-block regions
-        moves = backend.startswith("unsloth") or (attention and backend in ("none", "torch-ffn"))
+        # (interval 2 stride 4 leaves blocks 2-3 of every 4 plain)
+        moves = backend.startswith("unsloth") or (attention and backend in ("none", "torch-ffn", "interval2-stride4"))
         assert (int(cells[5]) > 0) == moves, (row, column, cells[5])
+    for label in {row for row, _ in counters}:
+        calls = {c: int(counters[(label, c)][2]) for c in ("torch", "interval2", "interval2-stride4")}
+        recomputed = {c: int(counters[(label, c)][3]) for c in calls}
+        # depth 4 or 6: per-block calls, half as many pairs, and the stride leaves 2 of every 4 plain
+        assert calls["torch"] == 2 * calls["interval2"] == recomputed["torch"] == recomputed["interval2"], label
+        assert recomputed["interval2-stride4"] == 2 * calls["interval2-stride4"] < recomputed["interval2"], label
     assert f"wrote {out}" in proc.stdout
+
+
+def test_gpu_check_smoke_passes_every_part(tmp_path):
+    out = tmp_path / "check.md"
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "## (a) Gradient equality, fp32, mid-size Flux: pass" in text
+    assert text.count("| ok |") == 25  # every checkpointed candidate against none
+    assert "## (b) The main job: pass" in text and text.count("3 steps, finite") == 3
+    header, body = _table(text, "sec/step / peak MiB")
+    assert [row[0] for row in body] == ["bf16", "int8-torchao", "fp8-torchao"]
+    assert header[1:] == ["none", "torch", "interval2", "interval2-stride4", "torch-ffn", "unsloth", "unsloth-ffn",
+                          "none +attn-offload", "interval2-stride4 +attn-offload", "torch-ffn +attn-offload",
+                          "unsloth-ffn +attn-offload", "diffusers-none", "diffusers-layer"]
+    assert all(NUMBERS.match(cell) for row in body for cell in row[1:]), body
+    for row in body:  # our per-block schedule keeps what diffusers' own per-block checkpointing keeps
+        assert row[header.index("torch")].split(" / ")[1] == row[header.index("diffusers-layer")].split(" / ")[1]
+    planner = _table(text, "## (d)")[1]
+    assert len(planner) == 3 and all(row[-1] == "yes" for row in planner), planner
+    assert "all checks pass" in text

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine import training
+from segmented_checkpointing.engine.state import load_state
 
 
 @pytest.fixture
@@ -28,6 +29,11 @@ def no_model(monkeypatch):
     (["--data", "/no/such/folder"], "data='/no/such/folder'"),
     (["--rank", "0"], "lora_rank=0"),
     (["--lr-scheduler", "step"], "lr_scheduler='step'"),
+    (["--base-precision", "int4"], "base_model_precision='int4'"),
+    (["--base-precision", "bf16", "--mixed-precision", "fp32"], "mixed_precision=fp32 is invalid with base_model_precision='bf16'"),
+    (["--attention-backend", "flash,sage"], "attention_backend='flash,sage' is invalid (unknown 'sage')"),
+    (["--attention-backend", "cudnn,efficient"], "attention_backend='cudnn,efficient' is invalid on the CPU"),
+    (["--on-nonfinite", "ignore"], "on_nonfinite='ignore'"),
 ])
 def test_invalid_options_fail_before_any_model(no_model, capsys, argv, key, tmp_path):
     assert cli.main(["train", "--output", str(tmp_path), *argv]) == 2
@@ -122,8 +128,14 @@ def test_divergence_stops_with_an_error_and_keeps_no_nan_lora(tmp_path, capsys):
     # can overflow the gradient norm to inf, and clipping then zeroes the update instead
     for seed in ("0", "1", "2"):
         assert cli.main(_short(tmp_path / f"o{seed}", "--alpha", "1e15", "--lr", "1e10", "--seed", seed)) == 2
-        assert "training diverged" in capsys.readouterr().err
-        assert not (tmp_path / f"o{seed}" / "lora.safetensors").exists()
+        err = capsys.readouterr().err
+        assert "training diverged" in err and "non-finite values at step" in err
+        step = int(err.split("non-finite values at step ")[1].split(":")[0])
+        # the last good step's LoRA and state are kept, with no NaN in them
+        lora = load_file(tmp_path / f"o{seed}" / "lora.safetensors")
+        state = load_state(tmp_path / f"o{seed}")
+        assert state.step == step - 1 >= 1
+        assert all(t.isfinite().all() for t in [*lora.values(), *state.lora.values()])
 
 
 def test_family_is_detected_from_the_model_folder(tmp_path):
@@ -161,3 +173,18 @@ def test_ctrl_c_saves_the_state_and_resume_continues(tmp_path):
     assert 2 <= done < 40
     assert cli.main(["train", "--steps", str(done + 1), "--resolution", "64", "--output", str(out), "--resume"]) == 0
     assert read_state_header(out)["step"] == done + 1
+
+
+def test_only_our_warnings_are_printed_as_ours():
+    import warnings
+
+    from segmented_checkpointing.engine.plan import ScheduleWarning
+
+    saved = warnings.formatwarning
+    try:
+        cli._console_messages()
+        assert warnings.formatwarning("stride ignored", ScheduleWarning, "x.py", 3) == "segckpt: warning: stride ignored\n"
+        torch_line = warnings.formatwarning("Mismatch dtype between input and weight", UserWarning, "torch/nn.py", 7)
+        assert not torch_line.startswith("segckpt") and "UserWarning, torch/nn.py:7" in torch_line
+    finally:
+        warnings.formatwarning = saved

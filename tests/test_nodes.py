@@ -162,3 +162,23 @@ def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
     with pytest.raises(ValueError, match="schedule is for family 'wan' but the model is 'flux'"):
         NODES["SegCkptTrainLoRA"]().train(model, dataset, wan_schedule, 1, 1e-3, "constant", 1, 1, 0, "x", False)
     assert not (base / "output" / "segckpt" / "x").exists()
+
+
+def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
+    pytest.importorskip("torchao")
+    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0, "int8-torchao")
+    assert model.base_precision == "int8-torchao"
+    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
+    (schedule,) = NODES["SegCkptSchedule"]().build(
+        family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="unsloth",
+        gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4,
+        gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=12)
+    with torch.inference_mode():
+        (run,) = NODES["SegCkptTrainLoRA"]().train(model, dataset, schedule, 2, 1e-3, "constant", 1, 1, 0, "prec",
+                                                    False, attention_backend="flash,math", on_nonfinite="skip")
+    report = run["result"].report
+    assert report["precision"]["base_model_precision"] == "int8-torchao"
+    assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0
+    assert report["attention_backend"] == ["flash", "math"] and report["config"]["on_nonfinite"] == "skip"
+    assert all(type(m) is torch.nn.Linear for m in model.transformer.modules() if isinstance(m, torch.nn.Linear))
+    assert "attention_backend='sage'" in NODES["SegCkptTrainLoRA"].VALIDATE_INPUTS("run", attention_backend="sage")

@@ -1,0 +1,331 @@
+"""The one GPU check (issue 11): everything a real GPU run needs, measured in one device call.
+
+(a) CUDA gradient equality: the LoRA gradients of every mode x backend x attention offload (the
+    planner's 26 candidates) against no checkpointing; fp32, a mid-size Flux (4 double + 8 single
+    blocks, width 1024, 1024 image + 512 text tokens); pass when every relative error <= 1e-6.
+(b) The main job on CUDA: ``segckpt train --device cuda`` with its defaults, then with
+    ``--base-precision int8-torchao`` and ``fp8-torchao``: losses finite, sec/step, peak, and the
+    report's memory split (frozen weights / LoRA + optimizer state / activation peak).
+(c) The documents' matrix on a full-size Flux.1-dev architecture (random init, 19 double + 38
+    single blocks, 1024 px = 4096 + 512 tokens, rank-16 LoRA, batch 1): columns none, torch,
+    interval 2, interval 2 stride 4, torch-ffn, unsloth, unsloth-ffn, the attention-offload
+    variants that move something, and diffusers' own no-checkpoint and per-block runs; rows base
+    bf16 / int8-torchao / fp8-torchao. Cells ``sec/step / peak GiB`` (2 warm-up + 3 measured
+    steps; ``max_memory_allocated``, weights included), ratios to ``none`` and to diffusers'
+    per-block run of the same row.
+(d) The planner: for three budgets between the smallest and the no-checkpoint predicted peak of a
+    mid-size Flux at 512 px, its choice, the predicted and the measured peak of that choice.
+
+Every step runs under the trainer's own SDPA choice (``auto``: cuDNN attention left out).
+
+Run on one CUDA device:  ``bash bench/gpu_check.sh [--budget-s 420] [--out FILE]``
+CPU check (CI, < 2 min): ``bash bench/gpu_check.sh --smoke`` (tiny sizes; memory in MiB of the
+                         CPU tracker; written to the temporary directory unless ``--out``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import diffusers
+import peft
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
+
+from segmented_checkpointing import cli  # noqa: E402
+from segmented_checkpointing.engine.attention_kernels import AUTO, sdpa_context  # noqa: E402
+from segmented_checkpointing.engine.config import TrainConfig  # noqa: E402
+from segmented_checkpointing.engine.families import TextBatch, get_family  # noqa: E402
+from segmented_checkpointing.engine.loading import ModelBundle, tiny_vae_config  # noqa: E402
+from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora  # noqa: E402
+from segmented_checkpointing.engine.plan import count_blocks, effective_plan  # noqa: E402
+from segmented_checkpointing.engine.planner import PlannerError, plan_for_budget, predict  # noqa: E402
+from segmented_checkpointing.engine.precision import Precision, apply_base_precision, resolve_precision  # noqa: E402
+from segmented_checkpointing.engine.probe import probe  # noqa: E402
+from segmented_checkpointing.engine.runner import SegmentRunner  # noqa: E402
+from segmented_checkpointing.engine.schedule import CheckpointSchedule  # noqa: E402
+from segmented_checkpointing.engine.sweep import peak_after_warmup, short_run, sweep_schedules  # noqa: E402
+from segmented_checkpointing.engine.text import DeterministicTextEmbedder  # noqa: E402
+
+FAMILY = get_family("flux")
+FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+            "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+            "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
+MID = {**FLUX_DEV, "num_layers": 4, "num_single_layers": 8, "num_attention_heads": 8, "joint_attention_dim": 1024}
+TINY = {**FAMILY.tiny_config, "num_layers": 4, "num_single_layers": 8}
+MATRIX = [("none", False), ("torch", False), ("interval2", False), ("interval2-stride4", False), ("torch-ffn", False),
+          ("unsloth", False), ("unsloth-ffn", False), ("none", True), ("interval2-stride4", True), ("torch-ffn", True),
+          ("unsloth-ffn", True), ("diffusers-none", False), ("diffusers-layer", False)]
+BASES = ("bf16", "int8-torchao", "fp8-torchao")
+TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model configs, latent sides (pixels / 8), text tokens and steps of one check size."""
+
+    label: str
+    mid: dict
+    grad_latent: int
+    full: dict
+    full_latent: int
+    text_tokens: int
+    planner_resolution: int
+    main_job: tuple[str, ...]
+    warmup: int
+    steps: int
+
+
+FULL = Sizes("", MID, 64, FLUX_DEV, 128, 512, 512, (), 2, 3)
+SMOKE = Sizes(" (smoke: tiny Flux stand-ins, CPU)", TINY, 8, TINY, 16, 8, 64, ("--steps", "3", "--resolution", "64"), 1, 1)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def flux_with_lora(config: dict, device: torch.device, precision: Precision) -> torch.nn.Module:
+    """A random-init Flux at ``precision`` on ``device`` with a rank-16 LoRA whose B is non-zero."""
+    torch.manual_seed(0)
+    with torch.device(device), _default_dtype(precision.storage_dtype):  # never a 48 GiB fp32 copy
+        model = diffusers.FluxTransformer2DModel(**config)
+    apply_base_precision(model, precision, device)
+    add_lora(model, LoraSettings(rank=16, alpha=16, init="gaussian"), FAMILY.lora_targets)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model.to(device).train()
+
+
+def flux_inputs(model, latent: int, tokens: int, device: torch.device):
+    """Random ``(latents (1, 16, latent, latent), target, inputs)`` for ``model``."""
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, FAMILY.latent_channels, latent, latent, generator=g).to(device)
+    target = torch.randn(latents.shape, generator=g).to(device)
+    cfg = model.config
+    text = TextBatch(torch.randn(1, tokens, cfg.joint_attention_dim, generator=g),
+                     torch.ones(1, tokens, dtype=torch.bool),
+                     torch.randn(1, cfg.pooled_projection_dim, generator=g)).to(device)
+    sigmas = torch.full((1,), 0.5, device=device)
+    return latents, target, FAMILY.make_inputs(model, latents, sigmas, text)
+
+
+def step_context(precision: Precision, device: torch.device):
+    """Autocast and the trainer's SDPA kernel choice, as one context factory."""
+    @contextlib.contextmanager
+    def both():
+        with precision.autocast(device), sdpa_context(AUTO):
+            yield
+    return both
+
+
+# (a) ---------------------------------------------------------------------------------------------
+def gradient_equality(sizes: Sizes, device: torch.device) -> tuple[list[str], bool]:
+    """Rows ``| mode | relative error |`` and whether every mode is within :data:`TOLERANCE`."""
+    precision = resolve_precision("fp32", "fp32", device)
+    model = flux_with_lora(sizes.mid, device, precision)
+    latents, target, inputs = flux_inputs(model, sizes.grad_latent, sizes.text_tokens, device)
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def grads(schedule: CheckpointSchedule) -> list[torch.Tensor]:
+        runner = SegmentRunner(model, FAMILY, effective_plan(FAMILY, schedule, count_blocks(FAMILY, model),
+                                                             warn=False)).install()
+        try:
+            with sdpa_context(AUTO):
+                output = runner.forward(**inputs)
+                F.mse_loss(FAMILY.read_output(model, output, latents).float(), target).backward()
+            return [p.grad.detach().clone() for _, p in lora]
+        finally:
+            runner.close()
+            model.disable_gradient_checkpointing()
+            model.zero_grad(set_to_none=True)
+
+    reference = grads(CheckpointSchedule(gradient_checkpointing=False))
+    rows, ok = [], True
+    for schedule in sweep_schedules(True)[1:]:
+        got = grads(schedule)
+        error = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, reference))
+        ok &= error <= TOLERANCE
+        rows.append(f"| {schedule.mode} | {error:.2e} | {'ok' if error <= TOLERANCE else 'FAIL'} |")
+    return ["| mode | max relative error of LoRA gradients vs none | |", "|---|---:|---|", *rows], ok
+
+
+# (b) ---------------------------------------------------------------------------------------------
+def main_job(sizes: Sizes, device: torch.device, folder: Path) -> tuple[list[str], bool]:
+    """``segckpt train`` with defaults and with each quantized base; one row each."""
+    rows, ok = [], True
+    for base in ("auto", "int8-torchao", "fp8-torchao"):
+        out = folder / f"main-{base}"
+        argv = ["train", "--device", device.type, "--output", str(out), *sizes.main_job]
+        argv += [] if base == "auto" else ["--base-precision", base]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            status = cli.main(argv)
+        if status != 0:
+            ok = False
+            rows.append(f"| {base} | exit {status}: {printed.getvalue().strip().splitlines()[-1][:200]} | | | | |")
+            continue
+        report = json.loads((out / "report.json").read_text())
+        losses = [s["loss"] for s in report["steps"]]
+        finite = all(loss == loss and abs(loss) != float("inf") for loss in losses)
+        ok &= finite
+        t, m, p = report["totals"], report["memory"], report["precision"]
+        rows.append(f"| {p['base_model_precision']} (compute {p['compute']}, {p['quantized_linear_layers']}/"
+                    f"{p['linear_layers']} Linear quantized) | {len(losses)} steps, {'finite' if finite else 'NOT FINITE'}, "
+                    f"last {losses[-1]:.4f} | {t['sec_per_step']:.3f} | {t['peak_mib']:.1f} | "
+                    f"{m['frozen_weight_bytes'] / 2**20:.2f} / {(m['lora_bytes'] + m['optimizer_state_bytes']) / 2**20:.2f} "
+                    f"/ {m['activation_peak_bytes'] / 2**20:.2f} |")
+    head = ["| base | losses | sec/step | peak MiB | frozen / LoRA+optimizer / activation MiB |",
+            "|---|---|---:|---:|---|"]
+    return head + rows, ok
+
+
+# (c) ---------------------------------------------------------------------------------------------
+def matrix(sizes: Sizes, device: torch.device, budget_s: float, t0: float, notes: set[str], log) -> list[str]:
+    """The documents' matrix: one model per base precision, every column on it."""
+    preset = Preset((), (), torch.bfloat16, sizes.warmup, sizes.steps)
+    rows: dict[str, list[Cell]] = {}
+    for base in BASES:
+        rows[base] = cells = []
+        try:
+            precision = resolve_precision(base, "auto", device)
+            model = flux_with_lora(sizes.full, device, precision)
+        except Exception as exc:  # noqa: BLE001 - e.g. fp8 refused on this device: the row says so
+            notes.add(f"{base}: {type(exc).__name__}: {exc}"[:300])
+            cells.extend(Cell("failed") for _ in MATRIX)
+            continue
+        latents, target, inputs = flux_inputs(model, sizes.full_latent, sizes.text_tokens, device)
+        options = {"family": FAMILY, "inputs": inputs, "context": step_context(precision, device)}
+        for mode, attn in MATRIX:
+            slowest = max((c.wall for c in cells), default=0.0)
+            if time.monotonic() - t0 + slowest > budget_s:
+                cells.append(Cell("not run"))
+                continue
+            cells.append(guarded_cell(model, latents, target, mode, attn, device, preset, notes, **options))
+            log(f"  {base} | {_column(mode, attn)}: {fmt_cell(cells[-1], device)} ({cells[-1].wall:.1f} s)")
+        del model, inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    unit, scale = mem_unit(device)
+    head = "| base | " + " | ".join(_column(m, a) for m, a in MATRIX) + " |"
+    rule = "|---|" + "---:|" * len(MATRIX)
+    out = [f"sec/step / peak {unit}", "", head, rule]
+    out += [f"| {b} | " + " | ".join(fmt_cell(c, device) for c in cells) + " |" for b, cells in rows.items()]
+    for ref in ("none", "diffusers-layer"):
+        index = [m for m, _ in MATRIX].index(ref)
+        out += ["", f"Ratio to `{ref}` of the same row: time / peak", "", head, rule]
+        for b, cells in rows.items():
+            r = cells[index]
+            out.append(f"| {b} | " + " | ".join(
+                f"{c.sec / r.sec:.2f}x / {c.peak / r.peak:.2f}x" if c.status == r.status == "ok" else "-"
+                for c in cells) + " |")
+    return out
+
+
+def _column(mode: str, attn: bool) -> str:
+    return f"{mode} +attn-offload" if attn else mode
+
+
+# (d) ---------------------------------------------------------------------------------------------
+def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
+    """Three budgets between the smallest and the no-checkpoint predicted peak; the choice's
+    predicted and measured peak (after warm-up)."""
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(**{**sizes.mid, "guidance_embeds": False})
+    vae = diffusers.AutoencoderKL(**tiny_vae_config(FAMILY.latent_channels))
+    bundle = ModelBundle(FAMILY, transformer.eval(), vae.eval(),
+                         DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init mid-size Flux")
+    with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
+        config = TrainConfig(resolution=sizes.planner_resolution, device=device.type, output=folder)
+        measured_probe = probe(config, bundle)
+        peaks = sorted(predict(measured_probe, s).peak_bytes for s in sweep_schedules(True))
+        unit, scale = mem_unit(device)
+        rows = [f"| budget {unit} | choice | predicted peak {unit} | measured peak {unit} | error | fits |",
+                "|---:|---|---:|---:|---:|---|"]
+        for fraction in (0.25, 0.5, 0.75):
+            budget = int((peaks[0] + fraction * (peaks[-1] - peaks[0])) / 0.95)  # the planner keeps 5% headroom
+            try:
+                chosen = plan_for_budget(config, bundle, budget, probe_=measured_probe).chosen
+            except PlannerError as exc:
+                rows.append(f"| {budget / scale:.3f} | {exc} | | | | |")
+                continue
+            measured = peak_after_warmup(short_run(config, bundle, chosen.schedule, 1, 2), 1)
+            error = (chosen.peak_bytes - measured) / measured
+            rows.append(f"| {budget / scale:.3f} | {chosen.schedule.mode} | {chosen.peak_bytes / scale:.3f} | "
+                        f"{measured / scale:.3f} | {error:+.1%} | {'yes' if measured <= budget else 'NO'} |")
+    return rows
+
+
+def environment(device: torch.device) -> str:
+    """Date, device and versions, one line."""
+    try:
+        import torchao
+        ao = torchao.__version__
+    except ImportError:
+        ao = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+    return (f"{datetime.date.today().isoformat()}; device {device} ({name}); torch {torch.__version__}, "
+            f"diffusers {diffusers.__version__}, peft {peft.__version__}, torchao {ao}, "
+            f"Python {platform.python_version()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (CI)")
+    parser.add_argument("--out", default=None, help="markdown file; default bench/gpu_check_results.md "
+                        "(with --smoke: gpu_check_smoke.md in the temporary directory)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no matrix cell after this (seconds)")
+    args = parser.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny ops: more threads only add contention
+    out = Path(args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.md" if args.smoke
+                            else Path(__file__).with_name("gpu_check_results.md")))
+    t0, notes = time.monotonic(), set()
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    sections, ok = [f"# GPU check{sizes.label}", "", environment(device)], True
+    with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
+        for title, run in (("(a) Gradient equality, fp32, mid-size Flux", lambda: gradient_equality(sizes, device)),
+                           ("(b) The main job", lambda: main_job(sizes, device, Path(folder)))):
+            log(f"{title} ...")
+            rows, passed = run()
+            ok &= passed
+            sections += ["", f"## {title}: {'pass' if passed else 'FAIL'}", "", *rows]
+    log("(c) The documents' matrix ...")
+    sections += ["", "## (c) The documents' matrix, full-size Flux.1-dev, 1024 px", "",
+                 *matrix(sizes, device, args.budget_s, t0, notes, log)]
+    log("(d) The planner ...")
+    sections += ["", "## (d) The planner's choice under three budgets", "", *planner_check(sizes, device)]
+    sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
+                 "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
+    text = "\n".join(sections) + "\n"
+    print("\n" + text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
