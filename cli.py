@@ -10,8 +10,11 @@ allowed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import types
+import typing
 from typing import Any, Sequence
 
 # What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
@@ -20,24 +23,11 @@ from typing import Any, Sequence
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from .engine.config import HELP, TrainConfig, read_config_file
-from .engine.schedule import BACKENDS
-from .engine.schedule import HELP as SCHEDULE_HELP
+from .engine.core.backends import BACKENDS
+from .engine.core.schedule import HELP as SCHEDULE_HELP
+from .engine.train.config import TrainConfig, read_config_file
+from .engine.train.lora_io import LoraSettings
 
-# option -> (config key, type); None values are "not given".
-_TRAIN_OPTIONS: list[tuple[str, str, Any]] = [
-    ("--family", "family", str), ("--preset", "preset", str), ("--model-path", "model_path", str),
-    ("--vae-path", "vae_path", str), ("--text-encoder", "text_encoder_path", str), ("--data", "data", str),
-    ("--resolution", "resolution", int), ("--steps", "steps", int), ("--batch-size", "batch_size", int),
-    ("--grad-accum", "gradient_accumulation_steps", int), ("--lr", "learning_rate", float),
-    ("--lr-scheduler", "lr_scheduler", str), ("--lr-warmup-steps", "lr_warmup_steps", int),
-    ("--weight-decay", "weight_decay", float), ("--seed", "seed", int), ("--rank", "lora_rank", int),
-    ("--alpha", "lora_alpha", float), ("--lora-dropout", "lora_dropout", float),
-    ("--output", "output", str), ("--device", "device", str), ("--mixed-precision", "mixed_precision", str),
-    ("--save-every", "save_every", int), ("--timing-warmup-steps", "timing_warmup_steps", int),
-    ("--base-precision", "base_model_precision", str), ("--attention-backend", "attention_backend", str),
-    ("--on-nonfinite", "on_nonfinite", str),
-]
 _SCHEDULE_OPTIONS = [
     ("--interval", "gradient_checkpointing_interval"),
     ("--stride", "gradient_checkpointing_segment_stride"),
@@ -58,11 +48,9 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
     train.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
                        const=False, default=None, help="Turn gradient checkpointing off (fastest, highest peak).")
-    train.add_argument("--overwrite", action="store_const", const=True, default=None, help=HELP["overwrite"])
     train.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
                        action="store_const", const=True, default=None,
                        help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
-    train.add_argument("--resume", action="store_const", const=True, default=None, help=HELP["resume"])
     sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
@@ -98,18 +86,38 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = None) -> None:
-    """The model, data and optimisation options shared by ``train``, ``sweep`` and ``plan``
-    (the latter two leave out the options of a long run: steps, saving, timing warm-up)."""
-    skip = () if output_help is None else ("--steps", "--save-every", "--timing-warmup-steps")
-    for option, key, kind in _TRAIN_OPTIONS:
-        if option in skip:
+    """The options generated from the config's field metadata (:func:`~.engine.train.config.option`):
+    all of them for ``train``; ``sweep`` and ``plan`` (``output_help`` given) leave out those of a
+    long run (steps, saving, resuming, timing warm-up). Given values override the config file."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        option = f.metadata.get("cli")
+        if option is None or (output_help is not None and f.metadata["long_run"]):
             continue
-        text = output_help if option == "--output" and output_help else HELP.get(key)
-        parser.add_argument(option, dest=key, type=kind, default=None, help=text)
-    parser.add_argument("--targets", dest="lora_target_modules", nargs="+", default=None,
-                        help=HELP["lora_target_modules"])
+        text = output_help if f.name == "output" and output_help else _with_default(f)
+        if hints[f.name] is bool:
+            parser.add_argument(option, dest=f.name, action="store_const", const=True, default=None, help=text)
+        else:
+            parser.add_argument(option, dest=f.name, type=_scalar(hints[f.name]), default=None, help=text)
+    lora_hints = typing.get_type_hints(LoraSettings)
+    for f in dataclasses.fields(LoraSettings):
+        if "cli" in f.metadata:
+            many = {"nargs": "+"} if typing.get_origin(_scalar(lora_hints[f.name])) is tuple else {
+                "type": _scalar(lora_hints[f.name])}
+            parser.add_argument(f.metadata["cli"], dest=f.metadata["key"], default=None, help=_with_default(f), **many)
     parser.add_argument("--config", dest="config_file", default=None,
                         help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
+
+
+def _scalar(kind: Any) -> Any:
+    """``int | None`` -> ``int``: the type an option's text converts to."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) and args else kind
+
+
+def _with_default(f: dataclasses.Field) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    return f.metadata["help"] + ("" if default is None or default is False else f" Default: {default}.")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -130,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if config.model_path and not {"family", "model_family"} & (set(given) | set(from_file)):
         from pathlib import Path
 
-        from .engine.loading import detect_family
+        from .engine.train.loading import detect_family
 
         if Path(config.model_path).is_dir():  # else check_paths names the missing folder
             config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
@@ -142,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _console_messages()
     if args.command == "train":
-        from .engine.training import train
+        from .engine.train.loop import train
 
         try:
             config = config_from_args(args)
@@ -174,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command == "families":
-        from .engine.support import support_table
+        from .engine.core.support import support_table
 
         print(support_table(), end="")
         return 0
@@ -184,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .engine.sweep import run_sweep, sweep_schedules, write_outputs
-    from .engine.training import load_bundle
+    from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
+    from .engine.train.loop import load_bundle
 
     try:
         if args.output is None:
@@ -212,8 +220,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .engine.planner import parse_budget, plan_for_budget, write_choice
-    from .engine.training import load_bundle, resolve_device
+    from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
+    from .engine.train.loop import load_bundle, resolve_device
 
     try:
         if args.output is None:

@@ -46,19 +46,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
-from segmented_checkpointing.engine.attention_kernels import AUTO, sdpa_context  # noqa: E402
-from segmented_checkpointing.engine.config import TrainConfig  # noqa: E402
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan  # noqa: E402
+from segmented_checkpointing.engine.core.runner import SegmentRunner  # noqa: E402
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule  # noqa: E402
 from segmented_checkpointing.engine.families import TextBatch, get_family  # noqa: E402
-from segmented_checkpointing.engine.loading import ModelBundle, tiny_vae_config  # noqa: E402
-from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora  # noqa: E402
-from segmented_checkpointing.engine.plan import count_blocks, effective_plan  # noqa: E402
-from segmented_checkpointing.engine.planner import PlannerError, plan_for_budget, predict  # noqa: E402
-from segmented_checkpointing.engine.precision import Precision, apply_base_precision, resolve_precision  # noqa: E402
-from segmented_checkpointing.engine.probe import probe  # noqa: E402
-from segmented_checkpointing.engine.runner import SegmentRunner  # noqa: E402
-from segmented_checkpointing.engine.schedule import CheckpointSchedule  # noqa: E402
-from segmented_checkpointing.engine.sweep import peak_after_warmup, short_run, sweep_schedules  # noqa: E402
-from segmented_checkpointing.engine.text import DeterministicTextEmbedder  # noqa: E402
+from segmented_checkpointing.engine.measure.planner import (  # noqa: E402
+    PlannerError,
+    plan_for_budget,
+    predict,
+)
+from segmented_checkpointing.engine.measure.probe import probe  # noqa: E402
+from segmented_checkpointing.engine.measure.sweep import (  # noqa: E402
+    sweep_schedules,
+)
+from segmented_checkpointing.engine.train.attention_kernels import AUTO, sdpa_context  # noqa: E402
+from segmented_checkpointing.engine.train.config import TrainConfig  # noqa: E402
+from segmented_checkpointing.engine.train.loading import ModelBundle, tiny_vae_config  # noqa: E402
+from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora  # noqa: E402
+from segmented_checkpointing.engine.train.precision import (  # noqa: E402
+    Precision,
+    apply_base_precision,
+    resolve_precision,
+)
+from segmented_checkpointing.engine.train.runs import peak_after_warmup, short_run
+from segmented_checkpointing.engine.train.text import DeterministicTextEmbedder  # noqa: E402
 
 FAMILY = get_family("flux")
 FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,

@@ -14,11 +14,11 @@ import warnings
 
 import torch
 
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.planner import predict
-from segmented_checkpointing.engine.probe import probe
-from segmented_checkpointing.engine.sweep import run_sweep, sweep_schedules
+from segmented_checkpointing.engine.measure.planner import predict
+from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.sweep import run_sweep, sweep_schedules
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import build_preset
 
 
 def main() -> None:

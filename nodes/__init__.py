@@ -3,8 +3,13 @@
 from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
 from .training_nodes import (
-    ActivationOffloadOptions, GradientCheckpointingSchedule, ImageCaptionDataset, LoadDiffusionModel,
-    LoRAConfig, SaveLoRA, TrainLoRA,
+    ActivationOffloadOptions,
+    GradientCheckpointingSchedule,
+    ImageCaptionDataset,
+    LoadDiffusionModel,
+    LoRAConfig,
+    SaveLoRA,
+    TrainLoRA,
 )
 
 _NODES = {

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engine.config import HELP, TrainConfig
-from ..engine.lora_io import LoraSettings
-from ..engine.planner import parse_budget, plan_for_budget, write_choice
-from ..engine.sweep import run_sweep, sweep_schedules, write_outputs
-from ..engine.training import resolve_device
+from ..engine.measure.planner import parse_budget, plan_for_budget, write_choice
+from ..engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
+from ..engine.train.config import HELP, TrainConfig
+from ..engine.train.loop import resolve_device
+from ..engine.train.lora_io import LoraSettings
 from .environment import PathError, contained, current_host
 from .training_nodes import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, _tip
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..engine.plots import loss_curve_rgb
+from ..engine.measure.plots import loss_curve_rgb
 from .environment import current_host
 from .training_nodes import CATEGORY, RUN
 

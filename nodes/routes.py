@@ -1,7 +1,7 @@
 """HTTP route the frontend reads the schedule node's plan from: ``GET /segckpt/plan``.
 
 Registered on ComfyUI's server (``PromptServer.instance.routes``; ComfyUI also serves it under
-``/api``). It computes the engine's plan preview (:func:`~..engine.preview.preview_plan`) from
+``/api``). It computes the engine's plan preview (:func:`~..engine.core.preview.preview_plan`) from
 query parameters only: every parameter is validated, unknown ones are refused, and nothing on the
 file system is read or listed.
 
@@ -15,7 +15,7 @@ import asyncio
 
 from aiohttp import web
 
-from ..engine.preview import PreviewError, preview_plan
+from ..engine.core.preview import PreviewError, preview_plan
 
 PLAN_ROUTE = "/segckpt/plan"
 

@@ -13,17 +13,29 @@ from typing import Any
 
 import torch
 
-from ..engine.attention_kernels import AttentionBackendError, parse_attention_backend
-from ..engine.config import HELP, LR_SCHEDULERS, TrainConfig
+from ..engine.core.backends import BACKENDS
+from ..engine.core.plan import check_supported
+from ..engine.core.schedule import HELP as SCHEDULE_HELP
+from ..engine.core.schedule import CheckpointSchedule, ScheduleError
 from ..engine.families import family_names, get_family
-from ..engine.lora_io import LoraSettings, save_lora
-from ..engine.nonfinite import POLICIES as NONFINITE_POLICIES
-from ..engine.plan import check_supported
-from ..engine.precision import BASE_PRECISIONS
-from ..engine.schedule import BACKENDS, CheckpointSchedule, ScheduleError
-from ..engine.schedule import HELP as SCHEDULE_HELP
-from ..engine.training import load_bundle
-from .environment import BUILTIN_DATA, TINY_PRESET, PathError, contained, current_host, model_folders, resolve_model
+from ..engine.train.attention_kernels import (
+    AttentionBackendError,
+    parse_attention_backend,
+)
+from ..engine.train.config import HELP, LR_SCHEDULERS, TrainConfig
+from ..engine.train.loop import load_bundle
+from ..engine.train.lora_io import LoraSettings, save_lora
+from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
+from ..engine.train.precision import BASE_PRECISIONS
+from .environment import (
+    BUILTIN_DATA,
+    TINY_PRESET,
+    PathError,
+    contained,
+    current_host,
+    model_folders,
+    resolve_model,
+)
 
 CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
@@ -126,7 +138,7 @@ class GradientCheckpointingSchedule:
 
         Raises:
             ScheduleError: a key is invalid, or the family cannot run it (see
-                :func:`~segmented_checkpointing.engine.plan.check_supported`).
+                :func:`~segmented_checkpointing.engine.core.plan.check_supported`).
         """
         for key in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride"):
             if key in keys:
@@ -236,7 +248,7 @@ class TrainLoRA:
     def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
               gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
               attention_backend="auto", on_nonfinite="stop", unique_id=None):
-        from ..engine.training import train
+        from ..engine.train.loop import train
 
         host = current_host()
         family = model.family.name

@@ -5,18 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from segmented_checkpointing.engine.attention_kernels import (AttentionBackendError, enabled_kernels,
-                                                              parse_attention_backend)
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.training import train
+from segmented_checkpointing.engine.train.attention_kernels import (
+    AttentionBackendError,
+    enabled_kernels,
+    parse_attention_backend,
+)
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.train.loop import train
 
 ALL = ("flash", "efficient", "math", "cudnn")
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.data import write_sample_dataset
+    from segmented_checkpointing.engine.train.data import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("kernels") / "data")
 

@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import training
-from segmented_checkpointing.engine.state import load_state
+from segmented_checkpointing.engine.train import loop as training
+from segmented_checkpointing.engine.train.state import load_state
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_divergence_stops_with_an_error_and_keeps_no_nan_lora(tmp_path, capsys):
 
 
 def test_family_is_detected_from_the_model_folder(tmp_path):
-    from segmented_checkpointing.engine.loading import build_preset
+    from segmented_checkpointing.engine.train.loading import build_preset
 
     bundle = build_preset("sd3")
     bundle.transformer.save_pretrained(tmp_path / "m" / "transformer")
@@ -167,7 +167,7 @@ def test_ctrl_c_saves_the_state_and_resume_continues(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "--resume" in err
-    from segmented_checkpointing.engine.state import read_state_header
+    from segmented_checkpointing.engine.train.state import read_state_header
 
     done = read_state_header(out)["step"]
     assert 2 <= done < 40
@@ -178,7 +178,7 @@ def test_ctrl_c_saves_the_state_and_resume_continues(tmp_path):
 def test_only_our_warnings_are_printed_as_ours():
     import warnings
 
-    from segmented_checkpointing.engine.plan import ScheduleWarning
+    from segmented_checkpointing.engine.core.plan import ScheduleWarning
 
     saved = warnings.formatwarning
     try:

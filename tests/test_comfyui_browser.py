@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from live_comfyui import ROOT, Server, comfyui_path
 
 UI_FILES = sorted((ROOT / "workflows").glob("*.json"))

@@ -6,10 +6,20 @@ import copy
 import uuid
 
 import pytest
+from live_comfyui import (
+    NODE_TYPES,
+    PACK_FOLDER,
+    ROOT,
+    Server,
+    Socket,
+    api_workflow,
+    comfyui_path,
+    finished,
+    node_id_of,
+    queue,
+)
 
-from segmented_checkpointing.engine.state import STATE_FILE, read_state_header
-
-from live_comfyui import NODE_TYPES, PACK_FOLDER, ROOT, Server, Socket, api_workflow, comfyui_path, finished, node_id_of, queue
+from segmented_checkpointing.engine.train.state import STATE_FILE, read_state_header
 
 WORKFLOWS = tuple(sorted(p.name for p in (ROOT / "workflows" / "api").glob("*.api.json")))
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from segmented_checkpointing.engine.data import (
-    SAMPLE_PHOTOS, DatasetError, EpochSampler, load_image, scan_folder, write_sample_dataset,
+from segmented_checkpointing.engine.train.data import (
+    SAMPLE_PHOTOS,
+    DatasetError,
+    EpochSampler,
+    load_image,
+    scan_folder,
+    write_sample_dataset,
 )
 
 

@@ -6,11 +6,18 @@ import warnings
 
 import pytest
 
+from segmented_checkpointing.engine.core.plan import ScheduleWarning, effective_plan
+from segmented_checkpointing.engine.core.preview import reference_block_counts
+from segmented_checkpointing.engine.core.schedule import (
+    CheckpointSchedule,
+    ScheduleError,
+)
+from segmented_checkpointing.engine.core.support import (
+    DOCUMENT_FAMILIES,
+    list_capabilities,
+    support_table,
+)
 from segmented_checkpointing.engine.families import family_names, get_family
-from segmented_checkpointing.engine.plan import ScheduleWarning, effective_plan
-from segmented_checkpointing.engine.preview import reference_block_counts
-from segmented_checkpointing.engine.schedule import CheckpointSchedule, ScheduleError
-from segmented_checkpointing.engine.support import DOCUMENT_FAMILIES, list_capabilities, support_table
 
 # SPEC.md "Families named by the documents" (and seeds/000 "Family Sweep Results"), as written there
 SPEC_NAMES = [

@@ -8,13 +8,12 @@ import copy
 import diffusers
 import pytest
 import torch
-
-from segmented_checkpointing.engine.generic import probe_family
-from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora
-from segmented_checkpointing.engine.plan import count_blocks, effective_plan
-from segmented_checkpointing.engine.runner import SegmentRunner
-
 from helpers import MODES
+
+from segmented_checkpointing.engine.core.generic import probe_family
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
+from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
 
 
 def _lora(model, targets=("to_q", "to_k", "to_v")):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from segmented_checkpointing.engine.loading import ModelLoadError, build_preset, load_model_folder
+from segmented_checkpointing.engine.train.loading import (
+    ModelLoadError,
+    build_preset,
+    load_model_folder,
+)
 
 
 def _save_pipeline(folder, family="flux", safe=True):

@@ -2,37 +2,43 @@
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
 
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.lockstep import lockstep_runs, paired_difference, paired_ratio
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.sweep import short_run, sweep_schedules
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.measure.lockstep import (
+    lockstep_runs,
+    paired_difference,
+    paired_ratio,
+)
+from segmented_checkpointing.engine.measure.sweep import sweep_schedules
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.train.runs import short_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 MODES = {s.mode: s for s in sweep_schedules()}
 
 
-def _recording_trainer(order: list, fail: str | None = None, fail_at: int = 0):
-    """A trainer that only logs ``(mode, step)`` in the order the steps run."""
-    lock = threading.Lock()
+def _recording_runs(order: list, fail: str | None = None, fail_at: int = 0):
+    """Runs that only log ``(mode, step)`` in the order their steps run."""
 
-    def trainer(config, bundle, on_step, log):
-        history = []
-        for step in range(1, config.steps + 1):
-            if config.schedule.mode == fail and step == fail_at:
-                raise RuntimeError(f"{fail} broke at step {step}")
-            with lock:
-                order.append((config.schedule.mode, step))
-            history.append({"seconds": 1.0 + step, "peak_bytes": 0})
-            on_step(SimpleNamespace(step=step), config.steps)
-        return SimpleNamespace(history=history)
+    class Run:
+        def __init__(self, config, bundle, log, cache_dir):
+            self.config, self.result = config, None
 
-    return trainer
+        def __iter__(self):
+            history = []
+            for step in range(1, self.config.steps + 1):
+                if self.config.schedule.mode == fail and step == fail_at:
+                    raise RuntimeError(f"{fail} broke at step {step}")
+                order.append((self.config.schedule.mode, step))
+                history.append({"seconds": 1.0 + step, "peak_bytes": 0})
+                yield SimpleNamespace(step=step)
+            self.result = SimpleNamespace(history=history)
+
+    return Run
 
 
 def test_steps_after_the_first_alternate_between_schedules():
@@ -40,7 +46,7 @@ def test_steps_after_the_first_alternate_between_schedules():
     schedules = [MODES["none"], MODES["layer"], MODES["interval2"]]
     config, bundle = TrainConfig(family="flux", output="unused"), build_preset("flux")
     results = lockstep_runs(config, bundle, schedules, warmup_steps=1, measured_steps=3,
-                            trainer=_recording_trainer(order))
+                            start_run=_recording_runs(order))
     assert len(results) == 3 and all(len(r.history) == 4 for r in results)
     assert order == [(s.mode, k) for k in (1, 2, 3, 4) for s in schedules]
     assert paired_ratio(results[0], results[1], 1) == 1.0 and paired_difference(results[0], results[2], 1) == 0.0
@@ -51,7 +57,7 @@ def test_a_failing_run_raises_and_the_others_still_finish():
     config, bundle = TrainConfig(family="flux", output="unused"), build_preset("flux")
     with pytest.raises(RuntimeError, match="layer broke at step 3"):
         lockstep_runs(config, bundle, [MODES["none"], MODES["layer"]], 1, 4,
-                      trainer=_recording_trainer(order, fail="layer", fail_at=3))
+                      start_run=_recording_runs(order, fail="layer", fail_at=3))
     assert ("none", 5) in order and ("layer", 3) not in order
 
 
@@ -62,8 +68,8 @@ def test_bad_arguments_are_refused_by_name():
 
 
 def test_real_lockstep_runs_measure_what_a_run_alone_measures():
-    """Threads keep the CPU tracker, the saved-tensor hooks and the model copies apart: the peaks
-    and losses equal those of the same runs made one after the other."""
+    """Interleaved in one thread, the runs keep their CPU trackers, saved-tensor hooks and model
+    copies apart: the peaks and losses equal those of the same runs made one after the other."""
     config = TrainConfig(family="flux", resolution=64, output="unused")
     bundle = build_preset("flux")
     schedules = [CheckpointSchedule(gradient_checkpointing=False), MODES["interval2-unsloth-ffn-offload-attn"]]

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import MODES, random_batch
 from torch.utils.checkpoint import checkpoint
 
-from segmented_checkpointing.engine import memory
-from segmented_checkpointing.engine.families import get_family, sd3  # noqa: F401 (registers sd3)
-from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora
-from segmented_checkpointing.engine.memory import (
-    LiveTensorTracker, MemoryReading, PeakMemory, StepTimer, format_mib, to_gib,
+from segmented_checkpointing.engine.core import memory
+from segmented_checkpointing.engine.core.memory import (
+    LiveTensorTracker,
+    MemoryReading,
+    PeakMemory,
+    StepTimer,
+    format_mib,
+    to_gib,
 )
-from segmented_checkpointing.engine.plan import count_blocks, effective_plan
-from segmented_checkpointing.engine.runner import SegmentRunner
-
-from helpers import MODES, random_batch
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
+from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.families import get_family, sd3  # noqa: F401 (registers sd3)
+from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
 
 F32 = 4  # bytes per float32 element
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.loading import ModelBundle
-from segmented_checkpointing.engine.lora_io import LoraSettings
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.train.loading import ModelBundle
+from segmented_checkpointing.engine.train.lora_io import LoraSettings
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 

@@ -10,9 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import training
-from segmented_checkpointing.engine.nonfinite import FiniteCheck, check_finite, describe
-from segmented_checkpointing.engine.state import load_state
+from segmented_checkpointing.engine.train import loop as training
+from segmented_checkpointing.engine.train.nonfinite import (
+    FiniteCheck,
+    check_finite,
+    describe,
+)
+from segmented_checkpointing.engine.train.state import load_state
 
 TARGET = "transformer_blocks.1.attn.to_k.lora_B.default.weight"
 

@@ -8,20 +8,23 @@ import warnings
 
 import pytest
 import torch
-
-from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.memory import PeakMemory
-from segmented_checkpointing.engine.offload import PinnedMemoryWarning
-from segmented_checkpointing.engine.plan import count_blocks, effective_plan
-from segmented_checkpointing.engine.runner import SegmentRunner
-from segmented_checkpointing.engine.schedule import BACKENDS, CheckpointSchedule, ScheduleError
-
 from helpers import MODES, one_step, random_batch, tiny_model
+
+from segmented_checkpointing.engine.core.memory import PeakMemory
+from segmented_checkpointing.engine.core.offload import PinnedMemoryWarning
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
+from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.core.schedule import (
+    BACKENDS,
+    CheckpointSchedule,
+    ScheduleError,
+)
+from segmented_checkpointing.engine.families import get_family
 
 FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
 _reference: dict = {}
 
-pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.offload.PinnedMemoryWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.core.offload.PinnedMemoryWarning")
 
 
 def _worst(family, schedule, dropout):
@@ -153,7 +156,7 @@ def test_pinning_is_skipped_with_one_warning_without_cuda():
 
 
 def test_missing_boundaries_fail_before_training_naming_family_and_list():
-    from segmented_checkpointing.engine.config import TrainConfig
+    from segmented_checkpointing.engine.train.config import TrainConfig
 
     flux = get_family("flux")
     no_ffn = dataclasses.replace(flux, name="flux-no-ffn", block_lists=(

@@ -23,16 +23,16 @@ def test_folder_imports_under_any_name_like_comfyui_custom_nodes(tmp_path):
         "module = importlib.util.module_from_spec(spec); sys.modules['My-Pack_copy'] = module\n"
         "spec.loader.exec_module(module)\n"
         "print(module.WEB_DIRECTORY, type(module.NODE_CLASS_MAPPINGS).__name__)\n"
-        "engine = importlib.import_module('My-Pack_copy.engine.training')\n"
+        "engine = importlib.import_module('My-Pack_copy.engine.train.loop')\n"
         "print(engine.__name__)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "./web dict" in result.stdout and "My-Pack_copy.engine.training" in result.stdout
+    assert "./web dict" in result.stdout and "My-Pack_copy.engine.train.loop" in result.stdout
 
 
 def test_engine_imports_without_comfyui():
-    code = ("import sys, segmented_checkpointing.engine.training, segmented_checkpointing.cli\n"
+    code = ("import sys, segmented_checkpointing.engine.train.loop, segmented_checkpointing.cli\n"
             f"bad = {sorted(COMFY_MODULES)!r}\n"
             "print([m for m in bad if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

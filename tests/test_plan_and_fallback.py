@@ -6,13 +6,12 @@ import dataclasses
 
 import pytest
 import torch
-
-from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.plan import ScheduleWarning, effective_plan
-from segmented_checkpointing.engine.runner import SegmentRunner
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
-
 from helpers import MODES, random_batch, tiny_model
+
+from segmented_checkpointing.engine.core.plan import ScheduleWarning, effective_plan
+from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.families import get_family
 
 COUNTS = {"double": 8, "single": 8}
 

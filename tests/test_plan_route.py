@@ -8,7 +8,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from segmented_checkpointing.engine.preview import preview_plan, reference_block_counts
+from segmented_checkpointing.engine.core.preview import (
+    preview_plan,
+    reference_block_counts,
+)
 from segmented_checkpointing.nodes.routes import PLAN_ROUTE, register_routes
 
 

@@ -7,14 +7,21 @@ import dataclasses
 import pytest
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.lora_io import LoraSettings
-from segmented_checkpointing.engine.lockstep import lockstep_runs, paired_ratio
-from segmented_checkpointing.engine.planner import PlannerError, choose, parse_budget, plan_for_budget, predict
-from segmented_checkpointing.engine.probe import probe
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.sweep import run_sweep, sweep_schedules
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.measure.lockstep import lockstep_runs, paired_ratio
+from segmented_checkpointing.engine.measure.planner import (
+    PlannerError,
+    choose,
+    parse_budget,
+    plan_for_budget,
+    predict,
+)
+from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.sweep import run_sweep, sweep_schedules
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.train.loop import TrainingRun
+from segmented_checkpointing.engine.train.lora_io import LoraSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CANDIDATES = sweep_schedules()  # every backend, with and without attention offload
@@ -100,17 +107,15 @@ def test_segckpt_plan_prints_the_choice_and_writes_its_keys(tmp_path, capsys):
 
 
 def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
-    from segmented_checkpointing.engine.training import train
-
-    def pessimistic(config, **kwargs):  # "none" measures far over any budget; the rest as measured
-        result = train(config, **kwargs)
-        if config.schedule.mode == "none" and config.steps == 2:
-            for record in result.history:
-                record["peak_bytes"] = 10**12
-        return result
+    class Pessimistic(TrainingRun):  # "none" measures far over any budget; the rest as measured
+        def __iter__(self):
+            yield from super().__iter__()
+            if self.config.schedule.mode == "none" and self.config.steps == 2:
+                for record in self.result.history:
+                    record["peak_bytes"] = 10**12
 
     config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
-    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, trainer=pessimistic)
+    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, start_run=Pessimistic)
     assert choice.chosen.schedule.mode != "none" and choice.measured_peak_bytes <= 2**30
     assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()
 
@@ -118,9 +123,8 @@ def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
 def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fastest():
     """The planner times the choices it would make had the offloader cost half and twice the
     calibrated value; a contender that measures slower than predicted (here: the prediction's
-    choice, made 3x slower by the trainer) loses to one timed beside it."""
-    from segmented_checkpointing.engine.planner import contenders
-    from segmented_checkpointing.engine.training import train
+    choice, made 3x slower by its run) loses to one timed beside it."""
+    from segmented_checkpointing.engine.measure.planner import contenders
 
     config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
     measured_probe = probe(config, bundle)
@@ -143,14 +147,14 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
 
     predicted = choice.chosen.schedule.mode
 
-    def slowed(config, **kwargs):
-        result = train(config, **kwargs)
-        if config.schedule.mode == predicted:
-            for record in result.history:
-                record["seconds"] *= 3
-        return result
+    class Slowed(TrainingRun):
+        def __iter__(self):
+            yield from super().__iter__()
+            if self.config.schedule.mode == predicted:
+                for record in self.result.history:
+                    record["seconds"] *= 3
 
-    planned = plan_for_budget(config, bundle, budget, measure_steps=2, trainer=slowed, probe_=at(costs[k]))
+    planned = plan_for_budget(config, bundle, budget, measure_steps=2, start_run=Slowed, probe_=at(costs[k]))
     measured = [p for p in planned.candidates if p.measured_sec_per_step is not None]
     assert len(measured) >= 2 and planned.chosen.schedule.mode != predicted
     assert planned.chosen.relative_time < 0.6 and planned.measured_peak_bytes <= budget

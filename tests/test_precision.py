@@ -9,21 +9,28 @@ import json
 
 import pytest
 import torch
+from helpers import random_batch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
+from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.loading import build_preset, load_model_folder, stored_dtype
-from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora
-from segmented_checkpointing.engine.plan import count_blocks, effective_plan
-from segmented_checkpointing.engine.precision import (PrecisionError, QuantizedLinear, apply_base_precision,
-                                                      resolve_precision)
-from segmented_checkpointing.engine.runner import SegmentRunner
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.training import train
-
-from helpers import random_batch
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import (
+    build_preset,
+    load_model_folder,
+    stored_dtype,
+)
+from segmented_checkpointing.engine.train.loop import train
+from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.train.precision import (
+    PrecisionError,
+    QuantizedLinear,
+    apply_base_precision,
+    resolve_precision,
+)
 
 pytest.importorskip("torchao")
 QUIET = {"log": lambda line: None}
@@ -37,7 +44,7 @@ SCHEDULES = {"none": CheckpointSchedule(gradient_checkpointing=False), "interval
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.data import write_sample_dataset
+    from segmented_checkpointing.engine.train.data import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("precision") / "data")
 
@@ -229,7 +236,7 @@ def test_fp16_loss_scaling_resumes_exactly(tmp_path, data_dir):
     first = train(dataclasses.replace(config, output=str(tmp_path / "split")), should_stop=lambda: next(stop) == 1,
                   **QUIET)
     assert first.interrupted
-    from segmented_checkpointing.engine.state import load_state
+    from segmented_checkpointing.engine.train.state import load_state
     assert load_state(tmp_path / "split").grad_scaler["scale"] > 0
     second = train(dataclasses.replace(config, output=str(tmp_path / "split"), resume=True), **QUIET)
     a, b = load_file(full.lora_path), load_file(second.lora_path)

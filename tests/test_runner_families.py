@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import MODES, one_step
 
 from segmented_checkpointing.engine.families import family_names, get_family
-
-from helpers import MODES, one_step
 
 ISSUE2_FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
 FAMILIES = family_names()  # every registered family (engine/families/*.py)

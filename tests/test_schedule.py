@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from segmented_checkpointing.engine.schedule import CheckpointSchedule, ScheduleError, plan_block_list
+from segmented_checkpointing.engine.core.schedule import (
+    CheckpointSchedule,
+    ScheduleError,
+    plan_block_list,
+)
 
 
 @pytest.mark.parametrize("values, key", [

@@ -10,14 +10,19 @@ import torch
 from PIL import Image
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.loading import build_preset
-from segmented_checkpointing.engine.lora_io import LoraSettings
-from segmented_checkpointing.engine.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.sweep import (
-    SweepCell, flag_ineffective, run_sweep, sweep_schedules, to_markdown, write_outputs,
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.measure.sweep import (
+    SweepCell,
+    flag_ineffective,
+    run_sweep,
+    sweep_schedules,
+    to_markdown,
+    write_outputs,
 )
-from segmented_checkpointing.engine.training import train
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.train.loop import TrainingRun
+from segmented_checkpointing.engine.train.lora_io import LoraSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -35,16 +40,17 @@ def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path
                  CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)]
     calls = []
 
-    def faulty(config, **kwargs):
-        calls.append(config.schedule.mode)
-        if config.schedule.mode == "layer":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        if config.schedule.mode == "interval2":
-            raise RuntimeError("block 3 exploded")
-        return train(config, **kwargs)
+    class Faulty(TrainingRun):
+        def __iter__(self):
+            calls.append(self.config.schedule.mode)
+            if self.config.schedule.mode == "layer":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            if self.config.schedule.mode == "interval2":
+                raise RuntimeError("block 3 exploded")
+            return super().__iter__()
 
     before = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
-    cells = run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=1, trainer=faulty,
+    cells = run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=1, start_run=Faulty,
                       skip=lambda s: s.gradient_checkpointing_segment_stride == 4, log=lambda line: None)
     status = {c.mode: c.status for c in cells}
     assert status == {"none": "ok", "layer": "OOM", "interval2": "failed", "layer-torch-ffn": "unsupported",

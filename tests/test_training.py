@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.lora_io import LoraSettings
-from segmented_checkpointing.engine.training import learning_rate_at, train
+from segmented_checkpointing.engine.train.config import TrainConfig
+from segmented_checkpointing.engine.train.loop import learning_rate_at, train
+from segmented_checkpointing.engine.train.lora_io import LoraSettings
 
 QUIET = {"log": lambda line: None}
 
@@ -27,7 +27,7 @@ def _config(tmp_path, name, **changes):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.data import write_sample_dataset
+    from segmented_checkpointing.engine.train.data import write_sample_dataset
 
     root = tmp_path_factory.mktemp("train")
     write_sample_dataset(root / "data")
@@ -54,7 +54,7 @@ def test_ten_plus_resume_plus_ten_equals_twenty(data_dir):
 def test_one_seed_gives_one_adapter_whatever_ran_before_in_the_process(data_dir):
     """peft draws lora_A from torch's global generator: a server that ran anything before (or a
     sweep's previous cell) must not change the adapter a seed gives."""
-    from segmented_checkpointing.engine.loading import build_preset
+    from segmented_checkpointing.engine.train.loading import build_preset
 
     bundle, runs = build_preset("flux"), []  # loaded once (as a server or a sweep does): no reseeding
     for name in ("first", "second"):

@@ -5,7 +5,14 @@ import importlib
 import pkgutil
 
 from .base import (  # noqa: F401
-    BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, family_for_class, family_names, get_family,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    family_for_class,
+    family_names,
+    get_family,
     register_family,
 )
 

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 
 # joint blocks: block(hidden, encoder, temb) -> (encoder, hidden)
 _JOINT = Carry(((0, 1), (1, 0)))

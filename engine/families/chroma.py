@@ -39,7 +39,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 from .packing import image_ids, pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, temb_i, rope, mask) -> (encoder, hidden)

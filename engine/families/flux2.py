@@ -33,7 +33,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 from .packing import pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, mod_img, mod_txt, rope, kwargs) -> (encoder, hidden)

@@ -38,10 +38,17 @@ multiplies by 1000); no text mask (Flux.3 attends to padding tokens). Flow-map (
 
 from __future__ import annotations
 
-
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 from .packing import pack_2x2, read_packed_2x2
 
 # joint: block(content, encoder, content_mod, txt_mod, rope) -> (encoder, content)

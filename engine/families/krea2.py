@@ -26,7 +26,6 @@ adapter's text batch carries it flattened to ``(B, L, num_text_layers * text_hid
 
 from __future__ import annotations
 
-
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family

@@ -26,7 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 
 
 def pack_video(latents: torch.Tensor, p: int, pt: int) -> torch.Tensor:

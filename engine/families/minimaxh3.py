@@ -38,7 +38,8 @@ _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built her
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3PrepareLayoutStep, patchify_video_latents,
+        MiniMaxH3PrepareLayoutStep,
+        patchify_video_latents,
     )
 
     if bool((sigmas != sigmas[0]).any()):

@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from ..objectives import NUM_TRAIN_TIMESTEPS, _alphas_cumprod
+from ..train.objectives import NUM_TRAIN_TIMESTEPS, _alphas_cumprod
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
 _S = 0.008  # offset of the cosine schedule (DDPMWuerstchenScheduler / the prior pipeline)

@@ -37,7 +37,6 @@ mask is passed.
 
 from __future__ import annotations
 
-
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family

@@ -32,7 +32,15 @@ from __future__ import annotations
 
 import torch
 
-from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .base import (
+    SINGLE,
+    BlockList,
+    Carry,
+    FamilyAdapter,
+    TextBatch,
+    TextSpec,
+    register_family,
+)
 
 # VACE blocks: block(hidden, encoder, control, timestep_proj, rotary_emb) -> (hint, control)
 _VACE = Carry(((1, 2),))

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from ..core.memory import StepTimer
+from ..core.plan import ModelPlan
 from .atomic import atomic_write_text
-from .memory import StepTimer
-from .plan import ModelPlan
 
 REPORT_FILE = "report.json"
 

@@ -1,6 +1,6 @@
 """The planner's probe: per-block activation bytes and time, measured on one training step.
 
-One run of :func:`~.training.train` itself without checkpointing (so the numbers are measured
+One training run (:class:`~..train.loop.TrainingRun`) without checkpointing (so the numbers are measured
 exactly like a sweep cell) records, through module hooks and a saved-tensor hook, per block of
 every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
 attention parts of them, its carried inputs, its forward time and forward transient, and its
@@ -11,22 +11,24 @@ and without attention offload, calibrate the offloader's cost per tensor on this
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.module_tracker import ModuleTracker
 
-from .config import TrainConfig
-from .families import get_family
-from .families.base import FamilyAdapter
-from .schedule import CheckpointSchedule
+from ..core.memory import PeakMemory
+from ..core.offload import resident_storages
+from ..core.schedule import CheckpointSchedule
+from ..families import get_family
+from ..families.base import FamilyAdapter
+from ..train.config import TrainConfig
+from ..train.loop import resolve_device
+from ..train.runs import RunWorkspace, StartRun
 from .lockstep import lockstep_runs, paired_difference
-from .offload import resident_storages
+
 
 @dataclass
 class BlockCost:
@@ -99,21 +101,12 @@ class _Seen:
     window: tuple[int, int] | None = None
 
 
-def _tracker():
-    """The CPU live-tensor tracker measuring the current step, if one is active."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from .memory import LiveTensorTracker
-
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, LiveTensorTracker):
-            return mode
-    return None
-
-
 class _Collector:
     """Module and saved-tensor hooks that attribute saved bytes and forward time to blocks.
 
+    Which block, FFN and attention sub-module a saved tensor belongs to is read from torch's
+    :class:`~torch.utils.module_tracker.ModuleTracker` (the modules running when it is saved);
+    per-block pre/post hooks record inputs, outputs, forward time and the forward transient.
     Observations are kept raw and resolved by :meth:`costs` after the step: an input whose
     storage is the previous block's output is carried; one passed unchanged to several blocks
     (time embedding, rotary tables) is shared and belongs to ``base``; a storage saved by
@@ -123,25 +116,36 @@ class _Collector:
     def __init__(self, model: torch.nn.Module, family: FamilyAdapter, sync: Callable[[], None]):
         self.active = False
         self.sync = sync
-        self.scopes: list[tuple[str, int, float]] = []
+        self.modules = ModuleTracker()
+        self.memory: PeakMemory | None = None  # the run's meter: its CPU tracker gives the transient
         self.resident: set[int] = set()
         self.lists = [(bl.name, list(family.blocks(model, bl))) for bl in family.block_lists]
         self.seen: dict[tuple[str, int], _Seen] = {}
         self.costs_: dict[tuple[str, int], BlockCost] = {}
+        self.started: dict[tuple[str, tuple[str, int]], float] = {}
         self.handles = []
         self.blocks_end_bytes: int | None = None
+        # ModuleTracker names a module by its root's class and its path: "FluxTransformer2DModel.transformer_blocks.0"
+        path = {module: f"{type(model).__name__}.{name}" for name, module in model.named_modules() if name}
+        self.scopes: dict[str, tuple[str, tuple[str, int]]] = {}
         for bl, (name, blocks) in zip(family.block_lists, self.lists):
             for i, block in enumerate(blocks):
                 key = (name, i)
                 self.seen[key], self.costs_[key] = _Seen(), BlockCost(name, i)
-                self._scope(block, "block", key)
+                self._hooks(block, "block", key)
+                self.scopes[path[block]] = ("block", key)
                 if bl.ffn:  # a chain (Flux single: act_mlp(proj_mlp(x))) is one scope, first to last
                     names = (bl.ffn,) if isinstance(bl.ffn, str) else bl.ffn
-                    self._scope(block.get_submodule(names[0]), "ffn", key, block.get_submodule(names[-1]))
+                    chain = [block.get_submodule(n) for n in names]
+                    self._hooks(chain[0], "ffn", key, chain[-1])
+                    self.scopes.update({path[m]: ("ffn", key) for m in chain})
                 if bl.attention:
-                    self._scope(block.get_submodule(bl.attention), "attn", key)
+                    self.scopes[path[block.get_submodule(bl.attention)]] = ("attn", key)
 
-    def _scope(self, module, kind, key, last=None) -> None:
+    def _tracker(self):
+        return self.memory.tracker if self.memory is not None else None
+
+    def _hooks(self, module, kind, key, last=None) -> None:
         def pre(_module, args, kwargs):
             if not self.active:
                 return
@@ -150,42 +154,46 @@ class _Collector:
             if kind == "block":
                 seen.inputs = [(k, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                                for k, t in [*enumerate(args), *kwargs.items()] if isinstance(t, torch.Tensor)]
-            elif kind == "ffn":
+                tracker = self._tracker()
+                if tracker is not None:  # a window for this block's own peak
+                    seen.window = (tracker.current_bytes, tracker.peak_bytes)
+                    tracker.peak_bytes = tracker.current_bytes
+            else:
                 seen.ffn_inputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                    for t in args if isinstance(t, torch.Tensor)}
-            tracker = _tracker()
-            if kind == "block" and tracker is not None:  # a window for this block's own peak
-                seen.window = (tracker.current_bytes, tracker.peak_bytes)
-                tracker.peak_bytes = tracker.current_bytes
-            self.scopes.append((kind, key, time.perf_counter()))
+            self.started[(kind, key)] = time.perf_counter()
 
         def post(_module, _args, _kwargs, output):
-            if not self.active or not self.scopes:
+            if not self.active or (kind, key) not in self.started:
                 return
             self.sync()
-            kind_, key_, started = self.scopes.pop()
-            cost = self.costs_[key_]
-            if kind_ == "block":
-                cost.fwd_s += time.perf_counter() - started
-                tracker, window = _tracker(), self.seen[key_].window
-                if tracker is not None and window is not None:
-                    cost.fwd_peak = max(cost.fwd_peak, tracker.peak_bytes - window[0])
-                    tracker.peak_bytes = max(tracker.peak_bytes, window[1])  # the step's peak is kept
-                    self.blocks_end_bytes = tracker.current_bytes  # after the last block: forward's end
-                outputs = output if isinstance(output, (tuple, list)) else [output]
-                self.seen[key_].outputs = {t.untyped_storage().data_ptr() for t in outputs if isinstance(t, torch.Tensor)}
-            elif kind_ == "ffn":
-                cost.ffn_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - self.started.pop((kind, key))
+            cost = self.costs_[key]
+            if kind == "ffn":
+                cost.ffn_s += elapsed
+                return
+            cost.fwd_s += elapsed
+            tracker, window = self._tracker(), self.seen[key].window
+            if tracker is not None and window is not None:
+                cost.fwd_peak = max(cost.fwd_peak, tracker.peak_bytes - window[0])
+                tracker.peak_bytes = max(tracker.peak_bytes, window[1])  # the step's peak is kept
+                self.blocks_end_bytes = tracker.current_bytes  # after the last block: forward's end
+            outputs = output if isinstance(output, (tuple, list)) else [output]
+            self.seen[key].outputs = {t.untyped_storage().data_ptr() for t in outputs if isinstance(t, torch.Tensor)}
 
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self.handles.append((last or module).register_forward_hook(post, with_kwargs=True))
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if (self.active and self.scopes and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
+        if not (self.active and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
                 and not is_traceable_wrapper_subclass(tensor)):
+            return tensor
+        running = [self.scopes[name] for name in self.modules.parents if name in self.scopes]
+        blocks = [key for kind, key in running if kind == "block"]
+        if len(blocks) == 1:  # saved inside exactly one block (outside any block: base)
+            kinds = {kind for kind, key in running if key == blocks[0]}
             storage = tensor.untyped_storage()
-            kinds = {kind for kind, _, _ in self.scopes}
-            saved = self.seen[self.scopes[-1][1]].saved
+            saved = self.seen[blocks[0]].saved
             if storage.data_ptr() not in saved:
                 saved[storage.data_ptr()] = (storage.nbytes(), "ffn" in kinds, "attn" in kinds)
         return tensor
@@ -234,7 +242,7 @@ class _Collector:
             handle.remove()
 
 
-def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, trainer, tensors: int,
+def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace, tensors: int,
                   nbytes: int) -> tuple[float, float]:
     """(seconds per offloaded tensor, seconds per offloaded byte) of the engine's offloader on this
     machine: the median extra time of a run with attention offload over one without, timed in
@@ -244,7 +252,7 @@ def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, trainer, tenso
         return 0.0, 0.0
     plain = CheckpointSchedule(gradient_checkpointing=False)
     without, with_offload = lockstep_runs(config, bundle, [plain, plain.replace(
-        gradient_checkpointing_offload_attention=True)], warmup_steps, 3, trainer)
+        gradient_checkpointing_offload_attention=True)], warmup_steps, 3, workspace=workspace)
     extra = max(0.0, paired_difference(with_offload, without, warmup_steps))
     # split between per-tensor bookkeeping and per-byte copies: copies at the measured memcpy rate
     per_byte = _copy_seconds_per_byte(torch.device(with_offload.report["environment"]["device"]))
@@ -269,55 +277,50 @@ def _copy_seconds_per_byte(device: torch.device) -> float:
     return best / source.nbytes
 
 
-def probe(config: TrainConfig, bundle, warmup_steps: int = 1,
-          trainer: Callable[..., Any] | None = None) -> Probe:
+def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRun | None = None,
+          workspace: RunWorkspace | None = None) -> Probe:
     """Measure per-block activation bytes and forward time on one step without checkpointing.
 
     Args:
         config: the run settings (data, resolution, batch, device, ...); the schedule, steps
             and output are replaced.
         bundle: the loaded model (never changed: the probe trains a deep copy).
-        warmup_steps: steps before the measured one.
-        trainer: the training entry point (default :func:`~.training.train`).
-    """
-    from .training import resolve_device, train
+        warmup_steps: steps before the measured one (>= 1: the first sets the run up).
+        start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
+        workspace: an open workspace to run in (shared data and latent cache); default: its own.
 
-    trainer = trainer or train
+    Raises:
+        ValueError: ``warmup_steps`` < 1.
+    """
+    if warmup_steps < 1:
+        raise ValueError(f"warmup_steps={warmup_steps} is invalid: allowed >= 1 (the probe records after "
+                         "the run set up its LoRA)")
+    if workspace is None:
+        with RunWorkspace(config, bundle, start_run) as own:
+            return probe(config, bundle, warmup_steps, start_run, own)
     family = get_family(bundle.family.name)
     device = resolve_device(config)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    with tempfile.TemporaryDirectory(prefix="segckpt-probe-") as folder, torch.inference_mode(False):
-        model_copy = dataclasses.replace(bundle, transformer=copy.deepcopy(bundle.transformer))
-        # LoRA is added inside train(); hooks attach to the blocks, which train() keeps
-        collector = _Collector(model_copy.transformer, family, sync)
-        # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
-        probe_config = dataclasses.replace(
-            config, schedule=CheckpointSchedule(gradient_checkpointing=False), steps=warmup_steps + 2,
-            timing_warmup_steps=warmup_steps, output=folder, resume=False, save_every=0)
-
-        def activate() -> None:  # after train() added the LoRA: its weights are resident too
-            model = model_copy.transformer
-            collector.resident = resident_storages(model)
-            collector.active = True
-
-        def on_step(record, total):
-            if record.step == warmup_steps:  # record the step after the warm-up
-                activate()
-            else:
-                collector.active = False
-
-        if warmup_steps == 0:
-            raise ValueError("warmup_steps=0 is invalid: allowed >= 1 (the probe records after train() set up LoRA)")
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(collector.pack, lambda t: t):
-                result = trainer(probe_config, bundle=model_copy, on_step=on_step, log=lambda line: None)
-        finally:
-            collector.close()
+    # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
+    run = workspace.start(CheckpointSchedule(gradient_checkpointing=False), warmup_steps, 2)
+    # the run adds the LoRA to the copy; hooks attach to its blocks, which the run keeps
+    collector = _Collector(run.bundle.transformer, family, sync)
+    try:
+        with collector.modules, torch.autograd.graph.saved_tensors_hooks(collector.pack, lambda t: t):
+            for record in run:
+                # record the step after the warm-up: the LoRA weights are resident by then
+                collector.active = record.step == warmup_steps
+                if collector.active:
+                    collector.resident = resident_storages(run.context.model)
+                    collector.memory = run.context.memory
+    finally:
+        collector.close()
+    result = run.result
     recorded, clean = result.history[warmup_steps], result.history[-1]
     costs = collector.costs()
     routed_attention = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
     attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
-    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, trainer,
+    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, workspace,
                                          sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
     return Probe(family.name, device.type, costs, max(recorded["peak_bytes"], clean["peak_bytes"]),
                  clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes)

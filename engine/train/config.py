@@ -1,6 +1,7 @@
-"""The training configuration: one validated object; every field documented once in :data:`HELP`.
+"""The training configuration: one validated object; every field documented once, in its metadata.
 
-:data:`HELP` feeds the CLI's ``--help`` and the node tooltips. A JSON config file may use these
+Each field's help text and ``segckpt`` option sit beside its default (:func:`option`); the CLI
+builds its options from them and :data:`HELP` (the node tooltips) collects the texts. A JSON config file may use these
 field names, the SimpleTuner names listed in :data:`ALIASES`, and the six schedule keys of
 :mod:`.schedule`; unknown keys are reported and ignored (SimpleTuner configs hold many more).
 """
@@ -13,12 +14,20 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
+from ..core.plan import check_supported
+from ..core.schedule import KEYS as SCHEDULE_KEYS
+from ..core.schedule import CheckpointSchedule
+from ..families import family_names, get_family
 from .attention_kernels import parse_attention_backend
+from .loading import PRESETS
+from .lora_io import CONFIG_KEYS as LORA_KEYS
+from .lora_io import HELP as LORA_HELP
 from .lora_io import LoraSettings
 from .nonfinite import POLICIES as NONFINITE_POLICIES
 from .precision import BASE_PRECISIONS
-from .schedule import KEYS as SCHEDULE_KEYS
-from .schedule import CheckpointSchedule
+from .state import STATE_FILE, read_state_header
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
@@ -27,44 +36,21 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DEMO_SCHEDULE = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
 """The built-in default's schedule: checkpoint blocks 0-1, run 2-3 plainly, checkpoint 4-5, ..."""
 
-HELP = {
-    "family": "Model family (flux, sd3, pixart, wan, sana, qwenimage, zimage, lumina2, ...).",
-    "preset": "Tiny random-init preset used when no model path is given (tests, the demo).",
-    "model_path": "Local diffusers folder (pipeline with transformer/ and vae/, or a transformer). Never downloaded.",
-    "vae_path": "Local diffusers VAE folder, when model_path is a bare transformer folder.",
-    "text_encoder_path": "Local transformers text encoder folder; default: the deterministic word embedder.",
-    "data": "Folder of images with same-name .txt captions; default: built-in sample photographs.",
-    "resolution": "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
-    "steps": "Optimizer steps to train (total, including steps done before a resume).",
-    "batch_size": "Images per micro-batch.",
-    "gradient_accumulation_steps": "Micro-batches per optimizer step.",
-    "learning_rate": "AdamW learning rate (peak, after warm-up).",
-    "lr_scheduler": "Learning-rate schedule after warm-up: constant, linear (to 0) or cosine (to 0).",
-    "lr_warmup_steps": "Steps of linear learning-rate warm-up from 0.",
-    "weight_decay": "AdamW decoupled weight decay.",
-    "seed": "Seed of the model init, data order, noise and timesteps.",
-    "lora_rank": "LoRA rank r.",
-    "lora_alpha": "LoRA alpha; the update is scaled by alpha / rank.",
-    "lora_dropout": "LoRA dropout probability.",
-    "lora_target_modules": "Module names to adapt (default: the family's attention projections).",
-    "output": "Output folder: LoRA, resumable training state, report.json, latent cache.",
-    "resume": "Continue from the training state in the output folder (the options that shape the "
-              "run must match it; steps, schedule, device and saving options may change).",
-    "overwrite": "Replace a finished or interrupted run in the output folder (otherwise refused).",
-    "device": "auto (CUDA when available), cpu or cuda.",
-    "mixed_precision": "auto (bf16 autocast on CUDA, fp16 for an fp16 base; on the CPU fp32, or the autocast "
-                       "of a bf16/fp16 base), bf16 or fp32.",
-    "base_model_precision": "Frozen base weights: auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16, fp32, "
-                            "int8-torchao or fp8-torchao (Linear weights quantized weight-only through torchao), "
-                            "no_change (the dtype the weight files hold). LoRA and optimizer state stay fp32.",
-    "attention_backend": "SDPA kernels for forward, backward and every recompute: auto (flash, efficient, math; "
-                         "cuDNN is left out because its fused backward returns NaN on some shapes) or a "
-                         "comma-separated list of flash, efficient, math, cudnn in priority order.",
-    "on_nonfinite": "When the loss or a LoRA gradient is NaN/inf: stop (keep the last good step's LoRA and "
-                    "state, exit status 2) or skip (drop that step's update, report it, go on).",
-    "save_every": "Also save the resumable state every N steps (0 = only at the end or on interruption).",
-    "timing_warmup_steps": "Steps excluded from the sec/step figure (warm-up).",
-}
+def option(default: Any, help: str, cli: str | None = None, long_run: bool = False) -> Any:
+    """A config field documented once: its help text and command-line option live in its metadata.
+
+    Args:
+        default: the default value (a callable: a default factory).
+        help: the text of ``--help`` and of the node tooltips.
+        cli: the ``segckpt`` option (``None``: not an option).
+        long_run: an option of ``segckpt train`` only (steps, saving, resuming), not of the
+            short measurement runs of ``sweep`` and ``plan``.
+    """
+    meta = {"help": help, "cli": cli, "long_run": long_run}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
 
 ALIASES = {
     "model_family": "family",
@@ -116,45 +102,68 @@ def _number(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A LoRA training run; see :data:`HELP` for every field. Validated at construction.
+    """A LoRA training run; every field's help and ``segckpt`` option are in its metadata
+    (:func:`option`; collected in :data:`HELP`). Validated at construction.
 
     Raises:
         ConfigError: a field is out of range; the message names the key, value and what is allowed.
         ScheduleError / LoraConfigError: from the nested schedule and LoRA settings.
     """
 
-    family: str = "flux"
-    preset: str = "tiny"
-    model_path: str | None = None
-    vae_path: str | None = None
-    text_encoder_path: str | None = None
-    data: str | None = None
-    resolution: int = 256
-    steps: int = 20
-    batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-3
-    lr_scheduler: str = "constant"
-    lr_warmup_steps: int = 0
-    weight_decay: float = 0.0
-    seed: int = 0
-    lora: LoraSettings = field(default_factory=lambda: LoraSettings(rank=16, alpha=16.0))
-    schedule: CheckpointSchedule = DEMO_SCHEDULE
-    output: str = "output"
-    resume: bool = False
-    overwrite: bool = False
-    device: str = "auto"
-    mixed_precision: str = "auto"
-    base_model_precision: str = "auto"
-    attention_backend: str = "auto"
-    on_nonfinite: str = "stop"
-    save_every: int = 0
-    timing_warmup_steps: int = 2
+    family: str = option("flux", "Model family (flux, sd3, pixart, wan, sana, qwenimage, zimage, lumina2, ...).",
+                         "--family")
+    preset: str = option("tiny", "Tiny random-init preset used when no model path is given (tests, the demo).",
+                         "--preset")
+    model_path: str | None = option(None, "Local diffusers folder (pipeline with transformer/ and vae/, or a "
+                                    "transformer). Never downloaded.", "--model-path")
+    vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder.",
+                                  "--vae-path")
+    text_encoder_path: str | None = option(None, "Local transformers text encoder folder; default: the "
+                                           "deterministic word embedder.", "--text-encoder")
+    data: str | None = option(None, "Folder of images with same-name .txt captions; default: built-in sample "
+                              "photographs.", "--data")
+    resolution: int = option(256, "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
+                             "--resolution")
+    steps: int = option(20, "Optimizer steps to train (total, including steps done before a resume).", "--steps",
+                        long_run=True)
+    batch_size: int = option(1, "Images per micro-batch.", "--batch-size")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.", "--grad-accum")
+    learning_rate: float = option(1e-3, "AdamW learning rate (peak, after warm-up).", "--lr")
+    lr_scheduler: str = option("constant", "Learning-rate schedule after warm-up: constant, linear (to 0) or "
+                               "cosine (to 0); diffusers' schedules.", "--lr-scheduler")
+    lr_warmup_steps: int = option(0, "Steps of linear learning-rate warm-up (step k of W uses k/W of the rate).",
+                                  "--lr-warmup-steps")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay.", "--weight-decay")
+    seed: int = option(0, "Seed of the model init, data order, noise and timesteps.", "--seed")
+    lora: LoraSettings = option(lambda: LoraSettings(rank=16, alpha=16.0), "LoRA settings (see the lora_* keys).")
+    schedule: CheckpointSchedule = option(DEMO_SCHEDULE, "The six gradient_checkpointing_* keys.")
+    output: str = option("output", "Output folder: LoRA, resumable training state, report.json, latent cache.",
+                         "--output")
+    resume: bool = option(False, "Continue from the training state in the output folder (the options that shape "
+                          "the run must match it; steps, schedule, device and saving options may change).",
+                          "--resume", long_run=True)
+    overwrite: bool = option(False, "Replace a finished or interrupted run in the output folder (otherwise "
+                             "refused).", "--overwrite", long_run=True)
+    device: str = option("auto", "auto (CUDA when available), cpu or cuda.", "--device")
+    mixed_precision: str = option("auto", "auto (bf16 autocast on CUDA, fp16 for an fp16 base; on the CPU fp32, "
+                                  "or the autocast of a bf16/fp16 base), bf16 or fp32.", "--mixed-precision")
+    base_model_precision: str = option(
+        "auto", "Frozen base weights: auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16, fp32, int8-torchao or "
+        "fp8-torchao (Linear weights quantized weight-only through torchao), no_change (the dtype the weight "
+        "files hold). LoRA and optimizer state stay fp32.", "--base-precision")
+    attention_backend: str = option(
+        "auto", "SDPA kernels for forward, backward and every recompute: auto (flash, efficient, math; cuDNN is "
+        "left out because its fused backward returns NaN on some shapes) or a comma-separated list of flash, "
+        "efficient, math, cudnn in priority order.", "--attention-backend")
+    on_nonfinite: str = option("stop", "When the loss or a LoRA gradient is NaN/inf: stop (keep the last good "
+                               "step's LoRA and state, exit status 2) or skip (drop that step's update, report "
+                               "it, go on).", "--on-nonfinite")
+    save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
+                             "interruption).", "--save-every", long_run=True)
+    timing_warmup_steps: int = option(2, "Steps excluded from the sec/step figure (warm-up).",
+                                      "--timing-warmup-steps", long_run=True)
 
     def __post_init__(self) -> None:
-        from .families import family_names, get_family
-        from .plan import check_supported
-
         for key in ("family", "preset", "output"):
             _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
                   "a non-empty string")
@@ -164,8 +173,6 @@ class TrainConfig:
         for key in ("resume", "overwrite"):
             _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
-        from .loading import PRESETS
-
         _need(self.preset in PRESETS, "preset", self.preset, ", ".join(PRESETS))
         check_supported(get_family(self.family), self.schedule)
         _need(_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
@@ -204,10 +211,6 @@ class TrainConfig:
                 steps than already done; a run already in ``output`` without ``resume`` or
                 ``overwrite`` (nothing a user made is replaced silently).
         """
-        import torch
-
-        from .state import STATE_FILE, read_state_header
-
         for key in ("model_path", "vae_path", "text_encoder_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
@@ -254,9 +257,8 @@ class TrainConfig:
             key = ALIASES.get(key, key)
             if key in SCHEDULE_KEYS:
                 schedule[key] = value
-            elif key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"):
-                name = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
-                        "lora_target_modules": "target_modules"}[key]
+            elif key in LORA_KEYS:
+                name = LORA_KEYS[key]
                 if key == "lora_target_modules" and isinstance(value, str):
                     value = [value]
                 lora[name] = tuple(value) if key == "lora_target_modules" and value is not None else value
@@ -282,3 +284,7 @@ class TrainConfig:
             ConfigError: the file cannot be read or is not a JSON object.
         """
         return cls.from_dict(read_config_file(path), base)
+
+
+HELP = {f.name: f.metadata["help"] for f in fields(TrainConfig)} | LORA_HELP
+"""One help text per config key (LoRA keys by their config names): ``--help`` and the node tooltips."""

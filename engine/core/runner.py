@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .families.base import BlockList, Carry, FamilyAdapter
+from ..families.base import BlockList, Carry, FamilyAdapter
 from .offload import HostPool, Offloader, resident_storages
 from .plan import ModelPlan, ScheduleWarning
 
@@ -192,11 +192,12 @@ class SegmentRunner:
         self._region_depth = 0
         self._recompute_depth = 0
         schedule = plan.schedule
-        self.backend = schedule.gradient_checkpointing_backend if schedule.gradient_checkpointing else None
-        self.ffn_scope = self.backend in ("torch-ffn", "unsloth-ffn")
+        self.backend = schedule.backend if schedule.gradient_checkpointing else None
+        self.ffn_scope = bool(self.backend and self.backend.ffn_scope)
+        self.offload_inputs = bool(self.backend and self.backend.offload_inputs)
         self.offload_attention = schedule.gradient_checkpointing_offload_attention
         self.offloader: Offloader | None = None
-        if (self.backend or "").startswith("unsloth") or self.offload_attention:
+        if self.offload_inputs or self.offload_attention:
             pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
             self.offloader = Offloader(pool, lambda: self.recomputing, resident_storages(model))
         self._index_plan()
@@ -293,7 +294,7 @@ class SegmentRunner:
         """``unsloth``: offload the region's carried inputs (the per-block hidden states); the
         other inputs (temb, rotary embeddings, masks) are shared by every block and stay alive
         on the device anyway, so copying them would save nothing."""
-        if self.offloader is None or not self.backend.startswith("unsloth"):
+        if self.offloader is None or not self.offload_inputs:
             return contextlib.nullcontext()
         return self.offloader.hooks({id(v) for v in carried if isinstance(v, torch.Tensor)})
 
@@ -319,7 +320,7 @@ class SegmentRunner:
         names = (block_list.ffn,) if isinstance(block_list.ffn, str) else tuple(block_list.ffn)
         modules = [block.get_submodule(n) for n in names]
         region = _FfnRegion(self, [m.forward for m in modules])
-        unsloth = self.backend == "unsloth-ffn"
+        unsloth = self.offload_inputs
 
         def checkpointed_ffn(*a: Any, **kw: Any) -> Any:
             self.stats.checkpoint_calls += 1

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import diffusers
 import safetensors
 import torch
 from safetensors import safe_open
 
-from .families import FamilyAdapter, TextBatch, family_for_class, get_family
+from ..families import FamilyAdapter, TextBatch, family_for_class, get_family
 from .text import DeterministicTextEmbedder, load_text_encoder
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -81,8 +82,6 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
     Raises:
         KeyError: unknown family. ModelLoadError: unknown preset.
     """
-    import diffusers
-
     family = get_family(family_name)
     if preset not in PRESETS:
         raise ModelLoadError(f"preset={preset!r} is invalid: allowed {', '.join(PRESETS)}")
@@ -120,8 +119,6 @@ def _class_name(folder: Path) -> str:
 
 def _load_component(folder: Path, expected: str | None = None,
                     dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    import diffusers
-
     name = _class_name(folder)
     if expected is not None and name != expected:
         raise ModelLoadError(f"{folder} holds a {name or 'model of unknown class'}, not the "

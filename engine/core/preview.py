@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .families import family_names, get_family
+from ..families import family_names, get_family
 from .plan import count_blocks, effective_plan
 from .schedule import KEYS, CheckpointSchedule, ScheduleError
 

@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-BACKENDS = ("torch", "torch-ffn", "unsloth", "unsloth-ffn")
-"""Allowed values of ``gradient_checkpointing_backend``."""
+from .backends import BACKENDS, DEFAULT, TABLE, Backend
 
 KEYS = (
     "gradient_checkpointing",
@@ -94,7 +93,7 @@ class CheckpointSchedule:
     """
 
     gradient_checkpointing: bool = True
-    gradient_checkpointing_backend: str = "torch"
+    gradient_checkpointing_backend: str = DEFAULT.name
     gradient_checkpointing_interval: int | None = None
     gradient_checkpointing_segment_stride: int | None = None
     gradient_checkpointing_offload_attention: bool = False
@@ -131,6 +130,11 @@ class CheckpointSchedule:
             raise _bad("gradient_checkpointing_offload_pin_memory_max_buckets", buckets, "an integer >= 0")
 
     @property
+    def backend(self) -> Backend:
+        """The :class:`~.backends.Backend` row of ``gradient_checkpointing_backend``."""
+        return TABLE[self.gradient_checkpointing_backend]
+
+    @property
     def interval(self) -> int:
         """Effective segment width N (1 when unset)."""
         return self.gradient_checkpointing_interval or 1
@@ -148,7 +152,7 @@ class CheckpointSchedule:
         name = "layer" if self.interval == 1 else f"interval{self.interval}"
         if self.stride != self.interval:
             name += f"-stride{self.stride}"
-        if self.gradient_checkpointing_backend != "torch":
+        if self.backend != DEFAULT:
             name += f"-{self.gradient_checkpointing_backend}"
         if self.gradient_checkpointing_offload_attention:
             name += "-offload-attn"
@@ -230,12 +234,15 @@ class ListPlan:
         segments: checkpointed segments as half-open ``(start, end)`` block index ranges; each is
             ONE checkpoint call. Empty when nothing is checkpointed.
         notes: why the plan differs from what the schedule asked, if it does.
+        routed: ``False`` for a list the model's loop calls directly, never through the
+            checkpoint function: no schedule or offload option can act on it.
     """
 
     name: str
     num_blocks: int
     segments: tuple[tuple[int, int], ...]
     notes: tuple[str, ...] = field(default=())
+    routed: bool = True
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -261,12 +268,13 @@ class ListPlan:
             "segments": [list(s) for s in self.segments],
             "checkpointed": list(self.checkpointed),
             "plain": list(self.plain),
+            "routed": self.routed,
             "notes": list(self.notes),
         }
 
 
 def plan_block_list(name: str, num_blocks: int, interval: int, stride: int | None = None,
-                    enabled: bool = True, notes: tuple[str, ...] = ()) -> ListPlan:
+                    enabled: bool = True, notes: tuple[str, ...] = (), routed: bool = True) -> ListPlan:
     """Pure function: the checkpointed segments of a list of ``num_blocks`` blocks.
 
     With interval N and stride S (S defaults to N) the segments are ``[k*S, min(k*S+N, n))`` for
@@ -280,6 +288,7 @@ def plan_block_list(name: str, num_blocks: int, interval: int, stride: int | Non
         stride: S >= N, or ``None`` for S = N.
         enabled: ``False`` gives an empty plan (every block plain).
         notes: free-text notes carried into the plan.
+        routed: see :attr:`ListPlan.routed` (an unrouted list gets an empty plan).
 
     Raises:
         ScheduleError: N < 1 or S < N.
@@ -290,6 +299,6 @@ def plan_block_list(name: str, num_blocks: int, interval: int, stride: int | Non
     if stride < interval:
         raise _bad("gradient_checkpointing_segment_stride", stride, f"an integer >= {interval}")
     segments: tuple[tuple[int, int], ...] = ()
-    if enabled:
+    if enabled and routed:
         segments = tuple((s, min(s + interval, num_blocks)) for s in range(0, num_blocks, stride))
-    return ListPlan(name=name, num_blocks=num_blocks, segments=segments, notes=tuple(notes))
+    return ListPlan(name=name, num_blocks=num_blocks, segments=segments, notes=tuple(notes), routed=routed)

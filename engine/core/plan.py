@@ -13,7 +13,8 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from .families.base import FamilyAdapter
+from ..families.base import FamilyAdapter
+from .backends import TABLE
 from .schedule import CheckpointSchedule, ListPlan, ScheduleError, plan_block_list
 
 
@@ -25,7 +26,6 @@ LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed blo
           "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
           "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
           ". = plain (activations kept)")
-_MARKS = {"torch": "C", "unsloth": "O", "torch-ffn": "F", "unsloth-ffn": "f"}
 
 
 @dataclass(frozen=True)
@@ -66,21 +66,16 @@ class ModelPlan:
         for plan in self.lists:
             if plan.name == list_name:
                 checkpointed = plan.checkpointed
-                plan = replace(
-                    plan,
-                    segments=tuple((i, i + 1) for i in checkpointed),
-                    notes=plan.notes + (reason,),
-                )
+                plan = replace(plan, segments=tuple((i, i + 1) for i in checkpointed), notes=plan.notes + (reason,))
             lists.append(plan)
         return replace(self, lists=tuple(lists))
 
     def block_maps(self) -> dict[str, str]:
         """Per list, one character per block (see :data:`LEGEND`)."""
-        mark = _MARKS[self.schedule.gradient_checkpointing_backend]
+        mark = self.schedule.backend.mark
         maps = {}
         for plan in self.lists:
-            routed = not any("never checkpointed" in note for note in plan.notes)
-            plain = "a" if self.schedule.gradient_checkpointing_offload_attention and routed else "."
+            plain = "a" if self.schedule.gradient_checkpointing_offload_attention and plan.routed else "."
             maps[plan.name] = plan.block_map(mark, plain)
         return maps
 
@@ -121,13 +116,14 @@ def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None
         ScheduleError: naming the family, the block list(s) and the option.
     """
     routed = [bl for bl in family.block_lists if bl.routed]
-    backend = schedule.gradient_checkpointing_backend
-    if schedule.gradient_checkpointing and backend.endswith("-ffn"):
+    backend = schedule.backend
+    if schedule.gradient_checkpointing and backend.ffn_scope:
         missing = [bl.name for bl in routed if not bl.ffn]
         if missing:
+            allowed = " or ".join(b.name for b in TABLE.values() if not b.ffn_scope)
             raise ScheduleError(
-                f"gradient_checkpointing_backend={backend!r} is not available for {family.name}: block "
-                f"list(s) {', '.join(missing)} have no FFN boundary; allowed torch or unsloth")
+                f"gradient_checkpointing_backend={backend.name!r} is not available for {family.name}: block "
+                f"list(s) {', '.join(missing)} have no FFN boundary; allowed {allowed}")
     if schedule.gradient_checkpointing_offload_attention:
         missing = [bl.name for bl in routed if not bl.attention]
         if missing:
@@ -173,13 +169,12 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
     lists = []
     for block_list in family.block_lists:
         list_notes: tuple[str, ...] = ()
-        enabled = schedule.gradient_checkpointing and block_list.routed
         if schedule.gradient_checkpointing and not block_list.routed:
             list_notes = ("the model's loop calls these blocks directly: never checkpointed",)
         lists.append(plan_block_list(block_list.name, num_blocks[block_list.name], interval, stride,
-                                     enabled, list_notes))
+                                     schedule.gradient_checkpointing, list_notes, block_list.routed))
     if (schedule.gradient_checkpointing_offload_attention and schedule.gradient_checkpointing
-            and not schedule.gradient_checkpointing_backend.endswith("-ffn")):
+            and not schedule.backend.ffn_scope):
         notes.append("gradient_checkpointing_offload_attention acts on blocks outside whole-block "
                      "checkpoint regions (the plain ones); inside a region the attention activations "
                      "are not kept at all, so there is nothing to offload")

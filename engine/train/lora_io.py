@@ -10,7 +10,7 @@ load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name. Where
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -44,10 +44,14 @@ class LoraSettings:
         LoraConfigError: rank < 1, alpha <= 0, dropout outside [0, 1), empty target list.
     """
 
-    rank: int = 16
-    alpha: float = 16.0
-    target_modules: tuple[str, ...] | None = None
-    dropout: float = 0.0
+    rank: int = field(default=16, metadata={"key": "lora_rank", "cli": "--rank", "help": "LoRA rank r."})
+    alpha: float = field(default=16.0, metadata={"key": "lora_alpha", "cli": "--alpha",
+                                                 "help": "LoRA alpha; the update is scaled by alpha / rank."})
+    target_modules: tuple[str, ...] | None = field(default=None, metadata={
+        "key": "lora_target_modules", "cli": "--targets",
+        "help": "Module names to adapt (default: the family's attention projections)."})
+    dropout: float = field(default=0.0, metadata={"key": "lora_dropout", "cli": "--lora-dropout",
+                                                  "help": "LoRA dropout probability."})
     init: bool | str = True
 
     def __post_init__(self) -> None:
@@ -62,6 +66,12 @@ class LoraSettings:
             raise LoraConfigError(f"lora_dropout={self.dropout!r} is invalid: allowed 0 <= dropout < 1.")
         if self.target_modules is not None and len(self.target_modules) == 0:
             raise LoraConfigError("lora_target_modules=[] is invalid: allowed a non-empty list of module names.")
+
+
+CONFIG_KEYS = {f.metadata["key"]: f.name for f in fields(LoraSettings) if "key" in f.metadata}
+"""Config key (``lora_rank``, ...) -> :class:`LoraSettings` field."""
+HELP = {f.metadata["key"]: f.metadata["help"] for f in fields(LoraSettings) if "key" in f.metadata}
+"""Help text of each LoRA config key."""
 
 
 def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tuple[str, ...]) -> list[torch.nn.Parameter]:

@@ -260,7 +260,11 @@ def _torchao(base: str) -> tuple[Any, Any]:
     """
     try:
         with quiet_torchao():
-            from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+            from torchao.quantization import (
+                Float8WeightOnlyConfig,
+                Int8WeightOnlyConfig,
+                quantize_,
+            )
     except ImportError as exc:
         raise PrecisionError(f"base_model_precision={base!r} needs torchao ({exc}): pip install "
                              "'comfyui-segmented-checkpointing[quantization]', or choose bf16, fp16 or fp32") from exc

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .families.base import TextBatch, TextSpec
+from ..families.base import TextBatch, TextSpec
 
 _WORD = re.compile(r"[\w']+")
 

@@ -53,22 +53,21 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
-from .atomic import atomic_write_text
-from .config import TrainConfig
-from .families import get_family
-from .plan import check_supported, effective_plan
-from .schedule import CheckpointSchedule, ScheduleError
+from ..core.plan import check_supported, effective_plan
+from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..families import get_family
+from ..train.atomic import atomic_write_text
+from ..train.config import TrainConfig
+from ..train.runs import RunWorkspace, StartRun, peak_after_warmup
 from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe
-from .sweep import peak_after_warmup, sweep_schedules
+from .sweep import sweep_schedules
 
 TIE = 0.03
 """Relative sec/step difference under which two predictions count as equal."""
-_BACKEND_ORDER = {"torch-ffn": 0, "torch": 1, "unsloth-ffn": 2, "unsloth": 3}
 
 
 class PlannerError(ValueError):
@@ -147,8 +146,9 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
     family = get_family(probe_.family)
     counts = {name: len(costs) for name, costs in probe_.blocks.items()}
     plan = effective_plan(family, schedule, counts, warn=False)
-    backend = schedule.gradient_checkpointing_backend if schedule.gradient_checkpointing else None
-    ffn_scope = backend in ("torch-ffn", "unsloth-ffn")
+    backend = schedule.backend if schedule.gradient_checkpointing else None
+    ffn_scope = bool(backend and backend.ffn_scope)
+    offload_inputs = bool(backend and backend.offload_inputs)
     offload_attn = schedule.gradient_checkpointing_offload_attention
     kept_before = 0
     worst = forward_worst = 0
@@ -174,8 +174,8 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
             if not ffn_scope and i in starts:  # whole-block segment [i, end): recomputed as one
                 end = starts[i]
                 segment = costs[i:end]
-                keep = 0 if backend == "unsloth" else cost.carried
-                if backend == "unsloth":
+                keep = 0 if offload_inputs else cost.carried
+                if offload_inputs:
                     copied += cost.carried
                     tensors += len(block_list.carry.links)
                 # backward of the segment: all its activations; its recompute: the last block's
@@ -187,10 +187,10 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
                 i = end
                 continue
             if ffn_scope and i in checkpointed and block_list.ffn:
-                keep = cost.act - cost.ffn + (cost.ffn_in if backend == "torch-ffn" else 0) - attn_off
-                if attn_off and backend == "torch-ffn":
+                keep = cost.act - cost.ffn + (0 if offload_inputs else cost.ffn_in) - attn_off
+                if attn_off and not offload_inputs:
                     keep += cost.ffn_in_attn
-                if backend == "unsloth-ffn":
+                if offload_inputs:
                     copied += cost.ffn_in
                     tensors += 1
                 seconds += cost.ffn_s
@@ -214,7 +214,7 @@ def _preference(schedule: CheckpointSchedule) -> tuple:
     if not schedule.gradient_checkpointing:
         return (0,)
     return (1, schedule.gradient_checkpointing_offload_attention,
-            _BACKEND_ORDER[schedule.gradient_checkpointing_backend], -schedule.interval, -schedule.stride)
+            schedule.backend.preference, -schedule.interval, -schedule.stride)
 
 
 MARGIN = 0.05
@@ -306,10 +306,11 @@ def contenders(choice: PlanChoice) -> list[Prediction]:
 
 
 def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: list[Prediction],
-                       warmup_steps: int, measure_steps: int, trainer) -> None:
+                       warmup_steps: int, measure_steps: int, workspace: RunWorkspace) -> None:
     """Run ``timed`` in lockstep; record their measured numbers; choose the fastest measured one
     that fits (measured ties within ``TIE`` follow the documents' rule)."""
-    results = lockstep_runs(config, bundle, [p.schedule for p in timed], warmup_steps, measure_steps, trainer)
+    results = lockstep_runs(config, bundle, [p.schedule for p in timed], warmup_steps, measure_steps,
+                            workspace=workspace)
     for prediction, result in zip(timed, results):
         prediction.measured_sec_per_step = result.report["totals"]["sec_per_step"]
         prediction.measured_peak_bytes = peak_after_warmup(result, warmup_steps)
@@ -324,7 +325,7 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 
 
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
-                    warmup_steps: int = 1, trainer: Callable[..., Any] | None = None,
+                    warmup_steps: int = 1, start_run: StartRun | None = None,
                     max_tries: int = 4, probe_: Probe | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
@@ -338,7 +339,13 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
     """
-    measured_probe = probe_ or probe(config, bundle, warmup_steps, trainer)
+    with RunWorkspace(config, bundle, start_run) as workspace:  # the data is encoded once for every run
+        return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
+                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace)
+
+
+def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,
+          measured_probe: Probe, workspace: RunWorkspace) -> PlanChoice:
     excluded: list[str] = []
     notes: list[str] = []
     for _ in range(max_tries):
@@ -348,7 +355,7 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
         if measure_steps <= 0:
             return choice
         timed = contenders(choice)
-        _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, trainer)
+        _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, workspace)
         for p in timed:
             if p.measured_peak_bytes > budget_bytes:
                 p.fits = False

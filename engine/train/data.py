@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from safetensors.torch import load_file
 
-from .families.base import TextBatch
+from ..families.base import TextBatch
 from .atomic import atomic_save_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,6 @@ def sweep_plot_png(cells, family: str, budget_bytes: int | None = None, width_px
         family: shown in the title.
         budget_bytes: the budget line, when given.
     """
-    import io
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from .families.base import BlockList, Carry, FamilyAdapter, TextSpec
+from ..families.base import BlockList, Carry, FamilyAdapter, TextSpec
 from .plan import count_blocks, effective_plan
+from .runner import SegmentRunner
 from .schedule import CheckpointSchedule
 
 
@@ -185,8 +186,6 @@ def probe_family(model: torch.nn.Module, inputs: dict[str, Any], tolerance: floa
 
 def _prove(model, adapter: FamilyAdapter, inputs: dict[str, Any], tolerance: float) -> list[str]:
     """Reasons the adapter's segments are not proven on ``inputs`` (empty list = proven)."""
-    from .runner import SegmentRunner
-
     reference_out, reference = _loss_and_grads(model, lambda: model(**inputs))
     if not reference:
         return ["no parameter requires grad, so the probe cannot compare gradients"]

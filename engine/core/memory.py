@@ -169,6 +169,8 @@ class PeakMemory:
     def __init__(self, device: torch.device | str = "cpu", exclude: Callable[[torch.Tensor], bool] | None = None):
         self.device = torch.device(device)
         self.exclude = exclude
+        self.tracker: LiveTensorTracker | None = None
+        """The CPU tracker of the step being measured (None on CUDA and between steps)."""
 
     @contextmanager
     def measure(self) -> Iterator[MemoryReading]:
@@ -186,9 +188,11 @@ class PeakMemory:
                 reading.end_bytes = torch.cuda.memory_allocated(self.device)
             return
         with LiveTensorTracker(self.exclude) as tracker:
+            self.tracker = tracker
             try:
                 yield reading
             finally:
+                self.tracker = None
                 reading.peak_bytes, reading.end_bytes = tracker.peak_bytes, tracker.current_bytes
 
 

@@ -19,24 +19,25 @@ against sec/step, one point per measured mode, the budget as a line).
 
 from __future__ import annotations
 
-import copy
 import csv
 import dataclasses
 import gc
 import io
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .atomic import atomic_write_bytes, atomic_write_text
-from .config import TrainConfig
-from .families import get_family
-from .plan import check_supported
-from .schedule import BACKENDS, CheckpointSchedule, ScheduleError
+from ..core.backends import BACKENDS, DEFAULT
+from ..core.plan import check_supported
+from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..families import get_family
+from ..train.atomic import atomic_write_bytes, atomic_write_text
+from ..train.config import TrainConfig
+from ..train.runs import RunWorkspace, StartRun, peak_after_warmup
+from .plots import sweep_plot_png
 
 BASE_MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),
@@ -55,7 +56,7 @@ def sweep_schedules(offload_attention: bool = True) -> list[CheckpointSchedule]:
     schedules only) x attention offload off/on."""
     schedules = []
     for name, base in BASE_MODES.items():
-        backends = ("torch",) if name == "none" else BACKENDS
+        backends = (DEFAULT.name,) if name == "none" else BACKENDS
         for backend in backends:
             for attention in (False, True) if offload_attention else (False,):
                 schedules.append(base.replace(gradient_checkpointing_backend=backend,
@@ -107,18 +108,18 @@ def _free_memory() -> None:
 
 def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] | None = None,
               warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
-              trainer: Callable[..., Any] | None = None, log: Callable[[str], None] = print) -> list[SweepCell]:
+              start_run: StartRun | None = None, log: Callable[[str], None] = print) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
         config: the run settings shared by every cell (data, resolution, batch, lr, seed,
             device); its schedule, steps, output and resume are replaced per cell.
-        bundle: the loaded model (:class:`~.loading.ModelBundle`); never changed (each cell
-            trains a deep copy).
+        bundle: the loaded model (:class:`~..train.loading.ModelBundle`); never changed (each
+            cell trains a deep copy). The cells share one workspace: the data is encoded once.
         schedules: modes to run, default :func:`sweep_schedules`.
         warmup_steps: steps excluded from sec/step. measured_steps: steps measured after them.
         skip: schedules for which it returns True are ``not run``.
-        trainer: the training entry point (default :func:`~.training.train`; tests inject faults).
+        start_run: makes a run (default :class:`~..train.loop.TrainingRun`; tests inject faults).
         log: where progress lines go.
 
     Returns:
@@ -126,48 +127,28 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     """
     family = get_family(bundle.family.name)
     cells = []
-    for schedule in schedules or sweep_schedules():
-        cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
-        if skip is not None and skip(schedule):
-            cell.status = "not run"
-        else:
-            try:
-                check_supported(family, schedule)
-            except ScheduleError as exc:
-                cell.status, cell.error = "unsupported", str(exc)
-        if cell.status == "ok":
-            _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer)
-        log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
-        cells.append(cell)
+    with RunWorkspace(config, bundle, start_run) as workspace:
+        for schedule in schedules or sweep_schedules():
+            cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
+            if skip is not None and skip(schedule):
+                cell.status = "not run"
+            else:
+                try:
+                    check_supported(family, schedule)
+                except ScheduleError as exc:
+                    cell.status, cell.error = "unsupported", str(exc)
+            if cell.status == "ok":
+                _measure(cell, workspace, schedule, warmup_steps, measured_steps)
+            log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
+            cells.append(cell)
     flag_ineffective(cells)
     return cells
 
 
-def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
-              trainer: Callable[..., Any] | None = None, **kwargs: Any):
-    """Train a deep copy of ``bundle`` with ``schedule`` for ``warmup_steps + measured_steps``
-    steps in a temporary folder (deleted afterwards); return the :class:`~.training.TrainResult`.
-
-    ``config`` gives everything else (data, resolution, batch, device); ``kwargs`` go to the
-    trainer (default :func:`~.training.train`)."""
-    from .training import train
-
-    with tempfile.TemporaryDirectory(prefix="segckpt-run-") as folder, torch.inference_mode(False):
-        copy_ = dataclasses.replace(bundle, transformer=copy.deepcopy(bundle.transformer))
-        run = dataclasses.replace(config, schedule=schedule, steps=warmup_steps + measured_steps,
-                                  timing_warmup_steps=warmup_steps, output=folder, resume=False, save_every=0)
-        return (trainer or train)(run, bundle=copy_, log=lambda line: None, **kwargs)
-
-
-def peak_after_warmup(result, warmup_steps: int) -> int:
-    """The largest peak (bytes) of a run's steps after ``warmup_steps`` (step 1 also allocates
-    the optimizer state, once)."""
-    return max(h["peak_bytes"] for h in result.history[warmup_steps:])
-
-
-def _measure(cell, config, bundle, schedule, warmup_steps, measured_steps, trainer) -> None:
+def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSchedule, warmup_steps: int,
+             measured_steps: int) -> None:
     try:
-        result = short_run(config, bundle, schedule, warmup_steps, measured_steps, trainer)
+        result = workspace.run(schedule, warmup_steps, measured_steps)
     except Exception as exc:  # a cell never stops the sweep
         cell.status = "OOM" if _is_oom(exc) else "failed"
         cell.error = f"{type(exc).__name__}: {exc}"
@@ -229,8 +210,6 @@ def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budge
     Returns:
         The four paths by kind (``markdown``, ``csv``, ``json``, ``png``).
     """
-    from .plots import sweep_plot_png
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": folder / "sweep.md", "csv": folder / "sweep.csv", "json": folder / "sweep.json",

@@ -8,8 +8,8 @@ Results") to its adapter, or marks it as having no diffusers class (no adapter c
 
 from __future__ import annotations
 
-from .families import get_family
-from .families import family_names as _family_names
+from ..families import family_names as _family_names
+from ..families import get_family
 
 HEADER = (
     "# Supported families\n\n"

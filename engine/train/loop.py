@@ -1,0 +1,351 @@
+"""The LoRA training loop as a step iterator: :class:`TrainingRun`, and :func:`train` that drives it.
+
+Order of work: validate paths, precision and attention kernels (constructor, before any model is
+built) -> at the first ``next()``: load the model, encode the data once (cached), bring the
+frozen base to its precision, add the fp32 LoRA, compute and install the checkpoint plan,
+restore the state when resuming -> one optimizer step per ``next()`` (:func:`~.step.train_step`)
+-> save the LoRA, the resumable state and ``report.json`` (all atomic).
+
+Every entry point drives the same iterator: the CLI and the nodes through :func:`train`, the
+sweep, the probe and lockstep timing (several runs interleaved one step at a time in one thread)
+through :mod:`.runs`. No context manager is held across a ``yield``: grad mode, warning filters,
+SDPA switches and memory trackers are entered and left inside each piece of work, so runs
+interleaved in one thread cannot see each other's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..core.memory import PeakMemory, StepTimer, format_mib
+from ..core.plan import ModelPlan, count_blocks, effective_plan
+from ..core.runner import SegmentRunner
+from .attention_kernels import check_attention_backend
+from .config import TrainConfig
+from .data import EpochSampler, prepare_cache, scan_folder, write_sample_dataset
+from .loading import ModelBundle, build_preset, load_model_folder, stored_dtype
+from .lora_io import add_lora, load_lora_state_dict, lora_state_dict, save_lora
+from .nonfinite import TrainingDiverged
+from .precision import (
+    BaseWeights,
+    Precision,
+    apply_base_precision,
+    check_torchao,
+    resolve_precision,
+    tensor_bytes,
+)
+from .report import REPORT_FILE, build_report, write_report
+from .state import STATE_FILE, TrainingState, load_state, save_state
+from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
+
+LORA_FILE = "lora.safetensors"
+__all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "learning_rate_at",
+           "load_bundle", "resolve_device", "run_precision", "train"]
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the plan it applied, per-step records and the files written."""
+
+    config: TrainConfig
+    plan: ModelPlan
+    history: list[dict[str, Any]]
+    lora_path: Path
+    state_path: Path
+    report_path: Path
+    report: dict[str, Any]
+    interrupted: bool = False
+    model: Any = field(default=None, repr=False)
+
+
+def resolve_device(config: TrainConfig) -> torch.device:
+    """``cuda`` when asked or (``auto``) available, else ``cpu`` (``TrainConfig.check_paths``
+    already refused ``cuda`` without CUDA)."""
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def run_precision(config: TrainConfig, device: torch.device) -> Precision:
+    """The :class:`Precision` of ``config`` on ``device`` (reads weight headers for ``no_change``).
+
+    Raises:
+        PrecisionError: see :func:`~.precision.resolve_precision`.
+    """
+    stored = torch.float32
+    if config.base_model_precision == "no_change" and config.model_path:
+        stored = stored_dtype(config.model_path)
+    return resolve_precision(config.base_model_precision, config.mixed_precision, device, stored)
+
+
+def load_bundle(config: TrainConfig, precision: Precision | None = None) -> ModelBundle:
+    """The model of ``config``: a local folder when ``model_path`` is set (loaded straight into
+    the run's storage dtype), else the preset (random init in fp32; training casts it)."""
+    precision = precision or run_precision(config, resolve_device(config))
+    if config.model_path:
+        bundle = load_model_folder(config.model_path, config.family, config.vae_path,
+                                   config.text_encoder_path, seed=config.seed, dtype=precision.storage_dtype)
+    else:
+        bundle = build_preset(config.family, config.preset, seed=config.seed)
+    return dataclasses.replace(bundle, base_precision=config.base_model_precision)
+
+
+class TrainingRun:
+    """One LoRA training run as an iterator of :class:`~.step.StepRecord`, one per optimizer step.
+
+    Usage::
+
+        run = TrainingRun(config)
+        for record in run:          # set-up happens at the first step
+            if time_to_stop:
+                run.stop()          # the resumable state is saved after this step
+        result = run.result         # a TrainResult once the iteration ended
+
+    Between steps the run's state can be read: :attr:`context` (model, optimizer, runner,
+    sampler, memory meter, ...), :attr:`history`, :attr:`plan`, :attr:`bundle` (the model being
+    trained; set before the first step when given). A consumer that abandons the iterator (closes
+    it) releases the run's resources and writes nothing.
+
+    Args:
+        config: the run configuration.
+        bundle: an already loaded model (its transformer gets the adapter and is brought to the
+            run's base precision: pass a copy when the model is shared); default: loaded from
+            ``config`` at the first step.
+        log: where progress lines go.
+        cache_dir: folder of the latent cache (default ``<output>/cache``); runs of the same
+            data and model may share one.
+
+    Raises:
+        ConfigError, PrecisionError, AttentionBackendError: an option cannot run here (in the
+            constructor, before any model is built).
+        ModelLoadError, DatasetError: the model or the data cannot be used (first step).
+        TrainingDiverged: a non-finite loss or LoRA gradient with ``on_nonfinite=stop``; the LoRA
+            and resumable state of the last good step are saved first.
+    """
+
+    def __init__(self, config: TrainConfig, *, bundle: ModelBundle | None = None,
+                 log: Callable[[str], None] = print, cache_dir: str | Path | None = None):
+        config.check_paths()
+        self.config, self.log, self.output = config, log, Path(config.output)
+        self.device = resolve_device(config)
+        self.precision = run_precision(config, self.device)
+        check_torchao(self.precision.base)
+        self.kernels = check_attention_backend(config.attention_backend, self.device)
+        self.cache_dir = Path(cache_dir) if cache_dir else self.output / "cache"
+        self.context: StepContext | None = None
+        self.history: list[dict[str, Any]] = []
+        self.result: TrainResult | None = None
+        self.bundle = bundle
+        self._stop, self._started = False, False
+
+    def stop(self) -> None:
+        """End after the current step: the resumable state is saved and the result is marked
+        interrupted (unless it was the last step anyway)."""
+        self._stop = True
+
+    @property
+    def plan(self) -> ModelPlan:
+        """The plan applied so far (it may gain per-block fallbacks while running)."""
+        return self.context.runner.plan
+
+    @contextlib.contextmanager
+    def _work(self) -> Iterator[None]:
+        """The run's own state, entered for each piece of work and left before every ``yield``."""
+        # Autograd must be on even when the caller runs under torch.inference_mode() (ComfyUI does).
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+            # torch's layer/RMS norms warn that bf16 input meets fp32 weights (autocast keeps
+            # norms in fp32 by design); that is expected here, not a fault of the run
+            warnings.filterwarnings("ignore", message=".*Mismatch dtype between input and weight")
+            yield
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        if self._started:
+            raise RuntimeError("a TrainingRun can be iterated once")
+        self._started = True
+        with self._work():
+            start = self._set_up()
+        ctx = self.context
+        try:
+            for step in range(start, self.config.steps):
+                # where this step starts: what a stop on non-finite values saves as the last good step
+                position, rng = ctx.sampler.state(), _rng_state(ctx.noise_gen)
+                with self._work():
+                    try:
+                        record = train_step(ctx, step)
+                    except TrainingDiverged as exc:
+                        ctx.optimizer.zero_grad(set_to_none=True)
+                        if step > 0:
+                            self._save_state(rng, position, step)
+                        self._write_outputs(interrupted=False, stopped=str(exc))
+                        raise
+                    self._log_step(record)
+                yield record
+                with self._work():
+                    if self._after_step(step):
+                        break
+        finally:
+            ctx.runner.close()  # drops the host pool (a long-lived server must not keep it)
+        with self._work():
+            interrupted = self._stop and len(self.history) < self.config.steps
+            lora_path, report = self._write_outputs(interrupted, None)
+            self.log(f"wrote {lora_path}, {self.output / REPORT_FILE}, {self.output / STATE_FILE}")
+        self.result = TrainResult(self.config, self.plan, self.history, lora_path, self.output / STATE_FILE,
+                                  self.output / REPORT_FILE, report, interrupted, ctx.model)
+
+    def _set_up(self) -> int:
+        """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""
+        config, device, log = self.config, self.device, self.log
+        bundle = self.bundle = self.bundle or load_bundle(config, self.precision)
+        family = bundle.family
+        # Data: encode every image once with the VAE (excluded from timing), then free the VAE.
+        data_dir = config.data or write_sample_dataset(self.output / "sample_data")
+        samples = scan_folder(data_dir)
+        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
+                              family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
+        log(f"data: {len(samples)} images from {data_dir} at {config.resolution}px, "
+            f"latents {tuple(cache['latents'].shape[1:])}")
+        # Model: frozen base at the run's precision (cast, or quantized layer by layer on the
+        # device), then the fp32 LoRA, then the checkpoint plan.
+        model = bundle.transformer
+        self.base = apply_base_precision(model, self.precision, device)
+        # peft initialises lora_A from torch's global generator: seed it, or two runs with one
+        # seed in one process (a ComfyUI server, a sweep) would start from different adapters
+        torch.manual_seed(config.seed)
+        params = add_lora(model, config.lora, family.lora_targets)
+        model.to(device).train()
+        plan = effective_plan(family, config.schedule, count_blocks(family, model))
+        runner = SegmentRunner(model, family, plan).install()
+        log(plan.render())
+        log(_precision_line(self.precision, self.base, self.kernels))
+        optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        scaler = torch.amp.GradScaler(device.type, enabled=self.precision.loss_scaling)
+        noise_gen = torch.Generator().manual_seed(config.seed + 1)
+        sampler = EpochSampler(len(samples), config.batch_size, config.seed)
+        start = 0
+        torch.manual_seed(config.seed)  # dropout and anything else drawing from the global RNG
+        if config.resume:
+            state = load_state(self.output)
+            load_lora_state_dict(model, state.lora)
+            optimizer.load_state_dict(state.optimizer)
+            if state.grad_scaler and scaler.is_enabled():
+                scaler.load_state_dict(state.grad_scaler)
+            _set_rng_state(state.rng, noise_gen)
+            sampler = EpochSampler(len(samples), config.batch_size, config.seed, **state.data_position)
+            self.history, start = state.history, state.step
+            log(f"resumed at step {start} from {self.output}")
+        offloader = runner.offloader
+        self.context = StepContext(
+            config, model, family, runner, optimizer, scaler, sampler, cache, noise_gen, device, self.precision,
+            self.kernels, PeakMemory(device, exclude=offloader.pool.is_host if offloader else None),
+            StepTimer(device, warmup=config.timing_warmup_steps),
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config))
+        return start
+
+    def _log_step(self, record: StepRecord) -> None:
+        self.history.append(vars(record))
+        offload = (f"  offload {record.offloaded_bytes / 2**20:.1f} MiB, pool {record.pool_bytes / 2**20:.1f} MiB"
+                   if self.context.runner.offloader else "")
+        self.log(f"step {record.step:>4}/{self.config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
+                 f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
+        if record.skipped:
+            self.log(f"step {record.step}: update skipped: {record.skipped}")
+
+    def _after_step(self, step: int) -> bool:
+        """Save the resumable state when due; True when the run stops here."""
+        last = step + 1 == self.config.steps
+        every = self.config.save_every and (step + 1) % self.config.save_every == 0
+        if self._stop or last or every:
+            self._save_state(_rng_state(self.context.noise_gen), self.context.sampler.state(), step + 1)
+        if self._stop and not last:
+            self.log(f"interrupted after step {step + 1}: state saved, resume with --resume")
+            return True
+        return False
+
+    def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
+        ctx = self.context
+        save_state(TrainingState(step, position, lora_state_dict(ctx.model), ctx.optimizer.state_dict(), rng,
+                                 self.history, self.config.to_dict(), ctx.scaler.state_dict()), self.output)
+
+    def _write_outputs(self, interrupted: bool, stopped: str | None) -> tuple[Path, dict[str, Any]]:
+        """Save the LoRA and ``report.json`` (atomic)."""
+        ctx, config, bundle = self.context, self.config, self.bundle
+        meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(self.history),
+                "base_model": bundle.source}
+        lora_path = save_lora(ctx.model, self.output / LORA_FILE, config.lora, meta)
+        memory = {"frozen_weight_bytes": self.base.frozen_bytes,
+                  "lora_bytes": sum(tensor_bytes(p) for _, p in ctx.named_params),
+                  "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
+                                               for t in slots.values() if isinstance(t, torch.Tensor))}
+        setup = {"precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
+                               "quantized_linear_layers": self.base.quantized_linear_layers},
+                 "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped}
+        report = build_report(config, self.plan, self.history, ctx.timer, self.device, bundle.source,
+                              interrupted, setup)
+        write_report(report, self.output)
+        return lora_path, report
+
+
+def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
+          on_step: Callable[[StepRecord, int], None] | None = None,
+          should_stop: Callable[[], bool] | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Run :class:`TrainingRun` to its end.
+
+    Args:
+        config, bundle, log: see :class:`TrainingRun`.
+        on_step: called after every optimizer step with ``(record, total_steps)``.
+        should_stop: polled after every optimizer step; when it returns True the resumable state
+            is saved and the run ends cleanly (``TrainResult.interrupted``).
+
+    Raises:
+        See :class:`TrainingRun`.
+    """
+    run = TrainingRun(config, bundle=bundle, log=log)
+    for record in run:
+        if on_step is not None:
+            on_step(record, config.steps)
+        if should_stop is not None and should_stop():
+            run.stop()
+    return run.result
+
+
+def _precision_line(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:
+    quantized = (f", {base.quantized_linear_layers}/{base.linear_layers} Linear layers quantized"
+                 if precision.quantized else "")
+    return (f"base: {precision.base} ({format_mib(base.frozen_bytes, 1)} frozen weights{quantized}), compute "
+            f"{precision.to_dict()['compute']}, LoRA fp32; attention kernels {','.join(kernels)}")
+
+
+def _rng_state(noise_gen: torch.Generator) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.random.get_rng_state(), "noise": noise_gen.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], noise_gen: torch.Generator) -> None:
+    torch.random.set_rng_state(state["cpu"])
+    noise_gen.set_state(state["noise"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _cache_identity(config: TrainConfig, bundle: ModelBundle) -> str:
+    """What the cached latents and text embeddings depend on besides the images: the family, the
+    model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
+    and the deterministic embedder are seeded)."""
+    parts = [bundle.family.name, bundle.source, f"seed={config.seed}", f"text={config.text_encoder_path}"]
+    for folder in (config.model_path, config.vae_path, config.text_encoder_path):
+        if folder:
+            for path in sorted(Path(folder).rglob("*")):
+                if path.is_file():
+                    stat = path.stat()
+                    parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
+    return "\n".join(parts)

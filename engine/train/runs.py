@@ -1,0 +1,85 @@
+"""Short runs: several training runs of one model and one dataset, as a sweep, the planner's probe
+and lockstep timing make them.
+
+A :class:`RunWorkspace` is a temporary folder shared by such runs: the built-in sample photos are
+written once and the latent cache is encoded once (every run of the same data and model reuses
+it), and each run trains a deep copy of the model into an output folder of its own. Runs are
+:class:`~.loop.TrainingRun` iterators, so a caller may drive several of them one step at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..core.schedule import CheckpointSchedule
+from .config import TrainConfig
+from .data import write_sample_dataset
+from .loop import TrainingRun, TrainResult
+
+StartRun = Callable[..., Any]
+"""Makes one run: called like :class:`~.loop.TrainingRun` (``config, bundle=, log=, cache_dir=``)
+and returns an iterable of step records with a ``result`` once exhausted (tests substitute
+their own)."""
+
+
+class RunWorkspace:
+    """A temporary folder for short runs of one model and dataset (a context manager).
+
+    Args:
+        config: shared settings (data, resolution, batch, device, precision, ...); each run
+            replaces the schedule, the steps and the output folder.
+        bundle: the loaded model; never changed (each run trains a deep copy).
+        start_run: makes a run (default :class:`~.loop.TrainingRun`).
+    """
+
+    def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None):
+        self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._runs = 0
+
+    def __enter__(self) -> "RunWorkspace":
+        self._folder = tempfile.TemporaryDirectory(prefix="segckpt-runs-")
+        self.root = Path(self._folder.name)
+        self.data = self.config.data  # the sample photos are written at the first run
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._folder.cleanup()
+
+    def start(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> Any:
+        """A run of ``schedule`` for ``warmup_steps + measured_steps`` steps on a fresh copy of the
+        model (not started: iterate it)."""
+        self._runs += 1
+        self.data = self.data or str(write_sample_dataset(self.root / "sample_data"))
+        with torch.inference_mode(False):  # the copy's weights must not become inference tensors
+            model = dataclasses.replace(self.bundle, transformer=copy.deepcopy(self.bundle.transformer))
+        config = dataclasses.replace(
+            self.config, schedule=schedule, steps=warmup_steps + measured_steps, timing_warmup_steps=warmup_steps,
+            output=str(self.root / f"run-{self._runs}"), data=self.data, resume=False, save_every=0)
+        return self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache")
+
+    def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> TrainResult:
+        """:meth:`start` and drive the run to its end; its result."""
+        run = self.start(schedule, warmup_steps, measured_steps)
+        for _ in run:
+            pass
+        return run.result
+
+
+def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
+              start_run: StartRun | None = None) -> TrainResult:
+    """One run of ``schedule`` in a workspace of its own (deleted afterwards)."""
+    with RunWorkspace(config, bundle, start_run) as workspace:
+        return workspace.run(schedule, warmup_steps, measured_steps)
+
+
+def peak_after_warmup(result: TrainResult, warmup_steps: int) -> int:
+    """The largest peak (bytes) of a run's steps after ``warmup_steps`` (step 1 also allocates
+    the optimizer state, once)."""
+    return max(h["peak_bytes"] for h in result.history[warmup_steps:])

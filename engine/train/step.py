@@ -1,0 +1,166 @@
+"""One optimizer step of a training run, read top to bottom, and the learning-rate schedule.
+
+A step: set the learning rate -> for each micro-batch: noise the cached latents, forward (under
+autocast and the run's SDPA kernels), loss, backward (checkpointed regions recompute here, and
+offloaded inputs come back) -> the non-finite guard (one synchronisation) -> the optimizer step
+(or a skip) -> gradients released.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from diffusers.optimization import get_scheduler
+
+from ..core.memory import PeakMemory, StepTimer
+from ..core.runner import SegmentRunner
+from ..families import FamilyAdapter, TextBatch
+from .attention_kernels import sdpa_context
+from .config import TrainConfig
+from .data import EpochSampler
+from .nonfinite import TrainingDiverged, check_finite, describe
+from .objectives import noisy_latents
+from .precision import Precision
+
+_DIFFUSERS_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step.
+
+    Attributes:
+        step: 1-based optimizer step. loss: mean loss over the micro-batches. lr: learning rate.
+        seconds: wall time of the step. peak_bytes: peak memory of the step (see report.py).
+        checkpoint_calls, recomputed_blocks, recomputed_ffn: the runner's counters.
+        offloaded_tensors, offloaded_bytes: what went to host memory this step.
+        pool_bytes, pool_buckets: the host pool's size and distinct (size, dtype) keys after it.
+        start_bytes: memory allocated when the step began (CUDA; 0 on the CPU, whose tracker
+            counts only what the step creates): ``peak_bytes - start_bytes`` is the step's own
+            activation and gradient memory.
+        skipped: why the update of this step was dropped (``on_nonfinite=skip``, or an fp16
+            loss-scale overflow), else None.
+    """
+
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+    peak_bytes: int
+    checkpoint_calls: int
+    recomputed_blocks: int
+    recomputed_ffn: int = 0
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    pool_bytes: int = 0
+    pool_buckets: int = 0
+    start_bytes: int = 0
+    skipped: str | None = None
+
+
+def lr_factor(config: TrainConfig) -> Callable[[int], float]:
+    """The learning-rate multiplier of each optimizer step (0-based), from diffusers' schedules.
+
+    diffusers' ``get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``: linear warm-up,
+    then constant, linear decay to 0 at the last step, or half a cosine, Loshchilov & Hutter 2017)
+    gives the shapes. Its warm-up counts from 0, so its first step would train at rate 0; here
+    step ``s`` of the warm-up uses ``(s + 1) / warmup`` and the schedule is read at ``s`` after it.
+    """
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = get_scheduler(_DIFFUSERS_SCHEDULES[config.lr_scheduler], dummy,
+                             num_warmup_steps=config.lr_warmup_steps, num_training_steps=config.steps)
+    factor, warmup = schedule.lr_lambdas[0], config.lr_warmup_steps
+    return lambda step: factor(step + 1 if step < warmup else step)
+
+
+def learning_rate_at(config: TrainConfig, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based); see :func:`lr_factor`."""
+    return config.learning_rate * lr_factor(config)(step)
+
+
+@dataclass
+class StepContext:
+    """What every step of one run uses (built once by the run's set-up)."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    family: FamilyAdapter
+    runner: SegmentRunner
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: EpochSampler
+    cache: dict[str, torch.Tensor]
+    noise_gen: torch.Generator
+    device: torch.device
+    precision: Precision
+    kernels: tuple[str, ...]
+    memory: PeakMemory
+    timer: StepTimer
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    lr_factor: Callable[[int], float]
+
+    def guard_context(self) -> dict[str, Any]:
+        """What the non-finite advice needs to know about this run."""
+        return {"device": self.device, "precision": self.precision.to_dict(), "attention_backend": self.kernels,
+                "learning_rate": self.config.learning_rate, "lora_alpha": self.config.lora.alpha,
+                "lora_rank": self.config.lora.rank}
+
+
+def train_step(ctx: StepContext, step: int) -> StepRecord:
+    """One optimizer step (``step`` 0-based) over ``gradient_accumulation_steps`` micro-batches.
+
+    Raises:
+        TrainingDiverged: a non-finite loss or gradient with ``on_nonfinite=stop`` (before the
+            optimizer step: the LoRA weights are untouched).
+    """
+    config, model, family, runner, device = ctx.config, ctx.model, ctx.family, ctx.runner, ctx.device
+    lr = config.learning_rate * ctx.lr_factor(step)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    runner.stats.reset()
+    if runner.offloader:
+        runner.offloader.stats.reset()
+    with ctx.memory.measure() as reading, ctx.timer.step():
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        # one SDPA kernel choice for forward, backward and every recompute inside backward
+        with sdpa_context(ctx.kernels):
+            for _ in range(config.gradient_accumulation_steps):
+                index = ctx.sampler.next_batch()
+                noisy, sigmas, target = noisy_latents(family.objective, ctx.cache["latents"][index],
+                                                     ctx.noise_gen, family.shared_sigma)
+                text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
+                                 ctx.cache["text_pooled"][index] if "text_pooled" in ctx.cache else None).to(device)
+                noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
+                with ctx.precision.autocast(device):
+                    output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
+                    prediction = family.read_output(model, output, noisy)
+                loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
+                # checkpointed regions are recomputed (offloaded inputs copied back) in here
+                ctx.scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+        ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
+        check = check_finite(loss_sum, ctx.named_params)  # the step's one synchronisation
+        skipped = None
+        if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
+            ctx.scaler.step(ctx.optimizer)  # with loss scaling an overflow is skipped here, the scale lowered
+            if not check.ok:
+                skipped = f"fp16 loss-scale overflow in {check.bad_module}; scale lowered"
+        elif config.on_nonfinite == "stop":
+            raise TrainingDiverged(describe(check, step + 1, ctx.guard_context()))
+        else:
+            skipped = describe(check, step + 1, ctx.guard_context())
+        if ctx.scaler.is_enabled():
+            ctx.scaler.update()
+        ctx.optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
+        seconds = time.perf_counter() - started
+    stats, off = runner.stats, runner.offloader
+    return StepRecord(step + 1, check.loss, lr, seconds, reading.peak_bytes, stats.checkpoint_calls,
+                      stats.recomputed_blocks, stats.recomputed_ffn,
+                      off.stats.tensors if off else 0, off.stats.bytes if off else 0,
+                      off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
+                      reading.baseline_bytes, skipped)

@@ -1,0 +1,114 @@
+"""The engine's shape: imports point one way, no threads, backends as data, small family files."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from segmented_checkpointing.engine.core.backends import BACKENDS
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+LAYERS = {"families": 0, "core": 1, "train": 2, "measure": 3}
+"""Lower layers never import higher ones: families <- core <- train <- measure."""
+OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers")
+"""Imported inside the function that needs them: optional, or heavy and needed by one feature."""
+
+
+def _modules():
+    return sorted(p for p in ENGINE.rglob("*.py") if p.parent != ENGINE)
+
+
+def _layer(path: Path) -> str:
+    return path.relative_to(ENGINE).parts[0]
+
+
+def _imported_layers(path: Path) -> set[str]:
+    """Engine layers a module imports (relative imports resolved against its package)."""
+    tree, found = ast.parse(path.read_text()), set()
+    package = path.relative_to(ENGINE).parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            target = (*base, *(node.module or "").split(".")) if node.module else base
+            if target and target[0] in LAYERS:
+                found.add(target[0])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["segmented_checkpointing", "engine"] and len(parts) > 2 and parts[2] in LAYERS:
+                    found.add(parts[2])
+                if parts[0] in ("comfy", "folder_paths", "server", "nodes", "comfy_execution"):
+                    found.add("comfyui")
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ENGINE)))
+def test_imports_point_one_way(path):
+    layer = _layer(path)
+    for other in _imported_layers(path):
+        assert other != "comfyui", f"{path.name} imports ComfyUI"
+        assert LAYERS[other] <= LAYERS[layer], f"{layer}/{path.name} imports from {other}/"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ENGINE)))
+def test_no_function_local_imports_but_optional_heavy_ones(path):
+    tree = ast.parse(path.read_text())
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            assert all(n.split(".")[0] in OPTIONAL_HEAVY for n in names), \
+                f"{path.name}:{node.lineno} {function.name} imports {names} locally"
+
+
+def test_no_threads_or_process_wide_thread_settings():
+    pattern = re.compile(r"threading|set_num_threads|sched_setaffinity")
+    hits = [f"{p.relative_to(ENGINE)}:{i}" for p in ENGINE.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if pattern.search(line) and not line.lstrip().startswith("#")]
+    assert hits == []
+
+
+def test_backend_names_live_in_the_backend_table_only():
+    table = ENGINE / "core" / "backends.py"
+    hits = []
+    for path in ENGINE.rglob("*.py"):
+        if path == table:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in BACKENDS:
+                hits.append(f"{path.relative_to(ENGINE)}:{node.lineno} {node.value!r}")
+    assert hits == []
+
+
+@pytest.mark.parametrize("path", sorted((ENGINE / "families").glob("*.py")), ids=lambda p: p.name)
+def test_family_files_are_small_and_document_briefly(path):
+    text = path.read_text()
+    assert len(text.splitlines()) < 150
+    docstring = ast.get_docstring(ast.parse(text)) or ""
+    assert len(docstring.splitlines()) <= 8 or path.name in ("__init__.py", "base.py", "packing.py")
+
+
+def test_an_unrouted_list_is_a_field_of_the_plan_not_a_note():
+    from segmented_checkpointing.engine.core.plan import effective_plan
+    from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+    from segmented_checkpointing.engine.families import get_family
+
+    family = get_family("lumina2")  # its refiner lists are called directly, never through the hook
+    counts = {bl.name: 3 for bl in family.block_lists}
+    plan = effective_plan(family, CheckpointSchedule(gradient_checkpointing_offload_attention=True), counts,
+                          warn=False)
+    routed = {p.name: p.routed for p in plan.lists}
+    assert routed == {bl.name: bl.routed for bl in family.block_lists} and False in routed.values()
+    for listed in plan.lists:
+        assert bool(listed.segments) == listed.routed
+        assert plan.block_maps()[listed.name] == ("CCC" if listed.routed else "...")  # no "a" where nothing runs
+    assert [entry["routed"] for entry in plan.to_dict()["lists"]] == list(routed.values())
