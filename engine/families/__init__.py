@@ -1,5 +1,5 @@
 """Family adapters. Importing this package registers every family: each module in this folder
-(except ``base`` and ``packing``) declares one or more adapters with :func:`register_family`."""
+(except the shared helpers in ``_HELPERS``) declares one adapter with :func:`register_family`."""
 
 import importlib
 import pkgutil
@@ -16,6 +16,8 @@ from .base import (  # noqa: F401
     register_family,
 )
 
+_HELPERS = ("base", "blocks", "packing", "registry", "timesteps")
+
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module not in ("base", "packing"):
+    if _module not in _HELPERS:
         importlib.import_module(f"{__name__}.{_module}")

@@ -1,32 +1,8 @@
 """ACE-Step 1.5 (``AceStepTransformer1DModel``): one list of DiT blocks over a 1-D audio latent
-sequence. Per-block checkpointing only.
+sequence. Per-block checkpointing only (see the notes).
 
 Source: ``diffusers/models/transformers/ace_step_transformer.py`` and
 ``diffusers/pipelines/ace_step/pipeline_ace_step.py`` (diffusers 0.42).
-
-The loop calls every block as ``block(hidden, (cos, sin), timestep_proj, layer_attn_mask,
-encoder_hidden_states, None)`` and the block returns the hidden state alone. The carry would be
-the single-tensor one, but ``layer_attn_mask`` is not the same for every block: layers alternate
-between sliding-window attention (``layer_attn_mask`` = the banded mask) and full attention
-(``None``) by ``model.layer_types``. A segment runs all its blocks with its first block's
-arguments, so a segment spanning a sliding and a full layer would compute wrong values (the runner
-would detect it and fall back). The family is therefore declared ``segmented=False``: interval
-and stride are ignored with a warning and every block is checkpointed on its own. (Under a
-flash-attention backend the loop passes ``None`` to every layer and applies the window inside the
-attention, so the arguments would be uniform there; the adapter cannot know the backend in
-advance.) The FFN is the block's ``mlp`` (SwiGLU, one module on one tensor), the attention
-boundary its ``self_attn``; the cross-attention ``cross_attn`` stays in the block.
-
-Inputs: the engine hands image-shaped latents ``(B, C, H, W)``; this 1-D model takes
-``(B, T, C)``, so the adapter flattens ``H * W`` into the time axis (row-major) and
-:func:`_read_output` reshapes back. ``C`` is the audio VAE's 64 acoustic channels.
-``context_latents`` is ``cat(src_latents, chunk_mask)`` as in the pipeline's text-to-music mode:
-the chunk mask is all ones (generate everywhere); the pipeline's ``src_latents`` there is the
-condition encoder's learned ``silence_latent``, which is not part of the transformer, so zeros
-stand in for it. The timestep is ``sigma`` in [0, 1] (the model scales it by 1000 itself) with
-``timestep_r = timestep`` (standard, non mean-flow), and the model predicts the flow velocity
-``noise - x0``. ``encoder_hidden_states`` is the condition encoder's packed output; the DiT takes
-no text mask (the pipeline passes none).
 """
 
 from __future__ import annotations
@@ -37,12 +13,19 @@ from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, registe
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
+    # The engine hands image-shaped (B, C, H, W) latents; this 1-D model takes (B, T, C).
     b, c, h, w = latents.shape
-    hidden = latents.flatten(2).transpose(1, 2)  # (B, H*W, C): H*W is the time axis
+    hidden = latents.flatten(2).transpose(1, 2)  # (B, H*W, C): H*W is the time axis (row-major)
+    # context_latents = cat(src_latents, chunk_mask) as in text-to-music mode: the chunk mask is all
+    # ones (generate everywhere); src_latents there is the condition encoder's learned silence_latent,
+    # which is not part of the transformer, so zeros stand in for it
     context_dim = model.config.in_channels - model.config.audio_acoustic_hidden_dim
     half = context_dim // 2
     context = torch.cat([hidden.new_zeros(b, h * w, half),  # stand-in for the silence latent
                          hidden.new_ones(b, h * w, context_dim - half)], dim=-1)  # chunk mask
+    # sigma in [0, 1] (the model scales it by 1000 itself), timestep_r = timestep (standard, not
+    # mean-flow); the model predicts the flow velocity noise - x0. encoder_hidden_states is the
+    # condition encoder's packed output; the DiT takes no text mask (the pipeline passes none).
     t = sigmas.to(latents.dtype)
     return {
         "hidden_states": hidden,
@@ -58,6 +41,12 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return output[0].transpose(1, 2).reshape(latents.shape)
 
 
+# block(hidden, (cos, sin), timestep_proj, layer_attn_mask, encoder_hidden_states, None) -> hidden.
+# layer_attn_mask alternates by model.layer_types between the banded sliding-window mask and None
+# (full attention), so a segment spanning both would run a block with the wrong mask (the runner
+# would detect it and fall back): segmented=False. Under a flash-attention backend the loop passes
+# None to every layer and applies the window inside the attention, but the adapter cannot know the
+# backend in advance. FFN: the SwiGLU mlp; attention: self_attn (cross_attn stays in the block).
 ACESTEP = register_family(
     FamilyAdapter(
         name="acestep",

@@ -1,17 +1,9 @@
 """AuraFlow (``AuraFlowTransformer2DModel``): a joint (MMDiT) list, then a single-stream DiT list.
 
 Source: ``diffusers/models/transformers/auraflow_transformer_2d.py`` and
-``pipelines/aura_flow/pipeline_aura_flow.py`` (diffusers 0.42.1).
-
-Under gradient checkpointing the loop calls the joint blocks as ``block(hidden, encoder, temb)``,
-returning ``(encoder, hidden)``, and the single blocks as ``block(combined, temb)`` on the
-concatenated ``[text, image]`` sequence, returning it alone. ``temb`` is the same tensor for every
-block of both lists, so both are plain carry maps: ``((0, 1), (1, 0))`` and :data:`SINGLE`.
-
-The checkpointed path does not pass ``attention_kwargs`` to the blocks (the plain path does); the
-model only uses them for the LoRA scale, which ``@apply_lora_scale`` applies outside the loop.
-As in the pipeline, the T5 embeddings are zeroed past each prompt's length (there is no text
-mask) and the timestep is ``sigma`` in ``[0, 1]`` (the model multiplies by 1000 itself).
+``pipelines/aura_flow/pipeline_aura_flow.py`` (diffusers 0.42.1). As in the pipeline, the T5
+embeddings are zeroed past each prompt's length (there is no text mask) and the timestep is
+``sigma`` in ``[0, 1]`` (the model multiplies by 1000 itself).
 """
 
 from __future__ import annotations
@@ -28,7 +20,11 @@ from .base import (
     register_family,
 )
 
-# joint blocks: block(hidden, encoder, temb) -> (encoder, hidden)
+# Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->
+# (encoder, hidden) and the single blocks as block(combined, temb) -> combined, on the concatenated
+# [text, image] sequence; temb is the same tensor for every block of both lists. The checkpointed
+# path does not pass attention_kwargs to the blocks (the plain path does); the model only uses them
+# for the LoRA scale, which @apply_lora_scale applies outside the loop.
 _JOINT = Carry(((0, 1), (1, 0)))
 
 
@@ -41,10 +37,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
-
-
 AURAFLOW = register_family(
     FamilyAdapter(
         name="auraflow",
@@ -55,7 +47,6 @@ AURAFLOW = register_family(
         ),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={
             "sample_size": 8,
             "patch_size": 2,

@@ -8,78 +8,13 @@ demo. It registers itself with one call to :func:`register_family`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
-OutputIndex = int | None
-"""Position in a block's returned tuple, or ``None`` when the block returns one tensor."""
-ArgSlot = int | str
-"""Position of a block's positional argument, or the name of a keyword argument."""
-
-
-@dataclass(frozen=True)
-class Carry:
-    """How one block's outputs become the next block's arguments (the "carry map").
-
-    Attributes:
-        links: pairs ``(output index, argument slot)``. Flux's double blocks are called as
-            ``block(hidden, encoder, temb, rope, kwargs)`` and return ``(encoder, hidden)``, so
-            their carry is ``((0, 1), (1, 0))``; Wan blocks return one tensor fed to argument 0:
-            ``((None, 0),)``. Arguments without a link are the same for every block of the list.
-
-    Source: SPEC.md "How the engine hooks into diffusers".
-    """
-
-    links: tuple[tuple[OutputIndex, ArgSlot], ...]
-
-    def apply(self, output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Arguments of the next block: ``args``/``kwargs`` with carried slots replaced by ``output``."""
-        new_args, new_kwargs = list(args), dict(kwargs)
-        for out_index, slot in self.links:
-            value = output if out_index is None else output[out_index]
-            if isinstance(slot, str):
-                new_kwargs[slot] = value
-            else:
-                new_args[slot] = value
-        return tuple(new_args), new_kwargs
-
-    def carried_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        """The arguments a block receives in carried slots (its hidden states), e.g. for offload."""
-        return [kwargs.get(slot) if isinstance(slot, str) else args[slot] for _, slot in self.links]
-
-
-SINGLE = Carry(((None, 0),))
-"""Carry of blocks that take the hidden state first and return it alone (Wan, PixArt, Sana, ...)."""
-
-
-@dataclass(frozen=True)
-class BlockList:
-    """One block list of a model, scheduled on its own.
-
-    Attributes:
-        name: short name used in plans and reports (``double``, ``single``, ``blocks``, ...).
-        attr: the model attribute holding the ``nn.ModuleList``, or a dotted path to the blocks
-            (``"text_fusion.refiner_blocks"``, ``"down_blocks.*.resnets"``, ``"mid_block.resnets[1:]"``;
-            see :func:`resolve_blocks`).
-        carry: the list's :class:`Carry`.
-        ffn: attribute path of the feed-forward sub-module inside a block (``"ff"``), or a
-            tuple of sibling sub-modules the block calls as a chain on one tensor (Flux's single
-            blocks: ``("proj_mlp", "act_mlp")`` for ``act_mlp(proj_mlp(x))``), or ``None`` when
-            the block has no clean FFN boundary (then ``*-ffn`` backends fail for its list).
-        attention: attribute path of the attention sub-module, or ``None``.
-        routed: ``False`` when the model's loop calls these blocks directly, never through the
-            checkpoint function (then no schedule can apply to them; the plan says so).
-    """
-
-    name: str
-    attr: str
-    carry: Carry = SINGLE
-    ffn: str | tuple[str, ...] | None = None
-    attention: str | None = None
-    routed: bool = True
+from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
+from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -123,6 +58,15 @@ ReadOutput = Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor]
 """``(model, model output, noisy latents) -> prediction with the latents' shape``."""
 
 
+def first_output(model: torch.nn.Module, output: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The default :data:`ReadOutput`: the model's first output, ``output[0]``.
+
+    Diffusers models called with ``return_dict=False`` return a tuple whose first element is the
+    prediction; families whose prediction already has the latents' shape need nothing more.
+    """
+    return output[0]
+
+
 @dataclass(frozen=True)
 class FamilyAdapter:
     """Everything the engine knows of one model family; data plus two small calling functions.
@@ -133,9 +77,10 @@ class FamilyAdapter:
         block_lists: the model's block lists, in forward order.
         text: the text conditioning's shapes, a function of the model config.
         make_inputs: builds the model's forward keyword arguments.
-        read_output: turns the model output into a prediction shaped like the latents.
         tiny_config: config of the tiny random-init preset (tests and the demo).
         latent_channels: channels C of the VAE latents the model consumes.
+        read_output: turns the model output into a prediction shaped like the latents; by
+            default :func:`first_output` (the model's first output, as it is).
         video_latents: the model takes ``(B, C, F, H, W)`` latents (a single frame for images).
         objective: ``flow`` (rectified flow: predict ``noise - x0``) or ``epsilon``.
         segmented: the family supports interval/stride (whole-block segments); when ``False``
@@ -154,9 +99,9 @@ class FamilyAdapter:
     block_lists: tuple[BlockList, ...]
     text: Callable[[Mapping[str, Any]], TextSpec]
     make_inputs: MakeInputs
-    read_output: ReadOutput
     tiny_config: Mapping[str, Any]
     latent_channels: int
+    read_output: ReadOutput = first_output
     video_latents: bool = False
     objective: str = "flow"
     segmented: bool = True
@@ -183,81 +128,3 @@ class FamilyAdapter:
         if cls is None:
             raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")
         return cls
-
-
-_PART = re.compile(r"(\*|\w+)(?:\[(-?\d*):(-?\d*)\])?")
-
-
-def resolve_blocks(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
-    """The modules at dotted ``path`` under ``model``, flattened in order.
-
-    Each part is an attribute name (skipped for modules that lack it or hold ``None``) or ``*``
-    (every child), optionally followed by a slice ``[a:b]`` of the ``nn.ModuleList`` elements it
-    names; an ``nn.ModuleList`` left at the end is expanded into its elements.
-    ``"down_blocks.*.resnets"`` -> every resnet of every down block.
-    """
-    current: list[torch.nn.Module] = [model]
-    for part in path.split("."):
-        match = _PART.fullmatch(part)
-        if match is None:
-            raise ValueError(f"block path {path!r}: bad part {part!r}")
-        name, start, stop = match.groups()
-        found: list[torch.nn.Module] = []
-        for module in current:
-            if name == "*":
-                items = list(module.children())
-            else:
-                child = getattr(module, name, None)
-                if child is None:
-                    continue
-                items = [child]
-            if start is not None:  # a slice was given (its bounds may be empty strings)
-                elements = [e for i in items for e in (i if isinstance(i, torch.nn.ModuleList) else [i])]
-                items = elements[slice(int(start) if start else None, int(stop) if stop else None)]
-            found.extend(items)
-        current = found
-    out: list[torch.nn.Module] = []
-    for module in current:
-        out.extend(module if isinstance(module, torch.nn.ModuleList) else [module])
-    return out
-
-
-_REGISTRY: dict[str, FamilyAdapter] = {}
-
-
-def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
-    """Register ``adapter`` under its name (one explicit call per family file).
-
-    Raises:
-        ValueError: a different adapter is already registered under that name.
-    """
-    existing = _REGISTRY.get(adapter.name)
-    if existing is not None and existing is not adapter:
-        raise ValueError(f"family {adapter.name!r} is already registered")
-    _REGISTRY[adapter.name] = adapter
-    return adapter
-
-
-def get_family(name: str) -> FamilyAdapter:
-    """The adapter registered as ``name`` (case-insensitive).
-
-    Raises:
-        KeyError: unknown family; the message lists the known ones.
-    """
-    key = name.lower()
-    if key not in _REGISTRY:
-        raise KeyError(f"family={name!r} is unknown: allowed {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[key]
-
-
-def family_names() -> list[str]:
-    """Names of all registered families, sorted."""
-    return sorted(_REGISTRY)
-
-
-def family_for_class(class_name: str) -> FamilyAdapter | None:
-    """The adapter whose diffusers class is ``class_name``, if any."""
-    for adapter in _REGISTRY.values():
-        if adapter.model_class == class_name:
-            return adapter
-    return None

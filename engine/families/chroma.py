@@ -2,35 +2,6 @@
 
 Source: ``diffusers/models/transformers/transformer_chroma.py`` (forward loop) and
 ``diffusers/pipelines/chroma/pipeline_chroma.py`` (how the pipeline calls the transformer).
-
-Double blocks are called as ``block(hidden, encoder, temb_i, rope, attention_mask)`` and return
-``(encoder, hidden)``; single blocks as ``block(joint, temb_i, rope)`` and return the joint
-sequence. The outputs would chain with carries ``((0, 1), (1, 0))`` and ``SINGLE``, but ``temb_i``
-is a different tensor for every block: the loop slices the approximator's output per block
-(``torch.cat`` of the image and text modulation slices for double block ``i``,
-``pooled_temb[:, 3i:3i+3]`` for single block ``i``). A carry map only maps a block's outputs to the
-next block's arguments, so a segment of several blocks would run them all with the first block's
-modulation. The family is therefore declared ``segmented=False``: interval and stride are ignored
-with a warning and every block is checkpointed on its own (the documents list Chroma in the sweep
-"with notes", not among the segmented whole-block families). Engine change that would allow
-segments: a per-list hook ``next_args(model, block_index, args, kwargs)`` that rebuilds the
-non-carried arguments of block ``i+1`` inside the region, plus a value (not identity) check of
-those arguments when the loop calls the passed-through blocks.
-
-FFN boundary (the documents list Chroma among the FFN-split families): double blocks call ``ff``
-on one tensor; single blocks run the MLP branch ``act_mlp(proj_mlp(x))`` in parallel with
-attention (as in Flux), so their FFN region is that chain and the fused ``proj_out`` stays outside.
-
-Text mask: the loop's checkpointed call of the single blocks drops ``attention_mask`` (and
-``joint_attention_kwargs``), while its plain call passes it, so under gradient checkpointing a
-padded prompt would be masked in the double blocks only and the function would change with the
-schedule. The pipeline also builds the mask in the latents' float dtype, which SDPA adds to the
-scores instead of masking (diffusers issue #12116). The adapter therefore passes no mask and
-instead drops the padding columns the whole batch shares, keeping one padding token after the
-longest prompt: for a batch of one prompt (or prompts of equal length) that equals Chroma's
-"mask all padding but the first" rule exactly (text RoPE ids are all zero, so position plays no
-part); shorter prompts of a mixed batch still see the batch's extra padding tokens.
-
 Conventions: 16-channel Flux VAE latents, 2x2-packed; ``img_ids (h, w, 3)`` as in Flux, zero
 ``txt_ids``; the timestep is sigma (the model multiplies by 1000); no pooled embedding.
 """
@@ -50,11 +21,26 @@ from .base import (
 )
 from .packing import image_ids, pack_2x2, read_packed_2x2
 
-# double: block(hidden, encoder, temb_i, rope, mask) -> (encoder, hidden)
+# double: block(hidden, encoder, temb_i, rope, attention_mask) -> (encoder, hidden); single:
+# block(joint, temb_i, rope) -> joint. temb_i differs per block: the loop slices the approximator's
+# output (cat of the image and text modulation slices for double block i, pooled_temb[:, 3i:3i+3]
+# for single block i), so a segment would run all its blocks with the first one's modulation:
+# segmented=False (the documents list Chroma in the sweep "with notes", not among the segmented
+# whole-block families). Engine change that would allow segments: a per-list hook
+# next_args(model, block_index, args, kwargs) rebuilding block i+1's non-carried arguments inside
+# the region, plus a value (not identity) check of those arguments on the passed-through blocks.
 _DOUBLE = Carry(((0, 1), (1, 0)))
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
+    # No text mask: the loop's checkpointed call of the single blocks drops attention_mask (and
+    # joint_attention_kwargs) while its plain call passes it, so a padded prompt would be masked in the
+    # double blocks only and the function would change with the schedule; the pipeline also builds the
+    # mask in the latents' float dtype, which SDPA adds to the scores instead of masking (diffusers
+    # issue #12116). Instead the padding columns the whole batch shares are dropped, keeping one
+    # padding token after the longest prompt: for one prompt (or prompts of equal length) that equals
+    # Chroma's "mask all padding but the first" rule exactly (text RoPE ids are all zero); shorter
+    # prompts of a mixed batch still see the batch's extra padding tokens.
     _, _, h, w = latents.shape
     length = min(text.seq.shape[1], int(text.mask.sum(dim=1).max()) + 1)  # + the first padding token
     return {
@@ -67,6 +53,9 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
+# FFN boundary (the documents list Chroma among the FFN-split families): the double blocks' ff on
+# one tensor; the single blocks' MLP branch act_mlp(proj_mlp(x)), run in parallel with attention as
+# in Flux (the fused proj_out stays outside).
 CHROMA = register_family(
     FamilyAdapter(
         name="chroma",

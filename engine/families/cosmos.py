@@ -3,19 +3,6 @@
 Source read: ``diffusers/models/transformers/transformer_cosmos.py`` (diffusers 0.42.1), with
 ``pipelines/cosmos/pipeline_cosmos2_text2image.py`` and ``pipeline_cosmos2_5_predict.py`` for how
 the transformer is called.
-
-Blocks are called as ``block(hidden, encoder, embedded_timestep, temb, rotary_emb, extra_pos_emb,
-attention_mask, controlnet_residual)`` and return the hidden state alone (plain single-tensor
-carry). The loop passes a per-block ``controlnet_residual`` only when ControlNet hidden states are
-given (Cosmos Transfer); without them it is ``None`` for every block. A ControlNet run is not
-modelled: the runner detects the per-block change and falls back to per-block.
-
-Conventions: the Predict 2 pipelines turn their EDM sigma into the rectified-flow time
-``t = sigma / (sigma + 1)`` and feed ``x_t = (1 - t) x0 + t noise``; Predict 2.5 uses flow sigmas
-directly. In both, the timestep is ``t`` in [0, 1] and the output is the velocity
-``noise - x0``. Predict 2.5 checkpoints take a condition-mask channel (``in_channels`` = latent
-channels + 1), zero for text-to-world. The padding mask is zeros, as in the pipelines. FFN
-boundary ``ff``; attention boundary the self-attention ``attn1``.
 """
 
 from __future__ import annotations
@@ -28,6 +15,10 @@ _FPS = 16  # the video2world pipelines' default; images (one frame) are passed w
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
+    # The Predict 2 pipelines turn their EDM sigma into the rectified-flow time t = sigma / (sigma + 1)
+    # and feed x_t = (1 - t) x0 + t noise; Predict 2.5 uses flow sigmas directly. In both the timestep
+    # is t in [0, 1] and the output is the velocity noise - x0. The padding mask is zeros, as in the
+    # pipelines.
     b, c, f, h, w = latents.shape
     inputs = {
         "hidden_states": latents,
@@ -44,10 +35,6 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     return inputs
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
-
-
 def _text(cfg) -> TextSpec:
     # Predict 2.5 projects concatenated Qwen2.5-VL layer states through crossattn_proj
     if cfg["use_crossattn_projection"]:
@@ -55,6 +42,11 @@ def _text(cfg) -> TextSpec:
     return TextSpec(cfg["text_embed_dim"])
 
 
+# block(hidden, encoder, embedded_timestep, temb, rotary_emb, extra_pos_emb, attention_mask,
+# controlnet_residual) -> hidden: the plain single-tensor carry. controlnet_residual differs per
+# block only when ControlNet hidden states are given (Cosmos Transfer, not modelled: the runner
+# detects the change and falls back to per-block); otherwise it is None for every block.
+# FFN boundary ff; attention boundary the self-attention attn1.
 COSMOS = register_family(
     FamilyAdapter(
         name="cosmos",
@@ -62,7 +54,6 @@ COSMOS = register_family(
         block_lists=(BlockList("blocks", "transformer_blocks", SINGLE, ffn="ff", attention="attn1"),),
         text=_text,
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={
             "in_channels": 16,
             "out_channels": 16,

@@ -1,25 +1,8 @@
 """ERNIE-Image (``ErnieImageTransformer2DModel``): one list of shared-AdaLN single-stream blocks.
 
 Source: ``diffusers/models/transformers/transformer_ernie_image.py`` and
-``diffusers/pipelines/ernie_image/pipeline_ernie_image.py`` (diffusers 0.42).
-
-The loop calls every block as ``block(x, rotary_pos_emb, temb, attention_mask)`` with ``x`` the
-sequence-first ``(S, B, D)`` image + text tokens, and the block returns ``x`` alone. ``temb`` is a
-fresh Python list on every iteration, but it holds the same six modulation tensors each time
-(AdaLN is shared by all blocks), so the carry is the plain single-tensor one and whole-block
-segments are exact. The FFN is the block's ``mlp`` (called once on one tensor), the attention its
-``self_attention``.
-
-Inputs, as the pipeline builds them: the 32-channel Flux.2 VAE latents are 2x2-patchified to 128
-channels (channel order ``(c, ph, pw)``) at half resolution; the text is ``text_bth`` padded with
-zeros after each prompt's real tokens plus ``text_lens`` (the adapter moves real tokens first,
-whatever the batch's mask layout); the timestep is the scheduler's ``sigma * 1000`` and the model
-predicts the flow velocity ``noise - x0`` directly.
-
-The diffusers class zero-initialises ``adaLN_modulation`` and ``final_linear``, so a random-init
-model has zero output and zero gradients everywhere; the default LoRA targets therefore add those
-two layers to the attention projections (with a non-zero LoRA they open the gradient path of the
-tiny preset; on pretrained weights they are ordinary, small targets).
+``diffusers/pipelines/ernie_image/pipeline_ernie_image.py`` (diffusers 0.42). The model predicts
+the flow velocity ``noise - x0`` directly.
 """
 
 from __future__ import annotations
@@ -27,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 
 def _patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -44,6 +28,10 @@ def _unpatchify(latents: torch.Tensor) -> torch.Tensor:
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
+    # As the pipeline builds them: the 32-channel Flux.2 VAE latents 2x2-patchified to 128 channels
+    # (channel order (c, ph, pw)) at half resolution; the text as text_bth, padded with zeros after
+    # each prompt's real tokens, plus text_lens (real tokens are moved first, whatever the batch's mask
+    # layout); the timestep is the scheduler timestep.
     mask = text.mask.to(latents.device)
     # real tokens first, zeros after them (the pipeline's _pad_text layout)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
@@ -52,7 +40,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     kept = torch.gather(mask, 1, order)
     return {
         "hidden_states": _patchify(latents),
-        "timestep": sigmas.to(latents.dtype) * 1000,  # FlowMatchEulerDiscreteScheduler timesteps
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # FlowMatchEulerDiscreteScheduler timesteps
         "text_bth": seq * kept.unsqueeze(-1).to(seq.dtype),
         "text_lens": mask.sum(dim=1),
         "return_dict": False,
@@ -63,6 +51,12 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return _unpatchify(output[0])
 
 
+# block(x, rotary_pos_emb, temb, attention_mask) -> x, with x the sequence-first (S, B, D) image +
+# text tokens. temb is a fresh Python list on every iteration but holds the same six modulation
+# tensors each time (AdaLN is shared by all blocks), so the plain single-tensor carry is exact. FFN
+# boundary: mlp (called once on one tensor); attention boundary: self_attention. The LoRA targets
+# add adaLN_modulation.1 and final_linear (see the notes): with a non-zero LoRA they open the
+# gradient path of the tiny preset; on pretrained weights they are ordinary, small targets.
 ERNIEIMAGE = register_family(
     FamilyAdapter(
         name="ernieimage",

@@ -2,31 +2,8 @@
 
 Source: ``diffusers/models/transformers/transformer_flux2.py`` (forward loop) and
 ``diffusers/pipelines/flux2/pipeline_flux2_klein.py`` (how the pipeline calls the transformer).
-
-Double blocks are called as ``block(hidden, encoder, mod_img, mod_txt, rope, kv_attn_kwargs)`` and
-return ``(encoder, hidden)``: carry ``((0, 1), (1, 0))``. Single blocks are called as
-``block(joint, None, mod_single, rope, kv_attn_kwargs_single)`` on the already concatenated
-``[text, image]`` sequence and return it alone (``split_hidden_states`` stays False): carry
-``SINGLE``. The modulation tensors are computed once before the loops, so every non-carried
-argument is the same for every block of a list.
-
-The KV cache (``kv_cache_mode="extract"/"cached"``, reference-image editing) is the one per-block
-state of this loop: the model writes ``kv_cache.get_double(i)`` / ``get_single(i)`` into ONE
-``kv_attn_kwargs`` dict *in place* before each block. A carry map cannot express that (and an
-in-place change of a shared dict is not even visible to the runner's argument check, nor to a
-plain checkpoint's recompute, which would see the last layer's cache). The adapter builds the
-text-to-image training call only, where ``kv_cache_mode`` is None and ``kv_attn_kwargs`` is None
-for every block; the KV-cache path is not built here.
-
-FFN boundary: the double blocks call ``ff`` (``Flux2FeedForward``) on one tensor. The single
-blocks are "parallel" blocks: the MLP input projection is fused into ``attn.to_qkv_mlp_proj`` and
-its output projection into ``attn.to_out`` inside the attention processor, so they have no FFN
-sub-module; ``*-ffn`` backends therefore fail for this family, naming the single list (the
-documents do not list Flux.2 among the FFN-split families either).
-
-Conventions (``pipeline_flux2_klein.py``): 32-channel ``AutoencoderKLFlux2`` latents are
-2x2-packed into 128-channel tokens; ids are 4-D ``(t, h, w, l)``: image tokens ``(0, h, w, 0)``,
-text tokens ``(0, 0, 0, l)``; the timestep is sigma (the model multiplies by 1000); no text mask.
+Conventions: 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into 128-channel tokens; 4-D ids
+``(t, h, w, l)``; the timestep is sigma (the model multiplies by 1000); no text mask.
 """
 
 from __future__ import annotations
@@ -44,7 +21,14 @@ from .base import (
 )
 from .packing import pack_2x2, read_packed_2x2
 
-# double: block(hidden, encoder, mod_img, mod_txt, rope, kwargs) -> (encoder, hidden)
+# double: block(hidden, encoder, mod_img, mod_txt, rope, kv_attn_kwargs) -> (encoder, hidden);
+# single: block(joint, None, mod_single, rope, kv_attn_kwargs_single) -> joint, on the already
+# concatenated [text, image] sequence (split_hidden_states stays False). The modulation tensors are
+# computed once before the loops. The KV cache (kv_cache_mode "extract" / "cached", reference-image
+# editing) is the one per-block state: the model writes kv_cache.get_double(i) / get_single(i) into
+# ONE kv_attn_kwargs dict in place before each block, which neither a carry map nor the runner's
+# argument check (nor a plain checkpoint's recompute) can see; training builds the text-to-image
+# call only, where kv_attn_kwargs is None for every block.
 _DOUBLE = Carry(((0, 1), (1, 0)))
 
 
@@ -75,6 +59,10 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     return inputs
 
 
+# FFN boundary: the double blocks call ff (Flux2FeedForward) on one tensor. The single blocks are
+# "parallel" blocks whose MLP input projection is fused into attn.to_qkv_mlp_proj and output
+# projection into attn.to_out, inside the attention processor: no FFN sub-module, so *-ffn backends
+# fail naming the single list (the documents do not list Flux.2 among the FFN-split families).
 FLUX2 = register_family(
     FamilyAdapter(
         name="flux2",

@@ -2,38 +2,9 @@
 
 Source: ``diffusers/models/transformers/transformer_flux3.py`` (forward loop) and
 ``diffusers/modular_pipelines/flux3/`` (``before_denoise.py``, ``denoise.py``: how the pipeline
-calls the transformer).
-
-The loop runs three routed lists in this order, each scheduled on its own (as the documents say:
-"image, text, reference-image and joint block lists are each split independently"):
-
-- ``txt_mode_blocks``: ``block(encoder, txt_early_mod, txt_rope)`` returns the text stream: ``SINGLE``.
-- ``mode_blocks["image"]``: ``block(hidden, image_early_mod, image_rope)`` returns the image
-  stream: ``SINGLE``. The list sits in an ``nn.ModuleDict``, so this adapter resolves block-list
-  attributes as dotted sub-module paths (``mode_blocks.image``).
-- ``single_transformer_blocks``: ``block(content, encoder, content_mod, txt_single_mod, joint_rope)``
-  returns ``(encoder, content)``: carry ``((0, 1), (1, 0))``.
-
-Every modulation tensor and RoPE table is computed once before the loops, so the non-carried
-arguments are the same for every block of a list. The reference-image list
-``mode_blocks["image_cond"]`` only runs for image-to-image calls (``image_cond_hidden_states``),
-which this adapter does not build; it is not declared, so if it were called its blocks would be
-checkpointed one by one as diffusers does.
-
-FFN and attention boundaries are not declared (``ffn=None``, ``attention=None``), as in the
-documents: Flux.3 Image Klein is not among the FFN-split families and its attention offload is
-unsupported. Both block types are "parallel" blocks that compute ``attn(x)`` and ``ff(x)`` from the
-same modulated input, and ``ff`` is one module on one tensor, so an FFN region would compute
-correct gradients; but with the documented attention-only LoRA the first block of the text and
-image lists has nothing trainable upstream of its ``ff``, autograd never runs that region's
-backward, and the "one FFN recompute per checkpointed block" contract the engine reports would not
-hold there.
-
-Conventions (modular pipeline): 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into
-128-channel tokens; ids are 4-D ``(t, h, w, l)``: image tokens ``(0, h/2, w/2, 0)`` (the pipeline's
-``image_rope_scale=0.5``), text tokens ``(0, 0, 0, l)``; the timestep is sigma (the model
-multiplies by 1000); no text mask (Flux.3 attends to padding tokens). Flow-map (step-distilled,
-``flow_map=True``) checkpoints need a ``target_timestep`` and are not trainable with this objective.
+calls the transformer). Conventions: 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into
+128-channel tokens; the timestep is sigma (the model multiplies by 1000); no text mask (Flux.3
+attends to padding tokens).
 """
 
 from __future__ import annotations
@@ -51,7 +22,14 @@ from .base import (
 )
 from .packing import pack_2x2, read_packed_2x2
 
-# joint: block(content, encoder, content_mod, txt_mod, rope) -> (encoder, content)
+# Three routed lists run in this order, each scheduled on its own (the documents: "image, text,
+# reference-image and joint block lists are each split independently"): txt_mode_blocks as
+# block(encoder, txt_early_mod, txt_rope) -> encoder; mode_blocks["image"] (in an nn.ModuleDict, so
+# declared as the dotted path mode_blocks.image) as block(hidden, image_early_mod, image_rope) ->
+# hidden; single_transformer_blocks as block(content, encoder, content_mod, txt_single_mod,
+# joint_rope) -> (encoder, content). Every modulation tensor and RoPE table is computed once before
+# the loops. mode_blocks["image_cond"] only runs for image-to-image calls (image_cond_hidden_states),
+# not built here; undeclared, its blocks would be checkpointed one by one as diffusers does.
 _JOINT = Carry(((0, 1), (1, 0)))
 _IMAGE_ROPE_SCALE = 0.5  # Flux3PrepareLatentsStep(image_rope_scale=0.5)
 _LISTS = ("txt_mode_blocks", "mode_blocks.image", "single_transformer_blocks")
@@ -66,6 +44,7 @@ def _lora_targets() -> tuple[str, ...]:
                  for proj in ("to_q", "to_k", "to_v", "to_out.0"))
 
 
+# ids are 4-D (t, h, w, l): image tokens (0, h/2, w/2, 0) (image_rope_scale=0.5), text (0, 0, 0, l)
 def _image_ids(height: int, width: int, device: torch.device) -> torch.Tensor:
     ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width),
                                torch.arange(1)).to(torch.float32)
@@ -90,6 +69,13 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
+# No FFN or attention boundary, as in the documents (not an FFN-split family; attention offload
+# unsupported). Both block types are "parallel" blocks computing attn(x) and ff(x) from the same
+# modulated input, and ff is one module on one tensor, so an FFN region would give correct
+# gradients; but with attention-only LoRA the first block of the text and image lists has nothing
+# trainable upstream of its ff, autograd never runs that region's backward, and the reported "one
+# FFN recompute per checkpointed block" would not hold there. Flow-map (step-distilled,
+# flow_map=True) checkpoints need a target_timestep and are not trainable with this objective.
 FLUX3 = register_family(
     FamilyAdapter(
         name="flux3",

@@ -2,40 +2,8 @@
 
 Source: ``diffusers/models/transformers/transformer_hidream_image.py`` (forward loop) and
 ``diffusers/pipelines/hidream_image/pipeline_hidream_image.py`` (how the pipeline calls the
-transformer).
-
-Blocks are ``HiDreamBlock`` wrappers around the real block (``.block``). Double blocks are called
-as ``block(hidden, masks, cur_encoder, temb, rope)`` and return ``(hidden, encoder)``; single
-blocks as ``block(joint, masks, None, temb, rope)`` and return the joint sequence. Between blocks
-the loop changes the text: before double block ``i`` it builds
-``cur_encoder = cat([initial_encoder, llama_i])`` with a different Llama layer ``llama_i`` per
-block, and after it keeps only ``encoder[:, :initial_len]``; before single block ``i`` it appends
-``llama_i`` to the joint sequence and after it cuts the sequence back. A carry map only maps a
-block's outputs to the next block's arguments, so it cannot express a per-block concatenation
-and slice; the family is declared ``segmented=False``: interval and stride are ignored with a
-warning and every block is checkpointed on its own (the documents list HiDream in the sweep
-"with notes", not among the segmented whole-block families). Engine change that would allow
-segments: a per-list "between blocks" hook ``advance(model, block_index, output, args, kwargs)``
-that the runner applies inside the region instead of the plain carry (here: slice the output,
-concatenate the next Llama layer, which the hook would read from the model inputs), and that the
-pass-through check compares by value.
-
-FFN boundary: ``block.ff_i``, the image stream's mixture-of-experts SwiGLU (``MOEFeedForwardSwiGLU``)
-called on one tensor (the double blocks' text-stream ``ff_t`` stays in the block); attention
-boundary: ``block.attn1``. In training mode the MoE gate routes by ``topk``; a recompute sees the
-same inputs and routes identically. Its auxiliary load-balancing loss is computed but not added by
-diffusers (the ``AddAuxiliaryLoss`` line is commented out), so it plays no part here either.
-
-Conventions (``pipeline_hidream_image.py``): 16-channel Flux VAE latents ``(B, C, H, W)``, which
-the model patchifies itself; the timestep is the scheduler's ``sigma * 1000``; the raw output is
-``x0 - noise`` (the pipeline negates it), so :func:`_read_output` negates it to give the flow
-velocity ``noise - x0``. In training mode the model returns ``(B, C, h*w, p*p)`` patches instead of
-the image, which :func:`_read_output` folds back. Text: a T5 sequence ``(B, L, caption_channels[0])``,
-a stack of Llama hidden states indexed by ``llama_layers`` and a pooled CLIP embedding
-``(B, text_emb_dim)``. The adapter's text batch carries T5 and the distinct Llama layers it needs
-side by side in one ``(B, L, caption_channels[0] + n * caption_channels[1])`` sequence (T5 first,
-then the layers in ascending index order) and :func:`_make_inputs` splits it; the model takes no
-text mask.
+transformer). Conventions: 16-channel Flux VAE latents ``(B, C, H, W)``, which the model
+patchifies itself; the timestep is the scheduler timestep; the model takes no text mask.
 """
 
 from __future__ import annotations
@@ -43,9 +11,19 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
-# double: block(hidden, masks, encoder, temb, rope) -> (hidden, encoder). Per-block only, so these
-# carries never chain blocks; they name each block's hidden-state inputs (the unsloth boundary).
+# Blocks are HiDreamBlock wrappers around the real block (.block). double: block(hidden, masks,
+# cur_encoder, temb, rope) -> (hidden, encoder); single: block(joint, masks, None, temb, rope) ->
+# joint. Between blocks the loop changes the text (before double block i: cur_encoder =
+# cat([initial_encoder, llama_i]), after it: encoder[:, :initial_len]; before single block i it
+# appends llama_i to the joint sequence, after it cuts it back), which a carry map cannot express:
+# segmented=False (the documents list HiDream in the sweep "with notes"). Engine change that would
+# allow segments: a per-list "between blocks" hook advance(model, block_index, output, args, kwargs)
+# applied by the runner inside the region instead of the plain carry (slice the output, concatenate
+# the next Llama layer read from the model inputs), compared by value by the pass-through check.
+# Per-block only, so these carries never chain blocks; they name each block's hidden-state inputs
+# (the unsloth boundary).
 _DOUBLE = Carry(((0, 0), (1, 2)))
 _SINGLE = Carry(((None, 0),))
 
@@ -61,6 +39,9 @@ def _text_spec(cfg) -> TextSpec:
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
+    # text.seq holds T5 (B, L, caption_channels[0]) and the distinct Llama layers side by side
+    # (B, L, caption_channels[0] + n * caption_channels[1]); the model takes T5, a stack of Llama
+    # hidden states indexed by llama_layers, and the pooled CLIP embedding (B, text_emb_dim)
     cfg = model.config
     t5_dim, llama_dim = cfg.caption_channels
     layers = _llama_layers(cfg)
@@ -71,7 +52,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         0, torch.tensor(layers, device=llama.device), llama)
     return {
         "hidden_states": latents,
-        "timesteps": sigmas.to(latents.dtype) * 1000,  # the pipeline passes scheduler timesteps
+        "timesteps": scheduler_timesteps(sigmas, latents.dtype),  # the pipeline passes scheduler timesteps
         "encoder_hidden_states_t5": t5,
         "encoder_hidden_states_llama3": stack,
         "pooled_embeds": text.pooled,
@@ -86,9 +67,13 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
         p = model.config.patch_size
         x = x[:, :, : (h // p) * (w // p)].reshape(b, c, h // p, w // p, p, p)
         x = x.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
-    return -x
+    return -x  # the raw output is x0 - noise (the pipeline negates it): the velocity is its negation
 
 
+# FFN boundary: block.ff_i, the image stream's mixture-of-experts SwiGLU (MOEFeedForwardSwiGLU) on
+# one tensor; attention boundary: block.attn1. In training mode the MoE gate routes by topk; a
+# recompute sees the same inputs and routes identically. Its auxiliary load-balancing loss is
+# computed but not added by diffusers (the AddAuxiliaryLoss line is commented out), nor here.
 def _blocks(name: str, attr: str, carry: Carry) -> BlockList:
     return BlockList(name, attr, carry, ffn="block.ff_i", attention="block.attn1")
 

@@ -3,26 +3,6 @@ text + image sequence.
 
 Source: ``diffusers/models/transformers/transformer_ideogram4.py`` and
 ``diffusers/pipelines/ideogram4/pipeline_ideogram4.py`` (diffusers 0.42).
-
-The loop calls every block as ``block(hidden, attention_mask, (cos, sin), adaln_input)`` and the
-block returns the hidden state alone; the mask, the rotary tuple and the AdaLN input are built
-once before the loop and passed unchanged to every block, so the carry is the plain
-single-tensor one and whole-block segments are exact.
-
-Inputs, as the pipeline builds them: one packed sequence ``[text tokens][image tokens]``;
-``hidden_states`` holds zeros at text positions and the 2x2-patchified latents (channel order
-``(ph, pw, c)``, the pipeline's unpatchify in reverse) at image positions; ``encoder_hidden_states``
-holds the text features at text positions and zeros at image positions; ``indicator`` marks text
-(3) / image (2) / padding (0), ``segment_ids`` is 1 for real tokens and -1 for padding, and
-``position_ids`` are ``(i, i, i)`` for the i-th real text token and ``(0, h, w) + 65536`` for
-image tokens. The pipeline left-pads the text; attention is permutation-equivariant apart from
-the rotary positions and the segment mask, so keeping the batch's own token order with the same
-ids is the same computation. Model time runs the other way (``t = 1 - sigma``, 1 = clean) and the
-model predicts ``x0 - noise`` (the pipeline steps the scheduler with ``-v``), so
-:func:`_read_output` negates it to give the flow velocity ``noise - x0``.
-
-The documents list Ideogram 4.0 as having no attention/FFN boundary, so ``*-ffn`` backends and
-attention offload are refused for it (SPEC.md "Families named by the documents").
 """
 
 from __future__ import annotations
@@ -50,6 +30,16 @@ def _unpatchify(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return x.reshape(b, c, height, width)
 
 
+# As the pipeline builds them: one packed sequence [text tokens][image tokens]; hidden_states holds
+# zeros at text positions and the 2x2-patchified latents (channels (ph, pw, c), the pipeline's
+# unpatchify in reverse) at image positions; encoder_hidden_states the text features at text
+# positions and zeros at image positions; indicator marks text (3) / image (2) / padding (0),
+# segment_ids is 1 for real tokens and -1 for padding, position_ids are (i, i, i) for the i-th real
+# text token and (0, h, w) + 65536 for image tokens. The pipeline left-pads the text; attention is
+# permutation-equivariant apart from the rotary positions and the segment mask, so keeping the
+# batch's own token order with the same ids is the same computation. Model time runs the other way
+# (t = 1 - sigma, 1 = clean) and the model predicts x0 - noise (the pipeline steps the scheduler
+# with -v), so _read_output negates it to give the flow velocity noise - x0.
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     b, _, h, w = latents.shape
     device, dtype = latents.device, latents.dtype
@@ -83,6 +73,9 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return -_unpatchify(output[0][:, -n_image:], latents.shape[-2], latents.shape[-1])
 
 
+# block(hidden, attention_mask, (cos, sin), adaln_input) -> hidden; the mask, the rotary tuple and
+# the AdaLN input are built once before the loop, so the plain single-tensor carry is exact. No
+# attention/FFN boundary, as the documents list it (SPEC.md "Families named by the documents").
 IDEOGRAM4 = register_family(
     FamilyAdapter(
         name="ideogram4",

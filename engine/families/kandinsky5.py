@@ -2,25 +2,6 @@
 
 Source: ``diffusers/models/transformers/transformer_kandinsky.py`` and
 ``pipelines/kandinsky5/pipeline_kandinsky_t2i.py`` / ``pipeline_kandinsky.py`` (diffusers 0.42.1).
-
-Under gradient checkpointing the loop calls the text blocks as ``block(text, time_embed,
-text_rope)`` and the visual blocks as ``block(visual, text, time_embed, visual_rope,
-sparse_params)``; each returns its stream alone. The text stream is final before the first
-visual block, and every other argument is the same object for every block of a list, so both
-lists carry :data:`SINGLE`.
-
-Inputs as the pipelines build them: channels-last latents ``(B, F, H, W, C)`` (an image is one
-frame); checkpoints with ``visual_cond`` (the video models) take ``[latents, zero condition
-latents, zero mask]`` on the channel axis in text-to-video; the timestep is the scheduler's
-``sigma * 1000``; the Qwen embeddings are padded to the longest prompt of the batch (the model has
-no text mask) and the CLIP pooled embedding is added to the time embedding; RoPE positions are
-``arange`` over frames and the 2x2-patched grid, with the pipelines' RoPE scale factor. The
-sparse (``nabla``) attention of some video checkpoints is not built: attention is dense.
-
-LoRA targets: the class zero-initialises every AdaLN modulation projection (``Kandinsky5Modulation``),
-so in a freshly initialised model every block's gates are zero and adapters on the attention
-projections alone receive no gradient; the defaults therefore also adapt the two modulation
-projections (``text_modulation.out_layer``, ``visual_modulation.out_layer``).
 """
 
 from __future__ import annotations
@@ -28,10 +9,17 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # pixels per latent (Flux VAE for images, HunyuanVideo VAE for videos)
 
 
+# As the pipelines build them: channels-last latents (B, F, H, W, C) (an image is one frame);
+# checkpoints with visual_cond (the video models) take [latents, zero condition latents, zero mask]
+# on the channel axis in text-to-video; the timestep is the scheduler timestep; the Qwen embeddings
+# are cut to the longest prompt of the batch (no text mask) and the CLIP pooled embedding is added
+# to the time embedding; RoPE positions are arange over frames and the 2x2-patched grid, with the
+# pipelines' RoPE scale factor. The sparse (nabla) attention of some video checkpoints is not built.
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     b, _, f, h, w = latents.shape
     hidden = latents.permute(0, 2, 3, 4, 1)  # (B, F, H, W, C)
@@ -48,7 +36,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         "hidden_states": hidden,
         "encoder_hidden_states": text.seq[:, :length],
         "pooled_projections": text.pooled,
-        "timestep": sigmas.to(latents.dtype) * 1000,  # the pipelines pass scheduler timesteps
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # the pipelines pass scheduler timesteps
         "visual_rope_pos": [torch.arange(f, device=device), torch.arange(h // ph, device=device),
                             torch.arange(w // pw, device=device)],
         "text_rope_pos": torch.arange(length, device=device),
@@ -63,6 +51,12 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return output[..., : latents.shape[1]].permute(0, 4, 1, 2, 3)
 
 
+# Under gradient checkpointing the loop calls the text blocks as block(text, time_embed, text_rope)
+# and the visual blocks as block(visual, text, time_embed, visual_rope, sparse_params); each returns
+# its stream alone. The text stream is final before the first visual block and every other argument
+# is the same object for every block of a list, so both lists carry SINGLE. LoRA targets: the class
+# zero-initialises every AdaLN modulation projection (Kandinsky5Modulation), so the defaults also
+# adapt text_modulation.out_layer and visual_modulation.out_layer (see the notes).
 KANDINSKY5 = register_family(
     FamilyAdapter(
         name="kandinsky5",

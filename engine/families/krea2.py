@@ -2,26 +2,8 @@
 
 Source: ``diffusers/models/transformers/transformer_krea2.py`` (forward loop) and
 ``diffusers/pipelines/krea2/pipeline_krea2.py`` (how the pipeline calls the transformer).
-
-The main loop calls ``transformer_blocks`` as ``block(joint, temb_mod, rope, attention_mask)`` on
-the concatenated ``[text, image]`` sequence; each returns the sequence alone: carry ``SINGLE``.
-``temb_mod`` is one shared modulation vector (each block adds its own learned table inside), so
-every non-carried argument is the same for every block. The text-fusion stage
-(``text_fusion.layerwise_blocks`` across the tapped-layer axis, then ``text_fusion.refiner_blocks``
-across tokens) calls its blocks directly, never through the checkpoint function: both lists are
-declared ``routed=False`` (dotted sub-module paths), so no schedule applies to them and the plan
-says so.
-
-FFN boundary: ``ff`` (``Krea2SwiGLU``) is called once on one tensor after the attention residual;
-attention boundary: ``attn`` (grouped-query self-attention with a sigmoid output gate).
-
-Conventions (``pipeline_krea2.py``): the text conditioning is a stack of ``num_text_layers``
-tapped text-encoder hidden states per token, ``(B, L, num_text_layers, text_hidden_dim)``; the
-adapter's text batch carries it flattened to ``(B, L, num_text_layers * text_hidden_dim)``
-(layer-major) and :func:`_make_inputs` unflattens it. Latents come from ``AutoencoderKLQwenImage``
-(16 channels) and are 2x2-packed; ``position_ids`` are ``(L + h*w, 3)`` with zero text rows and
-``(0, h, w)`` image rows; the timestep is sigma in [0, 1]; the text mask is passed as
-``encoder_attention_mask`` (``None`` when every token is real, as the model's docstring asks).
+Conventions: ``AutoencoderKLQwenImage`` latents (16 channels), 2x2-packed; the timestep is sigma
+in [0, 1].
 """
 
 from __future__ import annotations
@@ -40,6 +22,10 @@ def _position_ids(text_len: int, height: int, width: int, device: torch.device) 
     return torch.cat([torch.zeros(text_len, 3, device=device), image.reshape(height * width, 3)])
 
 
+# The text conditioning is a stack of num_text_layers tapped text-encoder hidden states per token,
+# (B, L, num_text_layers, text_hidden_dim); the text batch carries it flattened layer-major to
+# (B, L, num_text_layers * text_hidden_dim). position_ids are (L + h*w, 3); the text mask is passed
+# as encoder_attention_mask (None when every token is real, as the model's docstring asks).
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     _, _, h, w = latents.shape
     cfg = model.config
@@ -58,6 +44,13 @@ def _unrouted(name: str, attr: str) -> BlockList:
     return BlockList(name, attr, SINGLE, ffn="ff", attention="attn", routed=False)
 
 
+# The main loop calls transformer_blocks as block(joint, temb_mod, rope, attention_mask) -> joint on
+# the concatenated [text, image] sequence; temb_mod is one shared modulation vector (each block adds
+# its own learned table inside). The text-fusion stage (text_fusion.layerwise_blocks across the
+# tapped-layer axis, then text_fusion.refiner_blocks across tokens) calls its blocks directly, never
+# through the checkpoint function: routed=False. FFN boundary: ff (Krea2SwiGLU), called once on
+# one tensor after the attention residual; attention boundary: attn (grouped-query self-attention
+# with a sigmoid output gate).
 KREA2 = register_family(
     FamilyAdapter(
         name="krea2",

@@ -2,24 +2,8 @@
 
 Source: ``diffusers/models/transformers/transformer_longcat_image.py`` (forward loop) and
 ``diffusers/pipelines/longcat_image/pipeline_longcat_image.py`` (how the pipeline calls the
-transformer).
-
-Both lists are called as ``block(hidden, encoder, temb, rope)`` and both return
-``(encoder, hidden)`` (the single blocks concatenate the streams inside and split them again on
-return), so both carries are ``((0, 1), (1, 0))``; ``temb`` and ``rope`` are computed once before
-the loops. The model has per-block switches ``use_checkpoint`` / ``use_single_checkpoint`` (all
-True by default): a block switched off is called directly, the runner then sees a segment's next
-block never arrive and falls back to per-block for that list.
-
-FFN boundary: double blocks call ``ff`` on one tensor (the text stream's ``ff_context`` stays in
-the block); single blocks run the MLP branch ``act_mlp(proj_mlp(x))`` in parallel with attention
-(as in Flux), so their FFN region is that chain and the fused ``proj_out`` stays outside.
-
-Conventions (``pipeline_longcat_image.py``): 16-channel Flux-style VAE latents, 2x2-packed; ids
-are ``(modality, row, col)``: text tokens ``(0, i, i)``, image tokens ``(1, 512 + h, 512 + w)``
-(the pipeline starts the image grid at its fixed text length of 512 tokens); the timestep is sigma
-(the model multiplies by 1000); the model takes no text mask and no pooled embedding (the
-pipeline pads prompts to 512 tokens and passes them whole); ``guidance`` is unused by the model.
+transformer). Conventions: 16-channel Flux-style VAE latents, 2x2-packed; the timestep is sigma
+(the model multiplies by 1000); ``guidance`` is unused by the model.
 """
 
 from __future__ import annotations
@@ -29,11 +13,18 @@ import torch
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from .packing import pack_2x2, read_packed_2x2
 
-# both lists: block(hidden, encoder, temb, rope) -> (encoder, hidden)
+# both lists: block(hidden, encoder, temb, rope) -> (encoder, hidden) (the single blocks concatenate
+# the streams inside and split them again on return); temb and rope are computed once before the
+# loops. The model's per-block switches use_checkpoint / use_single_checkpoint (all True by default)
+# call a switched-off block directly: the runner then sees a segment's next block never arrive and
+# falls back to per-block for that list.
 _CARRY = Carry(((0, 1), (1, 0)))
 _IMAGE_START = 512  # LongCatImagePipeline.tokenizer_max_length
 
 
+# ids are (modality, row, col): text tokens (0, i, i), image tokens (1, 512 + h, 512 + w) (the
+# pipeline starts the image grid at its fixed text length of 512 tokens). No text mask and no pooled
+# embedding: the pipeline pads prompts to 512 tokens and passes them whole.
 def _text_ids(length: int, device: torch.device) -> torch.Tensor:
     ids = torch.zeros(length, 3)
     ids[:, 1] = ids[:, 2] = torch.arange(length)
@@ -60,6 +51,9 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     }
 
 
+# FFN boundary: the double blocks call ff on one tensor (the text stream's ff_context stays in the
+# block); the single blocks run the MLP branch act_mlp(proj_mlp(x)) in parallel with attention (as
+# in Flux), so their FFN region is that chain and the fused proj_out stays outside.
 LONGCATIMAGE = register_family(
     FamilyAdapter(
         name="longcatimage",

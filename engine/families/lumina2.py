@@ -1,11 +1,5 @@
 """Lumina-Image 2.0 (``Lumina2Transformer2DModel``): two refiner lists, then the joint list.
 
-The model's loops call ``context_refiner`` blocks as ``block(cap, mask, cap_rope)`` and
-``noise_refiner`` blocks as ``block(hidden, None, img_rope, temb)`` *directly*, never through the
-checkpoint function: they are declared ``routed=False``, so no schedule applies to them and the
-plan says so. Only ``layers`` (``block(joint, mask, rope, temb)``) is routed. Every block returns
-the hidden state alone.
-
 Conventions (``pipeline_lumina2.py``): time runs the other way, ``t = 1 - sigma``, and the model
 predicts ``x0 - noise``, so :func:`_read_output` negates it to give the flow velocity
 ``noise - x0``. The text mask must mark each prompt's real tokens as a prefix (the RoPE ids are
@@ -33,6 +27,10 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return -output[0]
 
 
+# The model's loops call context_refiner blocks as block(cap, mask, cap_rope) and noise_refiner
+# blocks as block(hidden, None, img_rope, temb) directly, never through the checkpoint function
+# (routed=False: no schedule applies, the plan says so). Only layers (block(joint, mask, rope,
+# temb)) is routed. Every block returns the hidden state alone.
 def _blocks(name: str, routed: bool = True) -> BlockList:
     return BlockList(name, name, SINGLE, ffn="feed_forward", attention="attn", routed=routed)
 

@@ -2,28 +2,8 @@
 
 Source: ``diffusers/models/transformers/transformer_minimax_h3.py``,
 ``modular_pipelines/minimax_h3/before_denoise.py`` / ``denoise.py`` and
-``schedulers/scheduling_minimax_h3.py`` (diffusers 0.42.1).
-
-The model runs one stack over ONE packed 1-D sequence (text rows, video rows, audio rows) with
-full self-attention. The token refiner (``token_refiner.refiner_blocks``, a nested list: this file
-declares a small :class:`FamilyAdapter` subclass that resolves dotted attribute paths) calls its
-blocks as ``block(text)``; the main loop calls ``block(hidden, temb, adaln_indices,
-rotary_emb)``. Every block returns its hidden state alone and every other argument is the same
-object for every block of a list, so both lists carry :data:`SINGLE`.
-
-Inputs: the ``t2va`` layout of the modular pipeline (``MiniMaxH3PrepareLayoutStep.
-build_packed_sequence``) with no keyframes and no audio rows, i.e. ``[text | target video]``:
-video latents patchified frame-major (``patchify_video_latents``), text rows tagged text (1) and
-video rows video (0), the pipeline's fp64 rotary grid, and every row at the video timestep. The
-model's time is ``t = 1 - sigma`` (1 = clean) and it predicts the data-ward velocity
-``x0 - noise`` (``MiniMaxH3Scheduler``), so :func:`_read_output` negates it. Text rows are the
-batch's longest prompt (the model has no text mask).
-
-Batch limit: the layout (timesteps, per-row timestep indices, tags, positions) is shared by every
-item of the batch ("the batch axis is a pure replication axis"), so one forward cannot hold
-samples at different noise levels. The adapter declares ``shared_sigma`` (the trainer draws one
-noise level per micro-batch), and :func:`_make_inputs` still raises on a batch whose sigmas
-differ instead of conditioning some samples on the wrong timestep.
+``schedulers/scheduling_minimax_h3.py`` (diffusers 0.42.1). The model runs one stack over ONE
+packed 1-D sequence (text rows, video rows, audio rows) with full self-attention.
 """
 
 from __future__ import annotations
@@ -36,6 +16,14 @@ _VIDEO_TAG, _TEXT_TAG, _AUDIO_TAG = 0, 1, 2  # modular_pipelines/minimax_h3/modu
 _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built here)
 
 
+# Inputs: the t2va layout of the modular pipeline (MiniMaxH3PrepareLayoutStep.build_packed_sequence)
+# with no keyframes and no audio rows, i.e. [text | target video]: video latents patchified
+# frame-major (patchify_video_latents), text rows tagged text (1) and video rows video (0), the
+# pipeline's fp64 rotary grid, every row at the video timestep; text rows are the batch's longest
+# prompt. The model's time is t = 1 - sigma (1 = clean) and it predicts the data-ward velocity
+# x0 - noise (MiniMaxH3Scheduler), so _read_output negates it. The layout is shared by every item of
+# the batch ("the batch axis is a pure replication axis"): the family declares shared_sigma, and a
+# batch whose sigmas differ raises instead of conditioning some samples on the wrong timestep.
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (
         MiniMaxH3PrepareLayoutStep,
@@ -75,6 +63,10 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return -x.reshape(b, c, f, h, w)
 
 
+# The token refiner (token_refiner.refiner_blocks, a nested list declared by its dotted path) calls
+# its blocks as block(text); the main loop as block(hidden, temb, adaln_indices, rotary_emb). Every
+# block returns its hidden state alone and every other argument is the same object for every block
+# of a list, so both lists carry SINGLE.
 MINIMAXH3 = register_family(
     FamilyAdapter(
         name="minimaxh3",

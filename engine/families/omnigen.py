@@ -2,22 +2,6 @@
 
 Source: ``diffusers/models/transformers/transformer_omnigen.py`` and
 ``pipelines/omnigen/pipeline_omnigen.py`` / ``processor_omnigen.py`` (diffusers 0.42.1).
-
-Under gradient checkpointing the loop calls every block as ``block(hidden, attention_mask,
-rotary_emb)`` and the block returns the hidden state alone; the mask and the rotary embedding are
-the same objects for every block, so the carry is :data:`SINGLE` and whole-block segments are
-exact. The documents list OmniGen as "none and full-block only"; the diffusers loop shows no state
-change between blocks, and the segment gradient test (interval/stride) passes, so the family is
-declared segmented.
-
-Text: OmniGen conditions on Phi-3 *token ids*, embedded by the transformer's own ``embed_tokens``;
-it has no input for text embeddings, which is what the engine's :class:`TextBatch` carries. The
-adapter therefore trains the model's text-free mode (``input_ids=None``: the sequence is
-``[time token, image tokens]``), with the attention mask and positions the OmniGen processor builds
-for an empty condition: the time token attends to itself, image tokens to everything. Captions
-are not used. Conventions (the diffusers OmniGen scheduler is ``FlowMatchEulerDiscreteScheduler(
-invert_sigmas=True, num_train_timesteps=1)``): the model's time is ``t = 1 - sigma`` (1 = clean)
-and it predicts ``x0 - noise``, so :func:`_read_output` negates it.
 """
 
 from __future__ import annotations
@@ -27,6 +11,13 @@ import torch
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
 
+# OmniGen conditions on Phi-3 token ids embedded by its own embed_tokens and has no input for text
+# embeddings (what TextBatch carries), so the adapter trains the text-free mode (input_ids=None: the
+# sequence is [time token, image tokens]) with the attention mask and positions the OmniGen
+# processor builds for an empty condition: the time token attends to itself, image tokens to
+# everything. The diffusers OmniGen scheduler is FlowMatchEulerDiscreteScheduler(invert_sigmas=True,
+# num_train_timesteps=1): the model's time is t = 1 - sigma (1 = clean) and it predicts x0 - noise,
+# so _read_output negates it.
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     b, _, h, w = latents.shape
     p = model.config.patch_size
@@ -50,6 +41,10 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return -output[0]
 
 
+# Under gradient checkpointing the loop calls every block as block(hidden, attention_mask, rotary_emb)
+# -> hidden; the mask and the rotary embedding are the same objects for every block, so SINGLE and
+# whole-block segments are exact. The documents list OmniGen as "none and full-block only"; the
+# loop shows no state change between blocks and the segment gradient test passes: segmented.
 OMNIGEN = register_family(
     FamilyAdapter(
         name="omnigen",

@@ -1,4 +1,5 @@
-"""Latent packing helpers shared by families whose transformers take 2x2-packed token sequences."""
+"""Latent packing helpers shared by families whose transformers take packed token sequences:
+2x2-packed images (Flux and kin) and patchified video (LTX-Video, LTX-2)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,24 @@ def read_packed_2x2(model, output, latents: torch.Tensor) -> torch.Tensor:
     """``read_output`` of families whose model returns packed 2x2 tokens first (Flux and kin):
     ``output[0]`` ``(B, H/2 * W/2, 4C)`` back to latents ``(B, C, H, W)``."""
     return unpack_2x2(output[0], latents.shape[-2], latents.shape[-1])
+
+
+def pack_video(latents: torch.Tensor, p: int, pt: int) -> torch.Tensor:
+    """``(B, C, F, H, W)`` latents to ``(B, F/pt * H/p * W/p, C * pt * p * p)`` tokens
+    (``LTXPipeline._pack_latents``)."""
+    b, c, f, h, w = latents.shape
+    x = latents.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
+    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+
+
+def unpack_video(tokens: torch.Tensor, shape: torch.Size, p: int, pt: int) -> torch.Tensor:
+    """Inverse of :func:`pack_video` (``LTXPipeline._unpack_latents``) for latents of ``shape``."""
+    b, _, f, h, w = shape
+    x = tokens.reshape(b, f // pt, h // p, w // p, -1, pt, p, p)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def read_packed_video(model, output, latents: torch.Tensor) -> torch.Tensor:
+    """``read_output`` of families whose model returns :func:`pack_video` tokens first (LTX-Video,
+    LTX-2), with the model's ``patch_size`` / ``patch_size_t``: back to latents ``(B, C, F, H, W)``."""
+    return unpack_video(output[0], latents.shape, model.config.patch_size, model.config.patch_size_t)

@@ -1,10 +1,8 @@
 """PixArt-Alpha / PixArt-Sigma (``PixArtTransformer2DModel``): one list of DiT blocks.
 
-Blocks (``BasicTransformerBlock``) are called as ``block(hidden, attention_mask, encoder,
-encoder_attention_mask, timestep, cross_attention_kwargs, class_labels)`` and return the hidden
-state alone. PixArt is a DDPM epsilon model (1000 discrete timesteps): the timestep passed is
-``sigma * 1000`` rounded to an integer in ``[0, 999]``, and the trainer must noise the latents with
-the DDPM schedule of that timestep. Released checkpoints learn the variance (``out_channels = 2C``):
+PixArt is a DDPM epsilon model (1000 discrete timesteps): the timestep passed is the integer DDPM
+step of sigma (:func:`.timesteps.ddpm_timesteps`), and the trainer must noise the latents with the
+DDPM schedule of that timestep. Released checkpoints learn the variance (``out_channels = 2C``):
 only the first ``C`` output channels are the epsilon prediction.
 """
 
@@ -13,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import ddpm_timesteps
 
 _VAE_SCALE = 8  # SD VAE: pixels per latent
 
@@ -30,7 +29,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         "hidden_states": latents,
         "encoder_hidden_states": text.seq,
         "encoder_attention_mask": text.mask,
-        "timestep": (sigmas * 1000).round().clamp(0, 999).long(),  # objectives: sigma = t / 1000
+        "timestep": ddpm_timesteps(sigmas),  # objectives: sigma = t / 1000
         "added_cond_kwargs": added,
         "return_dict": False,
     }
@@ -40,6 +39,8 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return output[0][:, : latents.shape[1]]  # drop the learned-variance half, if any
 
 
+# Blocks (BasicTransformerBlock): block(hidden, attention_mask, encoder, encoder_attention_mask,
+# timestep, cross_attention_kwargs, class_labels) -> hidden.
 PIXART = register_family(
     FamilyAdapter(
         name="pixart",

@@ -1,11 +1,9 @@
 """Qwen-Image (``QwenImageTransformer2DModel``): one list of dual-stream (MMDiT) blocks.
 
-Blocks are called as ``block(hidden, encoder, encoder_mask, temb, image_rotary_emb,
-attention_kwargs, modulate_index)`` and return ``(encoder, hidden)``. Latents come from
-``AutoencoderKLQwenImage`` as single-frame video latents ``(B, C, 1, H, W)``; the transformer
-takes them 2x2-packed, with ``img_shapes`` giving each sample's packed grid for RoPE. As in the
-pipeline, an all-true text mask is passed as ``None``. ControlNet residuals added between blocks
-are not modelled: the runner detects them and falls back to per-block.
+Latents come from ``AutoencoderKLQwenImage`` as single-frame video latents ``(B, C, 1, H, W)``;
+the transformer takes them 2x2-packed, with ``img_shapes`` giving each sample's packed grid for
+RoPE. As in the pipeline, an all-true text mask is passed as ``None``. ControlNet residuals added
+between blocks are not modelled: the runner detects them and falls back to per-block.
 """
 
 from __future__ import annotations
@@ -15,6 +13,8 @@ import torch
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from .packing import pack_2x2, unpack_2x2
 
+# block(hidden, encoder, encoder_mask, temb, image_rotary_emb, attention_kwargs, modulate_index)
+# -> (encoder, hidden)
 _CARRY = Carry(((0, 1), (1, 0)))
 
 

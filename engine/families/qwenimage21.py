@@ -1,25 +1,9 @@
 """Qwen-Image 2.1 (``QwenImage21Transformer2DModel``): one list of single-stream blocks.
 
 Source: ``diffusers/models/transformers/transformer_qwenimage21.py`` and
-``pipelines/qwenimage21/pipeline_qwenimage21.py`` (diffusers 0.42.1).
-
-The text and the target image share one joint sequence. Under gradient checkpointing the loop
-calls every block as ``block(joint, modulation, rotary_emb, attention_mask, modulation_mask,
-layer_cache, kv_cache_mode, cache_write_slice, segments, key_valid)`` and the block returns the
-joint hidden state alone. ``modulation`` is ONE tensor shared by all blocks (each block chunks it
-itself), and without a KV cache (training) ``layer_cache`` is ``None`` for every block, so every
-non-carried argument is the same object for every block: the carry is :data:`SINGLE`. (With a
-KV cache, inference only, ``layer_cache`` differs per block and the runner would fall back.)
-
-Inputs as the pipeline builds them for text-to-image: latents from ``AutoencoderKLQwenImage21``
-(64 channels, 16x) are single-frame video latents ``(B, C, 1, H, W)``, passed unpatched as
-``(B, H*W, C)`` tokens; ``img_mask`` is the text positions (False) followed by one True slot per
-2x2 group of target tokens; ``img_shapes`` is ``[(1, H, W)]`` per sample; the timestep is
-``sigma`` (the pipeline passes ``t / 1000``). The output covers the joint sequence; the
-prediction is its last ``H*W`` rows, as in the pipeline.
-
-The documents list Qwen Image 2.1 as "attention offload unsupported", so no attention boundary
-is declared (its attention processor takes the KV-cache and block-causal segment arguments).
+``pipelines/qwenimage21/pipeline_qwenimage21.py`` (diffusers 0.42.1). The text and the target
+image share one joint sequence; the output covers it, and the prediction is its last ``H*W``
+rows, as in the pipeline.
 """
 
 from __future__ import annotations
@@ -29,6 +13,10 @@ import torch
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
 
+# As the pipeline builds them for text-to-image: AutoencoderKLQwenImage21 latents (64 channels, 16x)
+# are single-frame video latents (B, C, 1, H, W), passed unpatched as (B, H*W, C) tokens; img_mask
+# is the text positions (False) then one True slot per 2x2 group of target tokens; img_shapes is
+# [(1, H, W)] per sample; the timestep is sigma (the pipeline passes t / 1000).
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     b, c, _, h, w = latents.shape
     if h % 2 or w % 2:
@@ -51,6 +39,13 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return output[0][:, -h * w:].transpose(1, 2).reshape(b, -1, 1, h, w)
 
 
+# Under gradient checkpointing the loop calls every block as block(joint, modulation, rotary_emb,
+# attention_mask, modulation_mask, layer_cache, kv_cache_mode, cache_write_slice, segments,
+# key_valid) -> joint. modulation is ONE tensor shared by all blocks (each block chunks it itself)
+# and without a KV cache (training) layer_cache is None for every block, so SINGLE. (With a KV
+# cache, inference only, layer_cache differs per block and the runner would fall back.) No
+# attention boundary, as the documents say ("attention offload unsupported"): its attention
+# processor takes the KV-cache and block-causal segment arguments.
 QWENIMAGE21 = register_family(
     FamilyAdapter(
         name="qwenimage21",

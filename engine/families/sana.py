@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
@@ -19,18 +20,14 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         "hidden_states": latents,
         "encoder_hidden_states": text.seq,
         "encoder_attention_mask": text.mask,
-        # the Sana pipeline passes scheduler timesteps (sigma * 1000) times timestep_scale
-        "timestep": sigmas.to(latents.dtype) * 1000 * model.config.timestep_scale,
+        # the Sana pipeline passes scheduler timesteps times timestep_scale
+        "timestep": scheduler_timesteps(sigmas, latents.dtype) * model.config.timestep_scale,
         "return_dict": False,
     }
     if model.config.guidance_embeds:  # Sana-Sprint checkpoints embed the guidance scale
         inputs["guidance"] = torch.full_like(sigmas, 4.5 * model.config.guidance_embeds_scale,
                                              dtype=latents.dtype)
     return inputs
-
-
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
 
 
 SANA = register_family(
@@ -40,7 +37,6 @@ SANA = register_family(
         block_lists=(BlockList("blocks", "transformer_blocks", SINGLE, ffn="ff", attention="attn1"),),
         text=lambda cfg: TextSpec(cfg["caption_channels"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={
             "in_channels": 32,
             "out_channels": 32,

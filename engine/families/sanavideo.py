@@ -2,16 +2,6 @@
 
 Source read: ``diffusers/models/transformers/transformer_sana_video.py`` (diffusers 0.42.1), with
 ``pipelines/sana_video/pipeline_sana_video.py`` for how the transformer is called.
-
-Blocks are called as ``block(hidden, attention_mask, encoder, encoder_attention_mask, timestep,
-frames, height, width, rotary_emb)`` and return the hidden state alone; the three ints are the
-post-patch grid, the same for every block, so the carry is the plain single-tensor one.
-ControlNet residuals added between blocks (``controlnet_block_samples``) are not modelled: the
-runner detects them and falls back to per-block.
-
-FFN boundary: ``ff`` (``GLUMBTempConv``), called as one module on the hidden state reshaped to
-``(B, F, H, W, C)``. The self-attention ``attn1`` is linear attention; the documents say attention
-offload is unsupported for Sana-Video, so no attention boundary is declared.
 """
 
 from __future__ import annotations
@@ -19,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
@@ -26,7 +17,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         "hidden_states": latents,
         "encoder_hidden_states": text.seq,
         "encoder_attention_mask": text.mask,
-        "timestep": sigmas.to(latents.dtype) * 1000,  # the pipeline passes scheduler timesteps
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # the pipeline passes scheduler timesteps
         "return_dict": False,
     }
 
@@ -38,6 +29,13 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return prediction
 
 
+# block(hidden, attention_mask, encoder, encoder_attention_mask, timestep, frames, height, width,
+# rotary_emb) -> hidden; the three ints are the post-patch grid, the same for every block, so the
+# plain single-tensor carry. ControlNet residuals added between blocks (controlnet_block_samples)
+# are not modelled: the runner detects them and falls back to per-block. FFN boundary: ff
+# (GLUMBTempConv), one module on the hidden state reshaped to (B, F, H, W, C). The self-attention
+# attn1 is linear attention and the documents say attention offload is unsupported for Sana-Video:
+# no attention boundary.
 SANAVIDEO = register_family(
     FamilyAdapter(
         name="sanavideo",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, joint_attention_kwargs) -> (encoder, hidden)
 _CARRY = Carry(((0, 1), (1, 0)))
@@ -22,13 +23,9 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         "hidden_states": latents,
         "encoder_hidden_states": text.seq,
         "pooled_projections": text.pooled,
-        "timestep": sigmas.to(latents.dtype) * 1000,  # the SD3 pipelines pass scheduler timesteps
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # the SD3 pipelines pass scheduler timesteps
         "return_dict": False,
     }
-
-
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
 
 
 SD3 = register_family(
@@ -38,7 +35,6 @@ SD3 = register_family(
         block_lists=(BlockList("joint", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"], cfg["pooled_projection_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={
             "sample_size": 8,
             "patch_size": 2,

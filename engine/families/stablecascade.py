@@ -1,45 +1,8 @@
 """Stable Cascade stage C (``StableCascadeUNet``): the down and up sequences of Res / Timestep /
-Attention micro-blocks. Per-block checkpointing only (an engine limit, see below).
+Attention micro-blocks. Per-block checkpointing only (an engine limit: see the notes).
 
 Source: ``diffusers/models/unets/unet_stable_cascade.py`` and
 ``diffusers/pipelines/stable_cascade/pipeline_stable_cascade_prior.py`` (diffusers 0.42).
-
-The UNet's ``_down_encode`` / ``_up_decode`` loops call every micro-block of ``down_blocks[i]`` /
-``up_blocks[i]`` through the checkpoint function, with arguments that depend on its type:
-``SDCascadeResBlock`` as ``block(x)`` in the down path and ``block(x, skip)`` in the up path
-(``skip`` is the level output for the first block of every up level but the first, else
-``None``), ``SDCascadeTimestepBlock`` as ``block(x, r_embed)`` and ``SDCascadeAttnBlock`` as
-``block(x, clip)``; every micro-block returns ``x`` alone. The lists are the flattened down
-micro-blocks and the flattened up micro-blocks (all levels, forward order).
-
-Why per-block only, although the documents place the interval and stride on this micro-block
-sequence: the segment runner runs every block of a segment with the first block's non-carried
-arguments, chaining only ``x`` (the carry map). Here the non-carried argument changes with the
-block type at every step (none -> ``r_embed`` -> ``clip`` -> none ...), so a segment
-``[Res, Timestep]`` would call the Timestep block without ``r_embed`` (a TypeError) and
-``[Timestep, Attn]`` would hand ``r_embed`` to the Attention block as its ``kv``. The values the
-later blocks need (``r_embed``, ``clip``) are not even among the first block's arguments when a
-segment starts on a Res block, so no carry map can supply them. Between up levels the loop also
-interpolates ``x`` to the skip's size and runs the upscaler (un-routed state changes). The family
-is therefore ``segmented=False`` until the engine can build per-block arguments (see the family
-report). With ``*_blocks_repeat_mappers`` > 1 (stage B) the loop runs each micro-block several
-times per forward; each run is its own checkpoint call.
-
-Default LoRA targets: the attention projections plus the Res blocks' MLP linears
-(``channelwise.0`` / ``channelwise.4``), so that every micro-block from the first one on carries
-gradient; with attention-only LoRA the Res and Timestep blocks in front of the first Attention
-block neither need nor get a backward pass, and their checkpoint calls recompute nothing.
-
-No FFN / attention boundary is declared: the micro-blocks of a list are of three types and only
-the Attention blocks have an ``attention`` (only the Res blocks a ``channelwise`` MLP), so
-``*-ffn`` backends and attention offload are refused.
-
-Inputs (prior pipeline): ``clip_text`` (B, L, 1280) and ``clip_text_pooled`` (B, 1, 1280) from
-the CLIP text encoder, ``clip_img`` zeros (B, 1, 768) when no image prompt is given. Objective:
-stage C predicts epsilon under a cosine schedule; the engine's epsilon objective noises with the
-DDPM scaled-linear ``alphas_cumprod`` at ``t = sigma * 1000``, so the adapter converts that
-noise level into the model's ``timestep_ratio`` exactly as the prior pipeline's
-``get_timestep_ratio_conditioning`` does for non-Wuerstchen schedulers.
 """
 
 from __future__ import annotations
@@ -48,16 +11,16 @@ import math
 
 import torch
 
-from ..train.objectives import NUM_TRAIN_TIMESTEPS, _alphas_cumprod
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import alphas_cumprod, ddpm_timesteps
 
 _S = 0.008  # offset of the cosine schedule (DDPMWuerstchenScheduler / the prior pipeline)
 
 
 def _timestep_ratio(sigmas: torch.Tensor) -> torch.Tensor:
-    """The prior pipeline's ``get_timestep_ratio_conditioning`` at DDPM step ``t = sigma * 1000``."""
-    t = (sigmas.double() * NUM_TRAIN_TIMESTEPS).round().long().clamp(0, NUM_TRAIN_TIMESTEPS - 1)
-    var = _alphas_cumprod()[t].clamp(0, 1)
+    """The prior pipeline's ``get_timestep_ratio_conditioning`` at the DDPM step of ``sigmas``
+    (:func:`.timesteps.ddpm_timesteps`): stage C's cosine-schedule ratio for the DDPM noise level."""
+    var = alphas_cumprod()[ddpm_timesteps(sigmas.double())].clamp(0, 1)
     min_var = math.cos(_S / (1 + _S) * math.pi * 0.5) ** 2
     return ((var * min_var) ** 0.5).acos() / (math.pi * 0.5) * (1 + _S) - _S
 
@@ -65,6 +28,8 @@ def _timestep_ratio(sigmas: torch.Tensor) -> torch.Tensor:
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     cfg = model.config
     b, device, dtype = latents.shape[0], latents.device, latents.dtype
+    # prior pipeline: clip_text (B, L, 1280) and clip_text_pooled (B, 1, 1280) from the CLIP text
+    # encoder, clip_img zeros (B, 1, 768) when no image prompt is given
     inputs = {
         "sample": latents,
         "timestep_ratio": _timestep_ratio(sigmas.cpu()).to(device, dtype),
@@ -77,10 +42,19 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     return inputs
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
-
-
+# The lists are the flattened micro-blocks of all down / up levels, in forward order. The UNet's
+# _down_encode / _up_decode call each through the checkpoint function with arguments that depend
+# on its type: SDCascadeResBlock as block(x) (down) or block(x, skip) (up; skip is the level output
+# for the first block of every up level but the first, else None), SDCascadeTimestepBlock as
+# block(x, r_embed), SDCascadeAttnBlock as block(x, clip); each returns x alone. A segment runs its
+# blocks with the first block's non-carried arguments, so [Res, Timestep] would call the Timestep
+# block without r_embed (a TypeError) and [Timestep, Attn] would hand r_embed to the Attention block
+# as its kv; between up levels the loop also interpolates x and runs the upscaler (un-routed).
+# Hence segmented=False (though the documents place interval and stride on this sequence) until
+# the engine can build per-block arguments. With *_blocks_repeat_mappers > 1 (stage B) each
+# micro-block runs several times per forward, each run its own checkpoint call. No FFN /
+# attention boundary: only the Attention blocks have an attention and only the Res blocks a
+# channelwise MLP, so *-ffn backends and attention offload are refused.
 STABLECASCADE = register_family(
     FamilyAdapter(
         name="stablecascade",
@@ -92,7 +66,6 @@ STABLECASCADE = register_family(
         text=lambda cfg: TextSpec(cfg["clip_text_in_channels"] or cfg["clip_text_pooled_in_channels"],
                                   cfg["clip_text_pooled_in_channels"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={  # stage C shaped (switch_level False: no spatial change between levels)
             "in_channels": 16,
             "out_channels": 16,

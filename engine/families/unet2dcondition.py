@@ -2,37 +2,9 @@
 
 Source: ``diffusers/models/unets/unet_2d_condition.py``, ``unet_2d_blocks.py`` and
 ``transformers/transformer_2d.py`` (diffusers 0.42); inputs as in the SD / SDXL / Kolors pipelines.
-
-What the checkpoint function sees. ``enable_gradient_checkpointing`` sets the function on every
-sub-module with a ``gradient_checkpointing`` attribute, and the UNet's blocks then route:
-
-* every ``ResnetBlock2D`` of the down / up blocks (``CrossAttnDownBlock2D``, ``DownBlock2D``,
-  ``CrossAttnUpBlock2D``, ``UpBlock2D``) as ``resnet(hidden, temb)`` -> hidden;
-* the mid block's resnets *after the first* the same way; ``mid_block.resnets[0]`` is always
-  called directly (``UNetMidBlock2DCrossAttn.forward``), so it is declared ``routed=False``;
-* NOT the cross-attention ``Transformer2DModel`` modules themselves (the blocks call ``attn(...)``
-  directly), but, inside each of them, every ``BasicTransformerBlock`` as ``block(hidden,
-  attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, cross_attention_kwargs,
-  class_labels)`` -> hidden.
-
-These routed modules sit in nested collections (``down_blocks[i].resnets``,
-``down_blocks[i].attentions[j].transformer_blocks``), not in one attribute of the model, so this
-file declares its lists with dotted paths (``*`` = every child, ``[a:b]`` = a slice) and a small
-:meth:`FamilyAdapter.blocks` resolves them (:func:`.base.resolve_blocks`).
-
-Why per-block only (``segmented=False``, as the documents say: "SD 1.x and SDXL (UNet: per-layer
-checkpointing only; interval and stride not wired)"): consecutive resnets of a list are separated
-by un-routed work the loop does between them (the cross-attention ``Transformer2DModel``, skip
-concatenation ``cat([hidden, res_hidden])`` in the up blocks, down/upsamplers), so no carry map
-can chain them. Only the ``BasicTransformerBlock`` runs of one ``Transformer2DModel`` (SDXL's
-``transformer_layers_per_block`` > 1) could be chained; the documents do not wire that.
-
-The FFN / attention boundaries exist only in the transformer-block lists (``ff``, ``attn1``);
-the resnet lists have none, so ``*-ffn`` backends and attention offload are refused for the
-family. Epsilon objective: the timestep is ``sigma * 1000`` (the DDPM step). SDXL / Kolors
-(``addition_embed_type="text_time"``) also get ``text_embeds`` (pooled) and ``time_ids`` = (H, W,
-0, 0, H, W) in pixels (original size, crop top-left, target size). As in the pipelines, no text
-mask is passed.
+Epsilon objective: the timestep is the DDPM step as a float (:func:`.timesteps.scheduler_timesteps`).
+SDXL / Kolors (``addition_embed_type="text_time"``) also get ``text_embeds`` (pooled) and ``time_ids``
+= (H, W, 0, 0, H, W) in pixels (original size, crop top-left, target size). No text mask is passed.
 """
 
 from __future__ import annotations
@@ -40,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # SD / SDXL / Kolors VAEs downsample by 8
 
@@ -56,7 +29,7 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     b, _, h, w = latents.shape
     inputs = {
         "sample": latents,
-        "timestep": sigmas.to(latents.dtype) * 1000,  # DDPM timestep t = sigma * 1000
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # the DDPM timestep t
         "encoder_hidden_states": text.seq.to(latents.dtype),
         "return_dict": False,
     }
@@ -68,10 +41,23 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
     return inputs
 
 
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
-
-
+# What the checkpoint function sees: enable_gradient_checkpointing sets it on every sub-module with
+# a gradient_checkpointing attribute, and then route: every ResnetBlock2D of the down / up blocks
+# (CrossAttnDownBlock2D, DownBlock2D, CrossAttnUpBlock2D, UpBlock2D) as resnet(hidden, temb) ->
+# hidden; the mid block's resnets after the first the same way (mid_block.resnets[0] is always
+# called directly by UNetMidBlock2DCrossAttn.forward: routed=False); not the cross-attention
+# Transformer2DModel modules (the blocks call attn(...) directly) but, inside each, every
+# BasicTransformerBlock as block(hidden, attention_mask, encoder_hidden_states,
+# encoder_attention_mask, timestep, cross_attention_kwargs, class_labels) -> hidden. These sit in
+# nested collections, so the lists are dotted paths (* = every child, [a:b] = a slice) that
+# FamilyAdapter.blocks resolves (:func:`.blocks.resolve_blocks`).
+# Per-block only (segmented=False, as the documents say: "SD 1.x and SDXL (UNet: per-layer
+# checkpointing only; interval and stride not wired)"): consecutive resnets of a list are separated
+# by un-routed work (the cross-attention Transformer2DModel, the up blocks' skip concatenation
+# cat([hidden, res_hidden]), down/upsamplers), so no carry map can chain them; only the
+# BasicTransformerBlock runs of one Transformer2DModel (SDXL's transformer_layers_per_block > 1)
+# could be chained, which the documents do not wire. The FFN / attention boundaries (ff, attn1)
+# exist only in the transformer-block lists, so *-ffn backends and attention offload are refused.
 _RES = dict(carry=SINGLE, ffn=None, attention=None)
 _TRANSFORMER = dict(carry=SINGLE, ffn="ff", attention="attn1")
 
@@ -90,7 +76,6 @@ UNET2DCONDITION = register_family(
         ),
         text=_text_spec,
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={  # SDXL-shaped: text_time conditioning, 2 transformer layers in the attention level
             "sample_size": 8,
             "in_channels": 4,

@@ -11,19 +11,16 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .timesteps import scheduler_timesteps
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     return {
         "hidden_states": latents,
         "encoder_hidden_states": text.seq * text.mask.unsqueeze(-1).to(text.seq.dtype),
-        "timestep": sigmas.to(latents.dtype) * 1000,  # the Wan pipelines pass scheduler timesteps
+        "timestep": scheduler_timesteps(sigmas, latents.dtype),  # the Wan pipelines pass scheduler timesteps
         "return_dict": False,
     }
-
-
-def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
-    return output[0]
 
 
 WAN = register_family(
@@ -33,7 +30,6 @@ WAN = register_family(
         block_lists=(BlockList("blocks", "blocks", SINGLE, ffn="ffn", attention="attn1"),),
         text=lambda cfg: TextSpec(cfg["text_dim"]),
         make_inputs=_make_inputs,
-        read_output=_read_output,
         tiny_config={
             "patch_size": (1, 2, 2),
             "num_attention_heads": 2,

@@ -1,12 +1,5 @@
 """Z-Image (``ZImageTransformer2DModel``): two refiner lists, then the main single-stream list.
 
-The model takes lists of per-sample tensors: latents ``(C, 1, H, W)`` each and caption features
-``(L_i, D)`` holding only each prompt's real tokens (as the pipeline passes them). Its loops call
-``noise_refiner`` blocks as ``block(x, mask, freqs, adaln, noise_mask, t_noisy, t_clean)``,
-``context_refiner`` blocks as ``block(cap, mask, freqs)`` and ``layers`` blocks like the noise
-refiner; every block returns the hidden state alone. The omni variant's ``siglip_refiner`` is not
-declared (basic text-to-image mode only).
-
 Conventions (``pipeline_z_image.py``): the model's time runs the other way, ``t = 1 - sigma``
 (it multiplies by ``t_scale`` itself), and it predicts ``x0 - noise``, so :func:`_read_output`
 negates it to give the flow velocity ``noise - x0``.
@@ -19,6 +12,8 @@ import torch
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
 
+# The model takes lists of per-sample tensors: latents (C, 1, H, W) each and caption features
+# (L_i, D) holding only each prompt's real tokens (as the pipeline passes them).
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
     return {
         "x": list(latents.unsqueeze(2).unbind(0)),
@@ -32,6 +27,10 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
     return -torch.stack(output[0], dim=0).squeeze(2)
 
 
+# The loops call noise_refiner blocks as block(x, mask, freqs, adaln, noise_mask, t_noisy, t_clean),
+# context_refiner blocks as block(cap, mask, freqs) and layers blocks like the noise refiner; every
+# block returns the hidden state alone. The omni variant's siglip_refiner is not declared (basic
+# text-to-image mode only).
 ZIMAGE = register_family(
     FamilyAdapter(
         name="zimage",

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..families.timesteps import NUM_TRAIN_TIMESTEPS, alphas_cumprod
+
 OBJECTIVES = ("flow", "epsilon")
-NUM_TRAIN_TIMESTEPS = 1000
-
-
-def _alphas_cumprod() -> torch.Tensor:
-    betas = torch.linspace(0.0001 ** 0.5, 0.02 ** 0.5, NUM_TRAIN_TIMESTEPS, dtype=torch.float64) ** 2
-    return torch.cumprod(1.0 - betas, dim=0)
 
 
 def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Generator, shared: bool = False
@@ -50,6 +46,6 @@ def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Genera
         return (1 - s) * latents + s * noise, sigmas, noise - latents
     if objective == "epsilon":
         t = torch.randint(0, NUM_TRAIN_TIMESTEPS, (draws,), generator=generator).expand(b).contiguous()
-        abar = _alphas_cumprod()[t].view(shape).to(latents.dtype)
+        abar = alphas_cumprod()[t].view(shape).to(latents.dtype)
         return abar.sqrt() * latents + (1 - abar).sqrt() * noise, t.float() / NUM_TRAIN_TIMESTEPS, noise
     raise ValueError(f"objective={objective!r} is invalid: allowed {', '.join(OBJECTIVES)}")
