@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import diffusers
+import diffusers.models
 import torch
 
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
@@ -121,9 +123,6 @@ class FamilyAdapter:
 
     def model_cls(self) -> type:
         """The diffusers model class."""
-        import diffusers
-        import diffusers.models
-
         cls = getattr(diffusers, self.model_class, None) or getattr(diffusers.models, self.model_class, None)
         if cls is None:
             raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")

@@ -9,6 +9,7 @@ packed 1-D sequence (text rows, video rows, audio rows) with full self-attention
 from __future__ import annotations
 
 import torch
+from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, patchify_video_latents
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
@@ -25,11 +26,6 @@ _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built her
 # the batch ("the batch axis is a pure replication axis"): the family declares shared_sigma, and a
 # batch whose sigmas differ raises instead of conditioning some samples on the wrong timestep.
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3PrepareLayoutStep,
-        patchify_video_latents,
-    )
-
     if bool((sigmas != sigmas[0]).any()):
         raise ValueError(
             "MiniMax-H3 shares one timestep layout across the batch, so a batch cannot hold samples at "
