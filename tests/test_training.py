@@ -107,9 +107,12 @@ def test_lora_file_report_and_inference_mode(data_dir):
     assert tensors and not any(".default." in k for k in tensors)
     assert all(k.startswith("transformer.") for k in tensors)
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in tensors
-    assert float(tensors["transformer.transformer_blocks.0.attn.to_q.alpha"]) == 8.0
+    assert not any(k.endswith(".alpha") for k in tensors)  # alpha / rank is folded into lora_B
     with safe_open(str(result.lora_path), "pt") as fh:
         meta = fh.metadata()
+    diffusers_config = json.loads(meta["lora_adapter_metadata"])
+    assert diffusers_config["transformer.r"] == diffusers_config["transformer.lora_alpha"] == 4
+    assert json.loads(meta["lora_settings"])["alpha"] == 8.0
     assert meta["family"] == "flux" and json.loads(meta["schedule"])["gradient_checkpointing_interval"] == 2
     report = json.loads(result.report_path.read_text())
     assert report["plan"]["block_map"] == {"double": "CC..CC..", "single": "CC..CC.."}

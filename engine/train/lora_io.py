@@ -3,8 +3,24 @@
 Files are written in the diffusers key format with the ``transformer.`` prefix
 (``transformer.transformer_blocks.0.attn.to_q.lora_A.weight``), which both diffusers'
 ``load_lora_weights`` and ComfyUI's own LoRA loader map (SPEC.md "LoRA files": bare peft keys
-load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name. Where alpha != rank a
-``<module>.alpha`` scalar is written as well; the safetensors header holds the metadata.
+load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name.
+
+The scale is folded into the weights: each module's ``lora_B`` is stored multiplied by peft's
+scaling (``alpha / rank``), no ``.alpha`` tensor is written, and the header's
+``lora_adapter_metadata`` (diffusers' own entry) says ``lora_alpha = r``. Every reader then
+applies scale 1 to the same product ``B @ A``:
+
+- ComfyUI (``comfy/lora.py`` ``load_lora``, ``comfy/weight_adapter/lora.py``
+  ``LoRAAdapter.calculate_weight``) uses ``<key>.alpha / rank`` when that tensor exists, else 1;
+  it does not read the header.
+- diffusers 0.42 builds the ``LoraConfig`` from ``lora_adapter_metadata`` when present
+  (``loaders/peft.py`` ``load_lora_adapter`` -> ``utils/peft_utils.py`` ``_create_lora_config``).
+  Its SD3, Wan, Sana, Qwen-Image, Lumina2, ... loaders refuse ``.alpha`` keys ("Invalid LoRA
+  checkpoint": every key must contain ``lora``), and Flux's refuses ``.alpha`` keys together
+  with metadata ("Both `network_alphas` and `metadata` cannot be specified"), so a file with
+  ``.alpha`` tensors cannot load everywhere.
+
+The trained settings (rank, alpha, targets, dropout) stay in the header as ``lora_settings``.
 """
 
 from __future__ import annotations
@@ -17,12 +33,18 @@ from typing import Any, Mapping
 import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from .atomic import atomic_save_file
 from .precision import quiet_torchao
 
 PREFIX = "transformer."
+"""Key prefix of the files: diffusers' ``transformer_name``, which ComfyUI maps too."""
+ADAPTER = "default"
+"""The peft adapter name :func:`add_lora` creates (never written to the file)."""
+LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+"""Header entry diffusers reads the ``LoraConfig`` from (``diffusers.loaders.lora_base``)."""
 
 
 class LoraConfigError(ValueError):
@@ -120,26 +142,69 @@ def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         raise ValueError(f"LoRA state has keys the model's adapter does not: {unexpected[:4]}")
 
 
-def to_file_keys(state: Mapping[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:
-    """Bare peft keys -> file keys: ``transformer.`` prefix, plus ``.alpha`` where alpha != rank."""
-    out = {PREFIX + k: v for k, v in state.items()}
-    if float(settings.alpha) != float(settings.rank):
-        for key in state:
-            if key.endswith(".lora_A.weight"):
-                out[PREFIX + key[: -len(".lora_A.weight")] + ".alpha"] = torch.tensor(float(settings.alpha))
+def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
+    """peft's scaling of each adapted module, by module name: ``alpha / rank`` (``alpha / sqrt(rank)``
+    with rsLoRA), the factor peft multiplies ``lora_B(lora_A(x))`` by in the forward."""
+    return {name: float(module.scaling[ADAPTER]) for name, module in model.named_modules()
+            if isinstance(module, LoraLayer) and ADAPTER in module.scaling}
+
+
+def to_file_keys(state: Mapping[str, torch.Tensor],
+                 scales: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """Bare peft keys -> file keys: the ``transformer.`` prefix; each module's scale folded into its ``lora_B``.
+
+    Args:
+        state: from :func:`lora_state_dict` (``<module>.lora_A.weight``, ``<module>.lora_B.weight``).
+        scales: from :func:`adapter_scales`.
+
+    Raises:
+        KeyError: a ``lora_B`` tensor of a module that ``scales`` does not list.
+    """
+    out = {}
+    for key, value in state.items():
+        module, sep, _ = key.partition(".lora_B.")
+        if sep:
+            if module not in scales:
+                raise KeyError(f"LoRA key {key!r}: module {module!r} has no peft scaling in the model")
+            value = value * scales[module]  # B' = scale * B, so that B' @ A = scale * (B @ A)
+        out[PREFIX + key] = value
     return out
+
+
+def diffusers_metadata(model: torch.nn.Module) -> str:
+    """The ``lora_adapter_metadata`` header value, in the format diffusers writes it.
+
+    diffusers' ``save_lora_weights(..., transformer_lora_adapter_metadata=peft_config.to_dict())``
+    (``LoraBaseMixin._save_lora_weights`` and ``write_lora_layers`` in ``loaders/lora_base.py``)
+    writes the adapter's ``LoraConfig.to_dict()`` with every key prefixed by ``transformer.``, sets
+    as lists, as ``json.dumps(..., indent=2, sort_keys=True)``; its loaders pass the un-prefixed dict
+    to ``LoraConfig(**metadata)``. The file's ``lora_B`` already carries the scale
+    (:func:`to_file_keys`), so the config says ``lora_alpha = r`` (per-module alphas = ranks,
+    no rsLoRA): scale 1 everywhere.
+    """
+    config = model.peft_config[ADAPTER].to_dict()
+    config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]), use_rslora=False)
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    return json.dumps({PREFIX + k: v for k, v in config.items()}, indent=2, sort_keys=True)
 
 
 def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
               metadata: Mapping[str, Any] | None = None) -> Path:
     """Save the model's LoRA as a ComfyUI/diffusers-loadable ``.safetensors`` file (atomic).
 
+    Both loaders change the base exactly as the trained adapter did (scale folded into ``lora_B``,
+    see the module docstring); ``tests/test_lora_files.py`` checks it for every family (through
+    diffusers where the family has a LoRA loader there).
+
     Args:
-        model: a model with a peft adapter.
+        model: a model with a peft adapter (from :func:`add_lora`).
         path: destination file.
-        settings: the LoRA settings (rank, alpha go to the header and the ``.alpha`` keys).
-        metadata: more header fields (family, schedule, ...); values are JSON-encoded.
+        settings: the LoRA settings, recorded in the header as ``lora_settings``.
+        metadata: more header fields (family, schedule, ...); values are JSON-encoded. They cannot
+            replace ``format`` (``"pt"``, safetensors' framework tag, as diffusers writes it),
+            ``lora_adapter_metadata`` or ``lora_settings``.
     """
-    header = {"format": "diffusers-lora", "lora_settings": json.dumps(asdict(settings))}
-    header.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
-    return atomic_save_file(to_file_keys(lora_state_dict(model), settings), path, header)
+    header = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    header.update({"format": "pt", LORA_ADAPTER_METADATA_KEY: diffusers_metadata(model),
+                   "lora_settings": json.dumps(asdict(settings))})
+    return atomic_save_file(to_file_keys(lora_state_dict(model), adapter_scales(model)), path, header)

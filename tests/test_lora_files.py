@@ -1,0 +1,217 @@
+"""LoRA files: a saved LoRA changes a fresh base model exactly as the trained adapter did, read by
+diffusers' own loaders and by ComfyUI's LoRA key mapping and scale rule.
+
+Every family trains a rank-4, alpha-8 adapter (scale 2 in peft) with non-zero ``lora_B``; the
+forward of the trained adapter is the oracle (fp32, same inputs, same seed), to 1e-5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import logging
+
+import diffusers
+import pytest
+import torch
+from diffusers.loaders.lora_base import LoraBaseMixin
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from helpers import random_batch
+from segmented_checkpointing.engine.families import family_names, get_family
+from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora, lora_state_dict, save_lora
+
+TOL = 1e-5
+SETTINGS = LoraSettings(rank=4, alpha=8, init="gaussian")
+
+# The pipeline whose LoRA loader (a diffusers ``*LoraLoaderMixin``) reads each family's transformer.
+PIPELINES = {
+    "acestep": "AceStepPipeline", "auraflow": "AuraFlowPipeline", "chroma": "ChromaPipeline",
+    "cosmos": "Cosmos2_5_PredictBasePipeline", "ernieimage": "ErnieImagePipeline", "flux": "FluxPipeline",
+    "flux2": "Flux2Pipeline", "hidream": "HiDreamImagePipeline", "hunyuanvideo": "HunyuanVideoPipeline",
+    "ideogram4": "Ideogram4Pipeline", "kandinsky5": "Kandinsky5T2VPipeline", "krea2": "Krea2Pipeline",
+    "ltx2video": "LTX2Pipeline", "ltxvideo": "LTXPipeline", "lumina2": "Lumina2Pipeline",
+    "qwenimage": "QwenImagePipeline", "qwenimage21": "QwenImage21Pipeline", "sana": "SanaPipeline",
+    "sanavideo": "SanaVideoPipeline", "sd3": "StableDiffusion3Pipeline", "wan": "WanPipeline",
+    "wanvace": "WanVACEPipeline", "zimage": "ZImagePipeline",
+}
+# Families diffusers 0.42 cannot load a LoRA file into (the ComfyUI-rule test still covers them).
+NO_DIFFUSERS_LOADER = {
+    "flux3": "no pipeline for Flux3Transformer2DModel has a LoRA loader mixin",
+    "hunyuanvideo15": "HunyuanVideo15Pipeline has no LoRA loader mixin",
+    "longcatimage": "LongCatImagePipeline has no LoRA loader mixin",
+    "minimaxh3": "no pipeline for MiniMaxH3Transformer3DModel has a LoRA loader mixin",
+    "omnigen": "OmniGenPipeline has no LoRA loader mixin",
+    "pixart": "PixArtAlphaPipeline / PixArtSigmaPipeline have no LoRA loader mixin",
+    "stablecascade": "the StableCascade pipelines have no LoRA loader mixin",
+    "unet2dcondition": "StableDiffusionLoraLoaderMixin loads the `unet.` component, not `transformer.` keys",
+}
+
+
+def test_every_family_is_triaged():
+    assert not set(PIPELINES) & set(NO_DIFFUSERS_LOADER)
+    assert set(PIPELINES) | set(NO_DIFFUSERS_LOADER) == set(family_names())
+
+
+def _forward(family, model, batch) -> torch.Tensor:
+    latents, sigmas, text = batch
+    torch.manual_seed(123)  # some families draw noise in make_inputs (LTX-2's audio stream)
+    with torch.no_grad():
+        return family.read_output(model, model(**family.make_inputs(model, latents, sigmas, text)), latents)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(name, settings)`` -> (family, fresh base copy, batch, output with the trained adapter,
+    base output, saved LoRA file); built once per argument pair."""
+    cache: dict = {}
+
+    def build(name: str, settings: LoraSettings = SETTINGS):
+        if (name, settings) not in cache:
+            family = get_family(name)
+            torch.manual_seed(0)
+            base = family.model_cls()(**family.tiny_config).float()
+            model = copy.deepcopy(base)
+            add_lora(model, settings, family.lora_targets)
+            with torch.no_grad():
+                for key, p in model.named_parameters():
+                    if "lora_B" in key:
+                        p.normal_(0, 0.05)
+            batch = random_batch(family, model)
+            path = tmp_path_factory.mktemp(name) / "lora.safetensors"
+            save_lora(model, path, settings, {"family": name})
+            cache[name, settings] = (family, base, batch, _forward(family, model, batch),
+                                     _forward(family, base, batch), path)
+        family, base, batch, want, plain, path = cache[name, settings]
+        return family, copy.deepcopy(base), batch, want, plain, path
+
+    return build
+
+
+def _pipeline(name: str, transformer: torch.nn.Module) -> DiffusionPipeline:
+    """The family's diffusers pipeline holding ``transformer`` and no other component.
+
+    Built without the pipeline's own ``__init__``, which needs the text encoders for some families
+    (QwenImage21's reads its tokenizer, Cosmos's builds a safety checker): ``load_lora_weights``
+    reads only the registered components.
+    """
+    cls = getattr(diffusers, PIPELINES[name])
+    transformer_type = inspect.signature(cls.__init__).parameters["transformer"].annotation
+    assert type(transformer).__name__ in str(transformer_type), f"{cls.__name__} holds no {type(transformer)}"
+    assert issubclass(cls, LoraBaseMixin) and "transformer" in cls._lora_loadable_modules
+    pipe = cls.__new__(cls)
+    expected, _ = cls._get_signature_keys(cls)
+    pipe.register_modules(**{**dict.fromkeys(expected), "transformer": transformer})
+    return pipe
+
+
+@contextlib.contextmanager
+def _diffusers_warnings():
+    """Collects the messages of the warnings diffusers logs inside the block."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _check(got, want, plain):
+    # not vacuous: the adapter moves the output by > 10 TOL, so a scale off by 2x (ComfyUI without
+    # alpha, or alpha applied twice) would miss by about half of that
+    assert (want - plain).abs().max() > 10 * TOL
+    assert (got - want).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_diffusers_load_lora_weights_matches_trained_adapter(trained, name):
+    family, fresh, batch, want, plain, path = trained(name)
+    pipe = _pipeline(name, fresh)
+    with _diffusers_warnings() as warnings:
+        pipe.load_lora_weights(str(path))
+    # every key loads (peft_utils._maybe_warn_for_unhandled_keys: "... led to unexpected/missing keys")
+    assert not [w for w in warnings if "Loading adapter weights" in w]
+    _check(_forward(family, fresh, batch), want, plain)
+
+
+def comfyui_patch(model: torch.nn.Module, lora: dict[str, torch.Tensor], strength: float = 1.0) -> set[str]:
+    """Apply a LoRA to ``model``'s weights the way ComfyUI's LoRA loader does; return the keys it used.
+
+    ComfyUI (``comfy/lora.py``): ``model_lora_keys_unet`` maps the diffusers key
+    ``transformer.<module>`` to the model weight of ``<module>``; ``load_lora`` reads
+    ``<key>.alpha`` when present; ``LoRAAdapter.load`` (``comfy/weight_adapter/lora.py``) takes
+    ``<key>.lora_B.weight`` as up and ``<key>.lora_A.weight`` as down; ``calculate_weight``
+    adds ``strength * scale * (up.flatten(1) @ down.flatten(1))`` reshaped to the weight, with
+    ``scale = alpha / down.shape[0]`` (the rank), or 1.0 without an ``.alpha`` tensor.
+    """
+    weights = dict(model.named_parameters())
+    used = set()
+    for up_key in (k for k in lora if k.endswith(".lora_B.weight")):
+        key = up_key[: -len(".lora_B.weight")]
+        up, down = lora[up_key], lora[key + ".lora_A.weight"]
+        alpha = lora.get(key + ".alpha")
+        scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
+        weight = weights[key.removeprefix("transformer.") + ".weight"]
+        with torch.no_grad():
+            weight += (strength * scale) * (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
+        used |= {up_key, key + ".lora_A.weight"} | ({key + ".alpha"} if alpha is not None else set())
+    return used
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_comfyui_key_mapping_and_scale_match_trained_adapter(trained, name):
+    family, fresh, batch, want, plain, path = trained(name)
+    lora = load_file(str(path))
+    assert comfyui_patch(fresh, lora) == set(lora)  # ComfyUI warns "lora key not loaded" otherwise
+    _check(_forward(family, fresh, batch), want, plain)
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_scale_that_is_not_a_power_of_two(trained, name):
+    """alpha 6 / rank 4: the folded scale rounds, within the tolerance, on both readers."""
+    settings = LoraSettings(rank=4, alpha=6, init="gaussian")
+    family, fresh, batch, want, plain, path = trained(name, settings)
+    _pipeline(name, fresh).load_lora_weights(str(path))
+    _check(_forward(family, fresh, batch), want, plain)
+    family, fresh, batch, want, plain, path = trained(name, settings)
+    comfyui_patch(fresh, load_file(str(path)))
+    _check(_forward(family, fresh, batch), want, plain)
+
+
+def test_header_carries_diffusers_metadata_as_diffusers_writes_it(tmp_path):
+    """Same ``lora_adapter_metadata`` as diffusers' own ``save_lora_weights`` given the adapter's
+    ``peft_config.to_dict()`` (what its training scripts pass), except ``lora_alpha``: the file's
+    ``lora_B`` carries the scale (2 here), so the config says alpha = rank; the trained settings
+    stay in ``lora_settings``."""
+    family = get_family("sd3")
+    model = family.model_cls()(**family.tiny_config)
+    add_lora(model, SETTINGS, family.lora_targets)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_B" in key:
+                p.normal_(0, 0.05)
+    ours_path = save_lora(model, tmp_path / "ours.safetensors", SETTINGS, {"family": "sd3"})
+    diffusers.StableDiffusion3Pipeline.save_lora_weights(
+        tmp_path, transformer_lora_layers=lora_state_dict(model), weight_name="theirs.safetensors",
+        transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
+    headers = []
+    for file in (ours_path, tmp_path / "theirs.safetensors"):
+        with safe_open(str(file), "pt") as fh:
+            headers.append(fh.metadata())
+    ours, theirs = ({k: sorted(v) if isinstance(v, list) else v  # diffusers lists a set unsorted
+                     for k, v in json.loads(h["lora_adapter_metadata"]).items()} for h in headers)
+    assert theirs["transformer.lora_alpha"] == 8 and theirs["transformer.r"] == 4
+    assert ours == {**theirs, "transformer.lora_alpha": 4}
+    assert headers[0]["format"] == headers[1]["format"] == "pt"
+    assert json.loads(headers[0]["lora_settings"])["alpha"] == 8 and headers[0]["family"] == "sd3"
+    ours, theirs = load_file(str(ours_path)), load_file(str(tmp_path / "theirs.safetensors"))
+    assert set(ours) == set(theirs)  # same keys: no `.alpha` tensors
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], 2 * value if ".lora_B." in key else value)
