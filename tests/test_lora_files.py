@@ -18,12 +18,12 @@ import pytest
 import torch
 from diffusers.loaders.lora_base import LoraBaseMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from helpers import random_batch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import random_batch
 from segmented_checkpointing.engine.families import family_names, get_family
-from segmented_checkpointing.engine.lora_io import LoraSettings, add_lora, lora_state_dict, save_lora
+from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora, lora_state_dict, save_lora
 
 TOL = 1e-5
 SETTINGS = LoraSettings(rank=4, alpha=8, init="gaussian")
