@@ -143,7 +143,7 @@ class Preset:
 FULL = Preset(rows=tuple((Stack(3072, 24, 24), s, s) for s in (64, 128, 256)),
               large=((Stack(4096, 32, 32), 96, 128),), dtype=torch.bfloat16, warmup=2, steps=3)
 SMOKE = Preset(rows=((Stack(64, 2, 4), 16, 16), (Stack(64, 2, 4), 16, 32)),
-               large=((Stack(96, 2, 6), 16, 24),), dtype=torch.float32, warmup=1, steps=2)
+               large=((Stack(96, 2, 6), 16, 24),), dtype=torch.float32, warmup=1, steps=1)
 
 
 @dataclass

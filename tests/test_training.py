@@ -35,19 +35,20 @@ def data_dir(tmp_path_factory):
     return root
 
 
-def test_ten_plus_resume_plus_ten_equals_twenty(data_dir):
-    full = train(_config(data_dir, "full"), **QUIET)
+def test_four_plus_resume_plus_four_equals_eight(data_dir):
+    """6 images in batches of 2: the stop falls inside the second epoch, the run ends in the third."""
+    full = train(_config(data_dir, "full", steps=8), **QUIET)
     stop_after = iter(range(1, 100))
-    first = train(_config(data_dir, "split"), should_stop=lambda: next(stop_after) == 10, **QUIET)
-    assert first.interrupted and len(first.history) == 10
-    second = train(_config(data_dir, "split", resume=True), **QUIET)
-    assert not second.interrupted and second.report["totals"]["steps"] == 20
+    first = train(_config(data_dir, "split", steps=8), should_stop=lambda: next(stop_after) == 4, **QUIET)
+    assert first.interrupted and len(first.history) == 4
+    second = train(_config(data_dir, "split", steps=8, resume=True), **QUIET)
+    assert not second.interrupted and second.report["totals"]["steps"] == 8
     a, b = load_file(full.lora_path), load_file(second.lora_path)
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6
     assert [h["lr"] for h in full.history] == [h["lr"] for h in second.history]
-    assert [h["step"] for h in second.history] == list(range(1, 21))
+    assert [h["step"] for h in second.history] == list(range(1, 9))
     assert [h["loss"] for h in full.history] == pytest.approx([h["loss"] for h in second.history], abs=1e-6)
     assert full.history[0]["loss"] != full.history[1]["loss"]
 

@@ -80,5 +80,5 @@ def support_table() -> str:
         named.append(f"| {title} | {family_name if family_name else 'no diffusers class'} |")
     return (HEADER + "\n".join(rows) + "\n\n## Families named by the documents\n\n" + "\n".join(named)
             + "\n\nA diffusers model outside this list still trains through the generic fallback "
-              "(`engine/generic.py`): per-block checkpointing, and segments when a one-step probe proves "
+              "(`engine/core/generic.py`): per-block checkpointing, and segments when a one-step probe proves "
               "the carry map.\n\n## Notes\n\n" + "\n".join(notes) + "\n")
