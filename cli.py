@@ -12,9 +12,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import signal
 import sys
+import threading
 import types
 import typing
+import warnings
+from pathlib import Path
 from typing import Any, Sequence
 
 # What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
@@ -25,7 +30,12 @@ for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.to
 
 from .engine.core.backends import BACKENDS
 from .engine.core.schedule import HELP as SCHEDULE_HELP
+from .engine.core.support import support_table
+from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
+from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
 from .engine.train.config import TrainConfig, read_config_file
+from .engine.train.loading import detect_family
+from .engine.train.loop import load_bundle, resolve_device, train
 from .engine.train.lora_io import LoraSettings
 
 _SCHEDULE_OPTIONS = [
@@ -136,10 +146,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
              if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
     config = TrainConfig.from_dict(given, config)[0]
     if config.model_path and not {"family", "model_family"} & (set(given) | set(from_file)):
-        from pathlib import Path
-
-        from .engine.train.loading import detect_family
-
         if Path(config.model_path).is_dir():  # else check_paths names the missing folder
             config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
     return config
@@ -150,8 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _console_messages()
     if args.command == "train":
-        from .engine.train.loop import train
-
         try:
             config = config_from_args(args)
             config.check_paths()
@@ -182,19 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command == "families":
-        from .engine.core.support import support_table
-
         print(support_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
-    from .engine.train.loop import load_bundle
-
     try:
         if args.output is None:
             args.output = "output/sweep"
@@ -218,11 +215,6 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
-    from .engine.train.loop import load_bundle, resolve_device
-
     try:
         if args.output is None:
             args.output = "output/plan"
@@ -244,8 +236,6 @@ def _plan(args: argparse.Namespace) -> int:
 def _console_messages() -> None:
     """Our warnings print as one ``segckpt: warning:`` line; other libraries' keep their origin
     (a torch warning is not ours to claim)."""
-    import warnings
-
     def one_line(message, category, filename, lineno, *_args, **_kw) -> str:
         if category.__module__.startswith(__package__ or "segmented_checkpointing"):
             return f"segckpt: warning: {message}\n"
@@ -265,31 +255,22 @@ class _StopOnSignal:
         return self.signal_name is not None
 
     def _handle(self, signum, _frame) -> None:
-        import signal
-
         self.signal_name = signal.Signals(signum).name
         print(f"\n{self.signal_name}: stopping after this step (again to abort)", file=sys.stderr)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __enter__(self):
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
-        import signal
-
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
 
 def _run_workflow(args: argparse.Namespace) -> int:
-    import os
-
     os.environ["SEGCKPT_BASE_DIR"] = args.base_dir
     from .nodes.graph import GraphError, load_api_graph, run_graph
 

@@ -23,7 +23,7 @@ from ..engine.train.attention_kernels import (
     parse_attention_backend,
 )
 from ..engine.train.config import HELP, LR_SCHEDULERS, TrainConfig
-from ..engine.train.loop import load_bundle
+from ..engine.train.loop import load_bundle, train
 from ..engine.train.lora_io import LoraSettings, save_lora
 from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
 from ..engine.train.precision import BASE_PRECISIONS
@@ -248,8 +248,6 @@ class TrainLoRA:
     def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
               gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
               attention_backend="auto", on_nonfinite="stop", unique_id=None):
-        from ..engine.train.loop import train
-
         host = current_host()
         family = model.family.name
         if schedule["family"] != family:
