@@ -113,3 +113,11 @@ def test_unet2d_down_blocks_are_probed_per_list():
     assert not adapter.segmented
     assert "'up_blocks.0.resnets': argument 0 changes between blocks 0 and 1" in adapter.plan_notes[0]
     assert "down_blocks" not in adapter.plan_notes[0]
+
+
+def test_the_probe_takes_the_models_default_outputs():
+    """Without ``return_dict=False`` the model returns its ``BaseOutput``: the probe reads it."""
+    model, inputs = _cogview4()
+    defaults = {k: v for k, v in inputs.items() if k != "return_dict"}
+    adapter = probe_family(copy.deepcopy(model), defaults)
+    assert adapter.segmented and adapter.block_lists == probe_family(copy.deepcopy(model), inputs).block_lists

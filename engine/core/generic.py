@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -112,9 +112,16 @@ def _infer_carry(calls: list[_Call]) -> tuple[Carry | None, str]:
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
+    """The first tensor of a model's output: a tensor, a tuple (``return_dict=False``) or a
+    diffusers ``BaseOutput`` / mapping (the models' default, e.g. ``Transformer2DModelOutput``).
+
+    Raises:
+        TypeError: the output holds no tensor.
+    """
     if isinstance(output, torch.Tensor):
         return output
-    for item in output:
+    items = output.values() if isinstance(output, Mapping) else output
+    for item in items:
         if isinstance(item, torch.Tensor):
             return item
     raise TypeError(f"model output {type(output).__name__} holds no tensor")
@@ -138,7 +145,8 @@ def probe_family(model: torch.nn.Module, inputs: dict[str, Any], tolerance: floa
     Args:
         model: a diffusers model that supports gradient checkpointing, in fp32 for the proof,
             with the parameters to train set to ``requires_grad`` (e.g. a LoRA already added).
-        inputs: keyword arguments of one forward call (``return_dict=False`` recommended).
+        inputs: keyword arguments of one forward call (the model's own defaults work: a
+            ``BaseOutput`` or a tuple).
         tolerance: largest allowed abs difference of outputs and gradients in the proof.
 
     Returns:

@@ -83,6 +83,21 @@ class _Pending:
     kwargs: dict
 
 
+def _snapshot(value: Any) -> Any:
+    """A copy of the containers (tuples, lists, dicts) of a call's arguments; tensors and other
+    objects are shared. A model's loop may rewrite an entry of a dict it hands to every block
+    (diffusers' Flux.2 KV-cache mode does, before each block): a checkpoint call that kept the dict
+    itself would recompute with the entry of a later block, and the segment check below would
+    compare the changed dict with itself."""
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_snapshot(v) for v in value)
+    return value
+
+
 def _same(a: Any, b: Any) -> bool:
     """Tensors by identity; containers element-wise; everything else by ``==``."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -99,11 +114,26 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+class RecomputeMismatch(RuntimeError):
+    """A checkpointed region's recompute in backward did not repeat its forward.
+
+    Attributes:
+        list_name, blocks: the block list and the blocks ``[start, end)`` of the region.
+        block: the last block the recompute entered. ffn: the region was that block's FFN only.
+    """
+
+    def __init__(self, list_name: str, blocks: tuple[int, int], block: int, ffn: bool, reason: str):
+        super().__init__(reason)
+        self.list_name, self.blocks, self.block, self.ffn = list_name, blocks, block, ffn
+
+
 class _Region:
     """The function one checkpoint call runs: blocks of one segment, chained by the carry map."""
 
-    def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry):
+    def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry,
+                 where: tuple[str, int]):
         self.runner, self.blocks, self.carry, self.runs = runner, blocks, carry, 0
+        self.list_name, self.start = where
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
@@ -113,6 +143,8 @@ class _Region:
             for i, block in enumerate(self.blocks):
                 if recompute:
                     self.runner.stats.recomputed_blocks += 1
+                    self.runner.last_recompute = (self.list_name, (self.start, self.start + len(self.blocks)),
+                                                  self.start + i, False)
                 output = block(*args, **kwargs)
                 if i + 1 < len(self.blocks):
                     args, kwargs = self.carry.apply(output, args, kwargs)
@@ -122,8 +154,9 @@ class _Region:
 class _FfnRegion:
     """The function an FFN-only checkpoint call runs: the block's original FFN forward(s)."""
 
-    def __init__(self, runner: "SegmentRunner", forwards: list[Callable[..., Any]]):
+    def __init__(self, runner: "SegmentRunner", forwards: list[Callable[..., Any]], where: tuple[str, int]):
         self.runner, self.forwards, self.runs = runner, forwards, 0
+        self.list_name, self.block = where
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
@@ -131,6 +164,7 @@ class _FfnRegion:
         with self.runner._in_region(recompute):
             if recompute:
                 self.runner.stats.recomputed_ffn += 1
+                self.runner.last_recompute = (self.list_name, (self.block, self.block + 1), self.block, True)
             output = self.forwards[0](*args, **kwargs)
             for forward in self.forwards[1:]:
                 output = forward(output)
@@ -191,6 +225,8 @@ class SegmentRunner:
         self._pending: _Pending | None = None
         self._region_depth = 0
         self._recompute_depth = 0
+        self.last_recompute: tuple[str, tuple[int, int], int, bool] | None = None
+        """(list, region blocks [start, end), last block entered, FFN only) of the latest recompute."""
         schedule = plan.schedule
         self.backend = schedule.backend if schedule.gradient_checkpointing else None
         self.ffn_scope = bool(self.backend and self.backend.ffn_scope)
@@ -284,11 +320,23 @@ class SegmentRunner:
         blocks = self._lists[list_index][block_index:end]
         block_list = self.family.block_lists[list_index]
         self.stats.checkpoint_calls += 1
+        # the checkpoint keeps these arguments for the recompute: copies of their containers, so
+        # that the loop changing a shared dict afterwards changes neither the recompute nor the check
+        args, kwargs = _snapshot(args), _snapshot(kwargs)
+        region = _Region(self, blocks, block_list.carry, (block_list.name, block_index))
         with self._offload_boundary(block_list.carry.carried_inputs(args, kwargs)):
-            output = self._checkpoint(_Region(self, blocks, block_list.carry), *args, **kwargs)
+            output = self._checkpoint(region, *args, **kwargs)
         if end - block_index > 1:
             self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs)
         return output
+
+    def recompute_mismatch(self, error: Exception) -> RecomputeMismatch:
+        """The :class:`RecomputeMismatch` of a ``torch.utils.checkpoint.CheckpointError`` raised by
+        backward: the region recomputed last is the one that differed."""
+        if self.last_recompute is None:
+            return RecomputeMismatch("?", (0, 0), 0, False, str(error))
+        name, blocks, block, ffn = self.last_recompute
+        return RecomputeMismatch(name, blocks, block, ffn, str(error).strip().splitlines()[0])
 
     def _offload_boundary(self, carried: list[Any]) -> Any:
         """``unsloth``: offload the region's carried inputs (the per-block hidden states); the
@@ -319,11 +367,12 @@ class SegmentRunner:
     def _wrap_ffn(self, stack: contextlib.ExitStack, block: torch.nn.Module, block_list: BlockList) -> None:
         names = (block_list.ffn,) if isinstance(block_list.ffn, str) else tuple(block_list.ffn)
         modules = [block.get_submodule(n) for n in names]
-        region = _FfnRegion(self, [m.forward for m in modules])
+        region = _FfnRegion(self, [m.forward for m in modules], (block_list.name, self._where[id(block)][1]))
         unsloth = self.offload_inputs
 
         def checkpointed_ffn(*a: Any, **kw: Any) -> Any:
             self.stats.checkpoint_calls += 1
+            a, kw = _snapshot(a), _snapshot(kw)
             select = {id(v) for v in a if isinstance(v, torch.Tensor)} | {
                 id(v) for v in kw.values() if isinstance(v, torch.Tensor)}
             with self.offloader.hooks(select) if unsloth else contextlib.nullcontext():

@@ -26,9 +26,10 @@ from .packing import pack_2x2, read_packed_2x2
 # concatenated [text, image] sequence (split_hidden_states stays False). The modulation tensors are
 # computed once before the loops. The KV cache (kv_cache_mode "extract" / "cached", reference-image
 # editing) is the one per-block state: the model writes kv_cache.get_double(i) / get_single(i) into
-# ONE kv_attn_kwargs dict in place before each block, which neither a carry map nor the runner's
-# argument check (nor a plain checkpoint's recompute) can see; training builds the text-to-image
-# call only, where kv_attn_kwargs is None for every block.
+# ONE kv_attn_kwargs dict in place before each block. The runner copies each call's argument
+# containers, so every recompute sees its own block's entry and a grouped segment sees the entry
+# change and falls back to per-block (tests/test_faults.py); training builds the text-to-image
+# call, where kv_attn_kwargs is None for every block.
 _DOUBLE = Carry(((0, 1), (1, 0)))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +22,7 @@ from ..core.schedule import KEYS as SCHEDULE_KEYS
 from ..core.schedule import CheckpointSchedule
 from ..families import family_names, get_family
 from .attention_kernels import parse_attention_backend
+from .file_checks import check_safetensors
 from .loading import PRESETS
 from .lora_io import CONFIG_KEYS as LORA_KEYS
 from .lora_io import HELP as LORA_HELP
@@ -63,7 +65,7 @@ ALIASES = {
 }
 
 
-RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path", "data", "resolution",
+RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path", "data", "init_lora", "resolution",
                "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
                "lr_scheduler", "lr_warmup_steps", "weight_decay")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
@@ -71,6 +73,10 @@ RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path"
 
 class ConfigError(ValueError):
     """A training option is invalid; the message names the key, the value and what is allowed."""
+
+
+class ConfigWarning(UserWarning):
+    """An option is valid but does something the user may not expect; the message says what."""
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -137,6 +143,9 @@ class TrainConfig:
     seed: int = option(0, "Seed of the model init, data order, noise and timesteps.", "--seed")
     lora: LoraSettings = option(lambda: LoraSettings(rank=16, alpha=16.0), "LoRA settings (see the lora_* keys).")
     schedule: CheckpointSchedule = option(DEMO_SCHEDULE, "The six gradient_checkpointing_* keys.")
+    init_lora: str | None = option(None, "Start from the LoRA in this .safetensors file (one this pack saved, or "
+                                   "a diffusers/kohya-style file with transformer. keys and the run's rank).",
+                                   "--init-lora")
     output: str = option("output", "Output folder: LoRA, resumable training state, report.json, latent cache.",
                          "--output")
     resume: bool = option(False, "Continue from the training state in the output folder (the options that shape "
@@ -167,9 +176,9 @@ class TrainConfig:
         for key in ("family", "preset", "output"):
             _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
                   "a non-empty string")
-        for key in ("model_path", "vae_path", "text_encoder_path", "data"):
+        for key in ("model_path", "vae_path", "text_encoder_path", "data", "init_lora"):
             _need(getattr(self, key) is None or isinstance(getattr(self, key), str), key, getattr(self, key),
-                  "a folder path (string) or unset")
+                  "a path (string) or unset")
         for key in ("resume", "overwrite"):
             _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
@@ -214,6 +223,8 @@ class TrainConfig:
         for key in ("model_path", "vae_path", "text_encoder_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+        if self.init_lora is not None and not self.resume:  # a resumed run continues from its state
+            check_safetensors(self.init_lora, "init_lora", "give a complete .safetensors LoRA file")
         _need(not Path(self.output).exists() or Path(self.output).is_dir(), "output", self.output, "a folder")
         _need(self.device != "cuda" or torch.cuda.is_available(), "device", self.device,
               "auto or cpu (CUDA is not available here)")
@@ -232,6 +243,13 @@ class TrainConfig:
                                   f"{saved.get(key)!r}; allowed the saved value (or train into another output)")
         _need(self.steps >= header["step"], "steps", self.steps,
               f"at least the {header['step']} steps already done in {self.output}")
+        saved_steps = saved.get("steps")
+        if self.lr_scheduler in ("linear", "cosine") and saved_steps != self.steps:
+            warnings.warn(
+                f"resume: steps={self.steps} differs from the saved run's {saved_steps}, and lr_scheduler="
+                f"{self.lr_scheduler} decays over the whole run: steps 1-{header['step']} were taken on the "
+                f"{saved_steps}-step schedule, the rest follow the {self.steps}-step one (the rate jumps); keep "
+                f"steps={saved_steps} for the original schedule", ConfigWarning, stacklevel=2)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (schedule keys and LoRA settings nested)."""

@@ -1,26 +1,34 @@
 """Training data: a folder of images with same-name ``.txt`` captions, encoded once to latents.
 
-Images are centre-cropped and resized to a square resolution with Pillow
-(``ImageOps.fit``), scaled to [-1, 1] and encoded by the VAE once; latents and text embeddings are
-cached (in memory for the run, and on disk under the output folder, keyed by the files' names,
-sizes and modification times, the resolution and the VAE config) so a resumed run does not
-re-encode. The built-in default writes real photographs shipped in scikit-image.
+A dataset folder holds images directly, and/or kohya-style ``<repeats>_<name>`` subfolders whose
+images count ``repeats`` times per epoch; hidden and system files (``._*`` macOS companions,
+``.DS_Store``, ``Thumbs.db``, ``desktop.ini``, any dot-file) are skipped and counted. Images
+appear as a viewer shows them (:func:`to_rgb`), are centre-cropped and resized to a square
+resolution with Pillow (``ImageOps.fit``), scaled to [-1, 1] and encoded by the VAE once; latents
+and text embeddings are cached (in memory for the run, and on disk, keyed by the files' names,
+sizes and modification times, the captions, the resolution and the VAE's public config) so a
+resumed run does not re-encode. The built-in default writes real photographs from scikit-image.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..families.base import TextBatch
-from .atomic import atomic_save_file
+from .atomic import atomic_save_file, atomic_write_bytes, atomic_write_text
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -39,16 +47,22 @@ class DatasetError(ValueError):
     """The dataset folder or one of its files cannot be used; the message names it."""
 
 
+class DataWarning(UserWarning):
+    """Something about the data was repaired or left out; the message says what."""
+
+
 @dataclass(frozen=True)
 class Sample:
-    """One training example: an image file and its caption (empty when no ``.txt`` exists)."""
+    """One training example: an image file, its caption (empty when no ``.txt`` exists) and how
+    many times it counts per epoch (a kohya-style ``<repeats>_<name>`` subfolder's repeats)."""
 
     image: Path
     caption: str
+    repeats: int = 1
 
 
 def write_sample_dataset(folder: str | Path) -> Path:
-    """Write the built-in sample photographs with captions into ``folder`` (idempotent)."""
+    """Write the built-in sample photographs with captions into ``folder`` (idempotent, atomic)."""
     import skimage.data
 
     folder = Path(folder)
@@ -56,49 +70,138 @@ def write_sample_dataset(folder: str | Path) -> Path:
     for name, caption in SAMPLE_PHOTOS.items():
         path = folder / f"{name}.png"
         if not path.exists():
-            pixels = getattr(skimage.data, name)()
-            image = Image.fromarray(pixels).convert("RGB")
-            image.save(path)
-            (folder / f"{name}.txt").write_text(caption + "\n", encoding="utf-8")
+            buffer = io.BytesIO()
+            Image.fromarray(getattr(skimage.data, name)()).convert("RGB").save(buffer, format="PNG")
+            atomic_write_text(folder / f"{name}.txt", caption + "\n")
+            atomic_write_bytes(path, buffer.getvalue())
     return folder
 
 
-def scan_folder(folder: str | Path) -> list[Sample]:
-    """The images of ``folder`` (sorted by name) with their captions.
+HIDDEN_NAMES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "icon\r")
+"""System files that are never data (compared case-insensitively), besides every dot-file."""
+REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
+"""kohya's sd-scripts layout: ``<repeats>_<name>`` subfolders."""
+
+
+@dataclass(frozen=True)
+class DatasetScan:
+    """What a dataset folder holds.
+
+    Attributes:
+        root: the dataset folder.
+        samples: the images (unique files), sorted by folder and name.
+        skipped: counts of what was not read, by reason (``hidden or system files``,
+            ``other files``, ``other folders``).
+        ignored_folders: subfolders that are not ``<repeats>_<name>`` folders (not read).
+    """
+
+    root: Path
+    samples: list[Sample]
+    skipped: dict[str, int]
+    ignored_folders: list[str]
+
+    @property
+    def epoch(self) -> list[int]:
+        """Sample indices of one epoch: each sample as many times as its repeats."""
+        return [i for i, sample in enumerate(self.samples) for _ in range(sample.repeats)]
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: images, images per epoch, repeats per subfolder, skipped counts."""
+        folders = {s.image.parent.name: s.repeats for s in self.samples if s.image.parent != self.root}
+        return {"images": len(self.samples), "images_per_epoch": len(self.epoch), "repeats": folders,
+                "skipped": self.skipped, "ignored_folders": self.ignored_folders}
+
+
+def _hidden(path: Path) -> bool:
+    return path.name.startswith(".") or path.name.lower() in HIDDEN_NAMES or path.name == "__MACOSX"
+
+
+def scan_dataset(folder: str | Path) -> DatasetScan:
+    """The images of ``folder`` and of its ``<repeats>_<name>`` subfolders, with their captions.
 
     Raises:
-        DatasetError: the folder does not exist or holds no image.
+        DatasetError: the folder does not exist, holds no image, a caption is not UTF-8, or a
+            repeats folder says 0 repeats (the message names the folder and what to do).
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DatasetError(f"data={str(folder)!r} is not a folder")
-    samples = []
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
-            txt = path.with_suffix(".txt")
-            try:
-                caption = txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""
-            except UnicodeDecodeError as exc:
-                raise DatasetError(f"caption {str(txt)!r} is not UTF-8 text: {exc}") from exc
-            samples.append(Sample(path, caption))
+    root = Path(folder)
+    if not root.is_dir():
+        raise DatasetError(f"data={str(root)!r} is not a folder")
+    skipped = {"hidden or system files": 0, "other files": 0, "other folders": 0}
+    samples, ignored = [], []
+    sources = [(root, 1)]
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        match = REPEATS_FOLDER.match(sub.name)
+        if _hidden(sub):
+            skipped["hidden or system files"] += 1
+        elif match is None:
+            skipped["other folders"] += 1
+            ignored.append(sub.name)
+        elif int(match.group(1)) < 1:
+            raise DatasetError(f"data subfolder {sub.name!r} asks for {match.group(1)} repeats: allowed 1 or more "
+                               "(kohya-style <repeats>_<name>); rename it, or move it out of the dataset")
+        else:
+            sources.append((sub, int(match.group(1))))
+    for source, repeats in sources:
+        for path in sorted(p for p in source.iterdir() if p.is_file()):
+            if _hidden(path):
+                skipped["hidden or system files"] += 1
+            elif path.suffix.lower() in IMAGE_SUFFIXES:
+                samples.append(Sample(path, _caption(path), repeats))
+            elif path.suffix.lower() != ".txt":
+                skipped["other files"] += 1
     if not samples:
-        raise DatasetError(f"data={str(folder)!r} holds no image ({', '.join(IMAGE_SUFFIXES)})")
-    return samples
+        extra = (f"; subfolders {', '.join(ignored)} are not read (only images directly inside, or in kohya-style "
+                 "<repeats>_<name> subfolders)") if ignored else ""
+        raise DatasetError(f"data={str(root)!r} holds no image ({', '.join(IMAGE_SUFFIXES)}){extra}")
+    return DatasetScan(root, samples, skipped, ignored)
+
+
+def scan_folder(folder: str | Path) -> list[Sample]:
+    """The samples of :func:`scan_dataset`."""
+    return scan_dataset(folder).samples
+
+
+def _caption(image: Path) -> str:
+    txt = image.with_suffix(".txt")
+    try:
+        return txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"caption {str(txt)!r} is not UTF-8 text: {exc}") from exc
+
+
+BACKGROUND = (255, 255, 255)
+"""Transparent pixels are composited onto white, as kohya's sd-scripts and SimpleTuner do."""
+_INTEGER_RANGE = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535}
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB as an image viewer shows ``image``.
+
+    Transparency (an alpha channel, a palette or ``tRNS`` transparent colour) is composited onto
+    :data:`BACKGROUND`; 16-bit grey is scaled by its format's range (65535), 32-bit integer grey
+    by 2**31 - 1 (a PNG's by 65535: PNG stores at most 16 bits), float grey by 1.0, never by the
+    image's own maximum; every other mode converts through Pillow (CMYK, YCbCr, bilevel, ...).
+    """
+    if image.mode in _INTEGER_RANGE or image.mode in ("I", "F"):
+        top = _INTEGER_RANGE.get(image.mode) or (1.0 if image.mode == "F" else
+                                                 65535 if image.format == "PNG" else 2**31 - 1)
+        array = np.asarray(image, dtype=np.float64) / top * 255.0
+        image = Image.fromarray(np.clip(np.round(array), 0, 255).astype(np.uint8), "L")
+    if image.has_transparency_data:
+        background = Image.new("RGBA", image.size, (*BACKGROUND, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
 
 
 def load_image(path: Path, resolution: int) -> torch.Tensor:
-    """Read, centre-crop and resize an image: ``(3, R, R)`` float in [-1, 1].
+    """Read (as a viewer shows it), centre-crop and resize an image: ``(3, R, R)`` float in [-1, 1].
 
     Raises:
         DatasetError: the file cannot be read as an image (the message names the file).
     """
     try:
         with Image.open(path) as image:
-            image = ImageOps.exif_transpose(image)
-            if image.mode.startswith("I"):  # 16/32-bit grey: scale to 8 bits before RGB (else clipped)
-                array = np.asarray(image, dtype=np.float64)
-                image = Image.fromarray((array / max(array.max(), 1.0) * 255.0).astype(np.uint8))
-            image = image.convert("RGB")
+            image = to_rgb(ImageOps.exif_transpose(image))
             image = ImageOps.fit(image, (resolution, resolution), method=Image.Resampling.LANCZOS)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"image {str(path)!r} could not be read: {exc}") from exc
@@ -131,11 +234,16 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> t
 
 
 def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, extra: str) -> str:
+    """A stable function of what the cache depends on: the files (name, size, mtime), captions,
+    resolution, the VAE's class and public config, and ``extra``. diffusers' private config
+    entries (``_use_default_values`` is a list built from a set, so its order follows
+    ``PYTHONHASHSEED``) are left out."""
     h = hashlib.sha256()
     for s in samples:
         st = s.image.stat()
-        h.update(f"{s.image.name}|{st.st_size}|{st.st_mtime_ns}|{s.caption}\n".encode())
-    h.update(f"{resolution}|{json.dumps(dict(vae.config), sort_keys=True, default=str)}|{extra}".encode())
+        h.update(f"{s.image.parent.name}/{s.image.name}|{st.st_size}|{st.st_mtime_ns}|{s.caption}\n".encode())
+    public = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
+    h.update(f"{resolution}|{type(vae).__name__}|{json.dumps(public, sort_keys=True, default=str)}|{extra}".encode())
     return h.hexdigest()[:16]
 
 
@@ -153,7 +261,11 @@ def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, 
     if cache_dir is not None:
         path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra)}.safetensors"
         if path.is_file():
-            return load_file(str(path))
+            try:
+                return load_file(str(path))
+            except (OSError, SafetensorError, ValueError) as exc:  # truncated, or not a safetensors file
+                warnings.warn(f"the latent cache {path.name} is damaged ({exc}): encoding the data again",
+                              DataWarning, stacklevel=2)
     latents = torch.cat([encode_latents(vae, load_image(s.image, resolution)[None], video) for s in samples])
     text: TextBatch = encode_text([s.caption for s in samples])
     cache = {"latents": latents.float(), "text_seq": text.seq.float(), "text_mask": text.mask}

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..families import FamilyAdapter, TextBatch, family_for_class, get_family
+from .file_checks import DamagedFileError, check_safetensors
 from .text import DeterministicTextEmbedder, load_text_encoder
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -96,10 +97,17 @@ def check_safetensors_folder(folder: Path) -> None:
     """Refuse a component folder that has no ``.safetensors`` weights.
 
     Raises:
-        ModelLoadError: the folder holds pickle weights only, or no weights at all.
+        ModelLoadError: the folder holds pickle weights only, no weights at all, or a damaged
+            ``.safetensors`` file.
     """
     names = [p.name for p in folder.iterdir() if p.is_file()]
-    if any(n.endswith(".safetensors") for n in names):
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    if weights:
+        for name in weights:  # a truncated download fails here, named, not deep inside a loader
+            try:
+                check_safetensors(folder / name, "model weights", "download or copy the file again")
+            except DamagedFileError as exc:
+                raise ModelLoadError(str(exc)) from exc
         return
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
     if pickles:

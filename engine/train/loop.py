@@ -29,10 +29,10 @@ from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
 from .attention_kernels import check_attention_backend
 from .config import TrainConfig
-from .data import EpochSampler, prepare_cache, scan_folder, write_sample_dataset
+from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
 from .loading import ModelBundle, build_preset, load_model_folder, stored_dtype
-from .lora_io import add_lora, load_lora_state_dict, lora_state_dict, save_lora
-from .nonfinite import TrainingDiverged
+from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
+from .nonfinite import TrainingDiverged, TrainingStopped
 from .precision import (
     BaseWeights,
     Precision,
@@ -125,8 +125,10 @@ class TrainingRun:
         ConfigError, PrecisionError, AttentionBackendError: an option cannot run here (in the
             constructor, before any model is built).
         ModelLoadError, DatasetError: the model or the data cannot be used (first step).
-        TrainingDiverged: a non-finite loss or LoRA gradient with ``on_nonfinite=stop``; the LoRA
-            and resumable state of the last good step are saved first.
+        TrainingStopped: a non-finite loss or LoRA gradient with ``on_nonfinite=stop``
+            (:class:`~.nonfinite.TrainingDiverged`), or a recompute that did not repeat its
+            forward (:class:`~.step.RecomputeNotRepeatable`); the LoRA and resumable state of the
+            last good step are saved first.
     """
 
     def __init__(self, config: TrainConfig, *, bundle: ModelBundle | None = None,
@@ -178,7 +180,7 @@ class TrainingRun:
                 with self._work():
                     try:
                         record = train_step(ctx, step)
-                    except TrainingDiverged as exc:
+                    except TrainingStopped as exc:  # non-finite values, a recompute that differed
                         ctx.optimizer.zero_grad(set_to_none=True)
                         if step > 0:
                             self._save_state(rng, position, step)
@@ -205,11 +207,12 @@ class TrainingRun:
         family = bundle.family
         # Data: encode every image once with the VAE (excluded from timing), then free the VAE.
         data_dir = config.data or write_sample_dataset(self.output / "sample_data")
-        samples = scan_folder(data_dir)
+        self.dataset = scan_dataset(data_dir)
+        samples, epoch = self.dataset.samples, self.dataset.epoch
         cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
                               family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
-        log(f"data: {len(samples)} images from {data_dir} at {config.resolution}px, "
-            f"latents {tuple(cache['latents'].shape[1:])}")
+        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
+            f"latents {tuple(cache['latents'].shape[1:])}{_skipped_text(self.dataset)}")
         # Model: frozen base at the run's precision (cast, or quantized layer by layer on the
         # device), then the fp32 LoRA, then the checkpoint plan.
         model = bundle.transformer
@@ -218,6 +221,8 @@ class TrainingRun:
         # seed in one process (a ComfyUI server, a sweep) would start from different adapters
         torch.manual_seed(config.seed)
         params = add_lora(model, config.lora, family.lora_targets)
+        if config.init_lora and not config.resume:
+            log(f"init_lora: {load_lora_file(model, config.init_lora, config.lora)} modules from {config.init_lora}")
         model.to(device).train()
         plan = effective_plan(family, config.schedule, count_blocks(family, model))
         runner = SegmentRunner(model, family, plan).install()
@@ -226,7 +231,7 @@ class TrainingRun:
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
         scaler = torch.amp.GradScaler(device.type, enabled=self.precision.loss_scaling)
         noise_gen = torch.Generator().manual_seed(config.seed + 1)
-        sampler = EpochSampler(len(samples), config.batch_size, config.seed)
+        sampler = EpochSampler(len(epoch), config.batch_size, config.seed)
         start = 0
         torch.manual_seed(config.seed)  # dropout and anything else drawing from the global RNG
         if config.resume:
@@ -236,7 +241,7 @@ class TrainingRun:
             if state.grad_scaler and scaler.is_enabled():
                 scaler.load_state_dict(state.grad_scaler)
             _set_rng_state(state.rng, noise_gen)
-            sampler = EpochSampler(len(samples), config.batch_size, config.seed, **state.data_position)
+            sampler = EpochSampler(len(epoch), config.batch_size, config.seed, **state.data_position)
             self.history, start = state.history, state.step
             log(f"resumed at step {start} from {self.output}")
         offloader = runner.offloader
@@ -244,7 +249,7 @@ class TrainingRun:
             config, model, family, runner, optimizer, scaler, sampler, cache, noise_gen, device, self.precision,
             self.kernels, PeakMemory(device, exclude=offloader.pool.is_host if offloader else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
-            [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config))
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch)
         return start
 
     def _log_step(self, record: StepRecord) -> None:
@@ -284,7 +289,8 @@ class TrainingRun:
                                                for t in slots.values() if isinstance(t, torch.Tensor))}
         setup = {"precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                "quantized_linear_layers": self.base.quantized_linear_layers},
-                 "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped}
+                 "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped,
+                 "dataset": self.dataset.summary()}
         report = build_report(config, self.plan, self.history, ctx.timer, self.device, bundle.source,
                               interrupted, setup)
         write_report(report, self.output)
@@ -320,6 +326,13 @@ def _precision_line(precision: Precision, base: BaseWeights, kernels: tuple[str,
                  if precision.quantized else "")
     return (f"base: {precision.base} ({format_mib(base.frozen_bytes, 1)} frozen weights{quantized}), compute "
             f"{precision.to_dict()['compute']}, LoRA fp32; attention kernels {','.join(kernels)}")
+
+
+def _skipped_text(dataset: DatasetScan) -> str:
+    """``; skipped 2 hidden or system files, 1 other folders (raw)`` or nothing."""
+    parts = [f"{n} {reason}" for reason, n in dataset.skipped.items() if n]
+    folders = f" ({', '.join(dataset.ignored_folders)})" if dataset.ignored_folders else ""
+    return f"; skipped {', '.join(parts)}{folders}" if parts else ""
 
 
 def _rng_state(noise_gen: torch.Generator) -> dict[str, torch.Tensor]:

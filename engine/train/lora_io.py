@@ -35,8 +35,10 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from .atomic import atomic_save_file
+from .file_checks import check_safetensors
 from .precision import quiet_torchao
 
 PREFIX = "transformer."
@@ -208,3 +210,52 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
     header.update({"format": "pt", LORA_ADAPTER_METADATA_KEY: diffusers_metadata(model),
                    "lora_settings": json.dumps(asdict(settings))})
     return atomic_save_file(to_file_keys(lora_state_dict(model), adapter_scales(model)), path, header)
+
+
+def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSettings) -> int:
+    """Start the model's adapter from a LoRA file: one this pack saved, or a diffusers/kohya-style
+    file with ``transformer.`` keys (``.alpha`` tensors or ``lora_adapter_metadata`` give its scale).
+
+    The file's effective update ``file_scale * B @ A`` is kept exactly: ``B`` is loaded as
+    ``B_file * file_scale / run_scale`` (``run_scale`` = the run's alpha / rank).
+
+    Returns:
+        The number of adapted modules loaded.
+
+    Raises:
+        DamagedFileError: the file is missing or damaged.
+        LoraConfigError: its rank differs from the run's, or its modules differ from the adapter's.
+    """
+    header = check_safetensors(path, "init_lora", "give another LoRA file or none")
+    tensors = load_file(str(path))
+    metadata = json.loads(header.get(LORA_ADAPTER_METADATA_KEY, "{}") or "{}")
+    meta_scale = (metadata.get(PREFIX + "lora_alpha", 1.0) / metadata.get(PREFIX + "r", 1.0)
+                  if PREFIX + "r" in metadata else 1.0)
+    scales = adapter_scales(model)
+    state = {}
+    for key, value in tensors.items():
+        if not key.startswith(PREFIX) or key.endswith(".alpha"):
+            continue
+        bare = key[len(PREFIX):]
+        module, sep, _ = bare.partition(".lora_B.")
+        if sep:
+            down = tensors.get(f"{PREFIX}{module}.lora_A.weight")
+            alpha = tensors.get(f"{PREFIX}{module}.alpha")
+            file_scale = float(alpha) / down.shape[0] if alpha is not None and down is not None else meta_scale
+            if module not in scales:
+                raise LoraConfigError(f"init_lora={str(path)!r}: module {module!r} is not adapted in this run "
+                                      f"(lora_target_modules={list(settings.target_modules or [])!r})")
+            value = value * (file_scale / scales[module])
+        elif bare.endswith(".lora_A.weight") and value.shape[0] != settings.rank:
+            raise LoraConfigError(f"init_lora={str(path)!r} has rank {value.shape[0]} ({bare}); "
+                                  f"allowed lora_rank={settings.rank}, the run's: set lora_rank to {value.shape[0]}")
+        state[bare] = value
+    if not state:
+        raise LoraConfigError(f"init_lora={str(path)!r} holds no 'transformer.'-prefixed lora_A/lora_B weights")
+    expected = set(lora_state_dict(model))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state))[:3], sorted(set(state) - expected)[:3]
+        raise LoraConfigError(f"init_lora={str(path)!r} does not match this run's adapter: missing {missing}, "
+                              f"unexpected {extra}")
+    load_lora_state_dict(model, state)
+    return len(state) // 2

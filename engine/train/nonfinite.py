@@ -17,7 +17,11 @@ import torch
 POLICIES = ("stop", "skip")
 
 
-class TrainingDiverged(ValueError):
+class TrainingStopped(ValueError):
+    """A step could not be applied; the run stops after saving its last good step."""
+
+
+class TrainingDiverged(TrainingStopped):
     """The loss or a LoRA gradient became NaN or infinite; nothing of that step was applied."""
 
 

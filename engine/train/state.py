@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .atomic import atomic_save_file
+from .file_checks import DamagedFileError, check_safetensors
 
 STATE_FILE = "training_state.safetensors"
 
@@ -64,22 +65,37 @@ def save_state(state: TrainingState, folder: str | Path) -> Path:
     return atomic_save_file(tensors, Path(folder) / STATE_FILE, header)
 
 
+DAMAGED_ADVICE = ("the run cannot continue from it: restore a copy of the output folder, or start over "
+                  "with --overwrite (in the node: resume off, and a new run)")
+
+
 def read_state_header(folder: str | Path) -> dict[str, Any]:
-    """The saved ``step`` and ``config`` of the state in ``folder``, without reading tensors."""
-    with safe_open(str(Path(folder) / STATE_FILE), framework="pt") as fh:
-        header = fh.metadata()
-    return {"step": int(header["step"]), "config": json.loads(header["config"])}
+    """The saved ``step`` and ``config`` of the state in ``folder``, after checking that the file
+    is complete (tensors are not read).
+
+    Raises:
+        DamagedFileError: the file is missing, truncated, empty, or its header lacks the fields
+            a state holds.
+    """
+    path = Path(folder) / STATE_FILE
+    header = check_safetensors(path, "the training state", DAMAGED_ADVICE)
+    try:
+        parsed = {key: json.loads(header[key]) for key in ("step", "config", "data_position", "param_groups",
+                                                         "history")}
+    except (KeyError, ValueError) as exc:
+        raise DamagedFileError(f"the training state {str(path)!r} is damaged: its header lacks or garbles "
+                               f"{exc}; {DAMAGED_ADVICE}") from exc
+    return {"step": int(parsed["step"]), "config": parsed["config"]}
 
 
 def load_state(folder: str | Path) -> TrainingState:
     """Read a state written by :func:`save_state`.
 
     Raises:
-        FileNotFoundError: no state file in ``folder``.
+        DamagedFileError: no state file in ``folder``, or a damaged one (see :func:`read_state_header`).
     """
     path = Path(folder) / STATE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no training state at {path}")
+    read_state_header(folder)
     lora, rng, optim_state = {}, {}, {}
     with safe_open(str(path), framework="pt") as fh:
         header = fh.metadata()

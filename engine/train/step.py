@@ -15,16 +15,22 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from diffusers.optimization import get_scheduler
+from torch.utils.checkpoint import CheckpointError
 
 from ..core.memory import PeakMemory, StepTimer
-from ..core.runner import SegmentRunner
+from ..core.runner import RecomputeMismatch, SegmentRunner
 from ..families import FamilyAdapter, TextBatch
 from .attention_kernels import sdpa_context
 from .config import TrainConfig
 from .data import EpochSampler
-from .nonfinite import TrainingDiverged, check_finite, describe
+from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import noisy_latents
 from .precision import Precision
+
+
+class RecomputeNotRepeatable(TrainingStopped):
+    """A checkpointed region computed something else in its recompute than in its forward."""
+
 
 _DIFFUSERS_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -102,6 +108,8 @@ class StepContext:
     timer: StepTimer
     named_params: list[tuple[str, torch.nn.Parameter]]
     lr_factor: Callable[[int], float]
+    epoch: list[int]
+    """Cache row of each position of an epoch (a sample appears as often as its repeats)."""
 
     def guard_context(self) -> dict[str, Any]:
         """What the non-finite advice needs to know about this run."""
@@ -130,7 +138,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
             for _ in range(config.gradient_accumulation_steps):
-                index = ctx.sampler.next_batch()
+                index = [ctx.epoch[i] for i in ctx.sampler.next_batch()]
                 noisy, sigmas, target = noisy_latents(family.objective, ctx.cache["latents"][index],
                                                      ctx.noise_gen, family.shared_sigma)
                 text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
@@ -141,7 +149,11 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                     prediction = family.read_output(model, output, noisy)
                 loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
                 # checkpointed regions are recomputed (offloaded inputs copied back) in here
-                ctx.scaler.scale(loss).backward()
+                try:
+                    ctx.scaler.scale(loss).backward()
+                except CheckpointError as exc:
+                    raise RecomputeNotRepeatable(_recompute_message(ctx, runner.recompute_mismatch(exc),
+                                                                    step + 1)) from exc
                 loss_sum += loss.detach()
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
         check = check_finite(loss_sum, ctx.named_params)  # the step's one synchronisation
@@ -164,3 +176,18 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
                       reading.baseline_bytes, skipped)
+
+
+def _recompute_message(ctx: StepContext, mismatch: RecomputeMismatch, step: int) -> str:
+    """One line: where the recompute differed, why that happens, and which schedules avoid it."""
+    start, end = mismatch.blocks
+    region = f"block {start}" if end - start == 1 else f"blocks {start}-{end - 1} (last entered: {mismatch.block})"
+    what = f"the FFN of block {mismatch.block}" if mismatch.ffn else region
+    block_list = next((bl for bl in ctx.family.block_lists if bl.name == mismatch.list_name), None)
+    ffn_only = (" torch-ffn (only the FFN is recomputed) if the block's attention is what branches;"
+                if block_list is not None and block_list.ffn and not mismatch.ffn else "")
+    return (f"step {step}: the recompute of {ctx.family.name} block list {mismatch.list_name!r}, {what}, was not "
+            f"deterministic ({mismatch}): its forward took another path when run again in backward (it depends "
+            f"on free memory, a global flag or a cache). Schedules that do not recompute it: "
+            f"gradient_checkpointing false;{ffn_only} or an interval and stride that leave block {mismatch.block} "
+            f"plain (blocks [k*S, k*S+N) are recomputed). The last good step is saved.")

@@ -1,0 +1,77 @@
+"""Checks of the files the engine reads, before anything is built from them.
+
+A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header naming every
+tensor's dtype, shape and byte range, then the data (the format's specification,
+huggingface/safetensors README). :func:`check_safetensors` reads the header alone and checks
+that the file holds every byte it describes, so a truncated or empty file is named with what is
+wrong before a model is loaded, instead of failing later in a loader with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class DamagedFileError(ValueError):
+    """A file the engine reads is missing, truncated or not what it should be; the message names
+    the file, what is wrong and what to do."""
+
+
+def check_safetensors(path: str | Path, what: str, advice: str = "") -> dict[str, str]:
+    """The header metadata of a complete ``.safetensors`` file (tensors are not read).
+
+    Args:
+        path: the file.
+        what: what the file is, for the message (``the training state``, ``the LoRA``, ...).
+        advice: what to do about a damaged one.
+
+    Raises:
+        DamagedFileError: missing, empty, shorter than its header says, or an unreadable header.
+    """
+    path = Path(path)
+    tail = f"; {advice}" if advice else ""
+    if not path.is_file():
+        raise DamagedFileError(f"{what} {str(path)!r} does not exist{tail}")
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise DamagedFileError(f"{what} {str(path)!r} is damaged: {size} bytes, not a safetensors file{tail}")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise DamagedFileError(f"{what} {str(path)!r} is damaged: truncated inside its header "
+                                       f"({size} bytes){tail}")
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, DamagedFileError):
+            raise
+        raise DamagedFileError(f"{what} {str(path)!r} is damaged: its header cannot be read ({exc}){tail}") from exc
+    if not isinstance(header, dict):
+        raise DamagedFileError(f"{what} {str(path)!r} is damaged: its header is not a JSON object{tail}")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = entry["data_offsets"]
+            nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES.get(entry["dtype"], 0)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DamagedFileError(f"{what} {str(path)!r} is damaged: tensor {name!r} is not described "
+                                   f"properly ({exc}){tail}") from exc
+        if stop - start != nbytes and entry["dtype"] in _DTYPE_BYTES:
+            raise DamagedFileError(f"{what} {str(path)!r} is damaged: tensor {name!r} spans {stop - start} bytes "
+                                   f"for {nbytes}{tail}")
+        end = max(end, stop)
+    if 8 + length + end != size:
+        raise DamagedFileError(f"{what} {str(path)!r} is damaged: it holds {size} bytes where its header "
+                               f"describes {8 + length + end} (truncated or overwritten){tail}")
+    metadata: Any = header.get("__metadata__") or {}
+    return dict(metadata)
