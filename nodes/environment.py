@@ -34,16 +34,28 @@ def contained(root: str | Path, name: str, key: str) -> Path:
             ``root``; the message names the input ``key`` and the value.
     """
     if not isinstance(name, str) or not name.strip():
-        raise PathError(f"{key}={name!r} is invalid: allowed a non-empty name inside {root}")
+        raise PathError(f"{key}={_shown(name)} is invalid: allowed a non-empty name inside {root}")
     parts = Path(name).parts
+    if "\x00" in name or any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):
+        raise PathError(f"{key}={_shown(name)} is invalid: allowed folder and file names of at most 255 bytes, "
+                        "without NUL characters")
     if Path(name).is_absolute() or ".." in parts or name.startswith("~"):
-        raise PathError(f"{key}={name!r} is invalid: allowed a relative name inside {root}, "
+        raise PathError(f"{key}={_shown(name)} is invalid: allowed a relative name inside {root}, "
                         "without '..' or an absolute path")
     base = Path(root).resolve()
-    path = (base / name).resolve()
+    try:
+        path = (base / name).resolve()
+    except (OSError, ValueError) as exc:  # too many links, a name the file system refuses
+        raise PathError(f"{key}={_shown(name)} is invalid: {exc}") from exc
     if path != base and base not in path.parents:
-        raise PathError(f"{key}={name!r} is invalid: it leads outside {root} (through a link)")
+        raise PathError(f"{key}={_shown(name)} is invalid: it leads outside {root} (through a link)")
     return path
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, shortened for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
 @dataclass

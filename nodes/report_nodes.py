@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from PIL import Image
 
 from ..engine.measure.plots import loss_curve_rgb
+from ..engine.train.atomic import atomic_write_bytes
 from .environment import current_host
 from .training_nodes import CATEGORY, RUN
 
@@ -28,7 +30,9 @@ class LossGraph:
         result = run["result"]
         rgb = loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
         run_dir = Path(result.config.output)
-        Image.fromarray(rgb).save(run_dir / "loss.png")
+        png = io.BytesIO()
+        Image.fromarray(rgb).save(png, format="PNG")
+        atomic_write_bytes(run_dir / "loss.png", png.getvalue())
         output_dir = current_host().output_dir.resolve()
         shown = []
         if output_dir in run_dir.resolve().parents:

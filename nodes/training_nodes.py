@@ -23,6 +23,7 @@ from ..engine.train.attention_kernels import (
     parse_attention_backend,
 )
 from ..engine.train.config import HELP, LR_SCHEDULERS, TrainConfig
+from ..engine.train.data import write_sample_dataset
 from ..engine.train.loop import load_bundle, train
 from ..engine.train.lora_io import LoraSettings, save_lora
 from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -103,7 +104,11 @@ class ImageCaptionDataset:
         return True if path.is_dir() else f"folder={folder!r} is invalid: no such folder under the input folder"
 
     def build(self, folder, resolution):
-        path = None if folder == BUILTIN_DATA else str(contained(current_host().input_dir, folder, "folder"))
+        host = current_host()
+        if folder == BUILTIN_DATA:  # written once per server and shared by its runs
+            path = str(write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
+        else:
+            path = str(contained(host.input_dir, folder, "folder"))
         return ({"data": path, "resolution": resolution},)
 
 
@@ -245,6 +250,20 @@ class TrainLoRA:
             return str(exc)
         return True
 
+    @staticmethod
+    def check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed, run_name,
+                     resume, attention_backend="auto", on_nonfinite="stop") -> TrainConfig:
+        """The engine config of the node's own inputs (the model, data and schedule come later).
+
+        Raises:
+            ConfigError, AttentionBackendError, PathError: an input is invalid (named).
+        """
+        output = contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        return TrainConfig(steps=steps, learning_rate=learning_rate, lr_scheduler=lr_scheduler,
+                           batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
+                           seed=seed, resume=resume, attention_backend=attention_backend,
+                           on_nonfinite=on_nonfinite, output=str(output))
+
     def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
               gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
               attention_backend="auto", on_nonfinite="stop", unique_id=None):
@@ -257,13 +276,11 @@ class TrainLoRA:
         if offload:
             schedule = schedule.replace(**offload)
         check_supported(model.family, schedule)  # the offload node may ask for a backend the family lacks
-        config = TrainConfig(
-            family=family, data=dataset["data"], resolution=dataset["resolution"], steps=steps,
-            learning_rate=learning_rate, lr_scheduler=lr_scheduler, batch_size=batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps, seed=seed, schedule=schedule,
-            lora=lora_config or LoraSettings(), resume=resume, attention_backend=attention_backend,
-            on_nonfinite=on_nonfinite, base_model_precision=model.base_precision or "auto",
-            output=str(contained(host.output_dir / "segckpt", run_name, "run_name")))
+        config = dataclasses.replace(
+            self.check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed,
+                              run_name, resume, attention_backend, on_nonfinite),
+            family=family, data=dataset["data"], resolution=dataset["resolution"], schedule=schedule,
+            lora=lora_config or LoraSettings(), base_model_precision=model.base_precision or "auto")
         update = host.progress(unique_id, steps)
 
         def on_step(record, total):
@@ -273,7 +290,10 @@ class TrainLoRA:
 
         with torch.inference_mode(False):  # our copy: the loaded model is shared with other nodes
             bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
-        result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted)
+        # one latent cache for every run of this server: its keys are the data, the model and the
+        # resolution, so queueing again (or changing a training setting) does not encode again
+        result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted,
+                       cache_dir=host.output_dir / "segckpt" / "cache")
         return ({"result": result, "lora": result.config.lora},)
 
 

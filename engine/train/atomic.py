@@ -1,7 +1,9 @@
 """Atomic file writes: a temporary file in the destination folder, fsync, then ``os.replace``.
 
 A crash or an interrupted run never leaves a half-written LoRA, state or report behind: readers
-see either the old file or the new one.
+see either the old file or the new one. A process killed while writing can leave its temporary
+file (``.<name>.<random>.tmp``) behind; :func:`remove_stale_temporaries` clears them when a run
+starts in that folder.
 """
 
 from __future__ import annotations
@@ -48,3 +50,12 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write a binary file (e.g. a PNG) atomically."""
     return _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def remove_stale_temporaries(folder: str | Path) -> int:
+    """Delete the temporary files that writers killed mid-write left in ``folder``; their count."""
+    folder = Path(folder)
+    stale = [p for p in folder.glob(".*.tmp") if p.is_file()] if folder.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)

@@ -98,6 +98,20 @@ def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: allowed {allowed}.")
 
 
+def _module_names(value: Any) -> tuple[str, ...] | None:
+    """``lora_target_modules`` as a tuple: one name, a list of names, or unset.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None or isinstance(value, tuple):
+        return value
+    if isinstance(value, str):
+        return (value,)
+    _need(isinstance(value, list), "lora_target_modules", value, "a module name or a list of module names")
+    return tuple(value)
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -276,10 +290,9 @@ class TrainConfig:
             if key in SCHEDULE_KEYS:
                 schedule[key] = value
             elif key in LORA_KEYS:
-                name = LORA_KEYS[key]
-                if key == "lora_target_modules" and isinstance(value, str):
-                    value = [value]
-                lora[name] = tuple(value) if key == "lora_target_modules" and value is not None else value
+                if key == "lora_target_modules":
+                    value = _module_names(value)
+                lora[LORA_KEYS[key]] = value
             elif key in names:
                 changes[key] = value
             else:

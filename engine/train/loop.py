@@ -27,6 +27,7 @@ import torch
 from ..core.memory import PeakMemory, StepTimer, format_mib
 from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
+from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend
 from .config import TrainConfig
 from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
@@ -203,6 +204,7 @@ class TrainingRun:
     def _set_up(self) -> int:
         """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""
         config, device, log = self.config, self.device, self.log
+        remove_stale_temporaries(self.output)  # left by a process killed while writing
         bundle = self.bundle = self.bundle or load_bundle(config, self.precision)
         family = bundle.family
         # Data: encode every image once with the VAE (excluded from timing), then free the VAE.
@@ -300,11 +302,11 @@ class TrainingRun:
 def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
           on_step: Callable[[StepRecord, int], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print, cache_dir: str | Path | None = None) -> TrainResult:
     """Run :class:`TrainingRun` to its end.
 
     Args:
-        config, bundle, log: see :class:`TrainingRun`.
+        config, bundle, log, cache_dir: see :class:`TrainingRun`.
         on_step: called after every optimizer step with ``(record, total_steps)``.
         should_stop: polled after every optimizer step; when it returns True the resumable state
             is saved and the run ends cleanly (``TrainResult.interrupted``).
@@ -312,7 +314,7 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
     Raises:
         See :class:`TrainingRun`.
     """
-    run = TrainingRun(config, bundle=bundle, log=log)
+    run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir)
     for record in run:
         if on_step is not None:
             on_step(record, config.steps)
