@@ -29,7 +29,7 @@ import torch
 
 from ..families.base import BlockList, Carry, FamilyAdapter, TextSpec
 from .plan import count_blocks, effective_plan
-from .runner import SegmentRunner
+from .runner import SegmentRunner, same_arguments
 from .schedule import CheckpointSchedule
 
 
@@ -48,19 +48,6 @@ def _outputs(output: Any) -> list[tuple[int | None, Any]]:
     if isinstance(output, (tuple, list)):
         return [(i, o) for i, o in enumerate(output) if isinstance(o, torch.Tensor)]
     return []
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return a is b or bool(a == b)
-    except Exception:
-        return False
 
 
 def _record(model: torch.nn.Module, call: Callable[[], Any]) -> list[_Call]:
@@ -101,7 +88,7 @@ def _infer_carry(calls: list[_Call]) -> tuple[Carry | None, str]:
                 found.add((match[0], slot))
             else:
                 before = a.args[slot] if isinstance(slot, int) and slot < len(a.args) else a.kwargs.get(slot, None)
-                if not _same(before, value):
+                if not same_arguments(before, value):
                     return None, f"argument {slot!r} changes between blocks {a.index} and {b.index}"
         if links is not None and found != links:
             return None, f"the outputs feed other arguments at block {b.index}"

@@ -98,14 +98,15 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Tensors by identity; containers element-wise; everything else by ``==``."""
+def same_arguments(a: Any, b: Any) -> bool:
+    """Whether two block-call arguments are the same: tensors by identity, containers element-wise,
+    everything else by ``==`` (identity where ``==`` is not a bool)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_arguments(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_arguments(a[k], b[k]) for k in a)
     if a is b:
         return True
     try:
@@ -390,7 +391,7 @@ class SegmentRunner:
                                       f"block {block_index} of list {self.family.block_lists[list_index].name!r}")
         carry = self.family.block_lists[list_index].carry
         want_args, want_kwargs = carry.apply(pending.output, pending.args, pending.kwargs)
-        if not (_same(args, want_args) and _same(kwargs, want_kwargs)):
+        if not (same_arguments(args, want_args) and same_arguments(kwargs, want_kwargs)):
             raise CarryMismatch(name, f"block {block_index} was called with other arguments than "
                                       f"block {block_index - 1} returned")
         pending.next_block += 1
