@@ -12,6 +12,7 @@ and links that lead outside the allowed root: a ComfyUI server may be reachable 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -77,6 +78,23 @@ class Host:
     progress: Callable[[Any, int], Callable[[int], None]]
     interrupted: Callable[[], bool]
     send: Callable[[str, dict], None]
+    raise_interrupt: Callable[[], None] = lambda: None
+    """Raise the host's own "interrupted" exception (ComfyUI: the prompt ends as interrupted)."""
+    base_dir: Path | None = None
+    """The host's base folder (ComfyUI's), hidden from messages too."""
+
+    def public(self, text: str) -> str:
+        """``text`` with the host's absolute folders replaced by their ComfyUI names (``output/...``,
+        ``input/...``, ``models/loras/...``): messages reach the browser, and a shared server must
+        not reveal its layout."""
+        roots = [(self.output_dir, "output"), (self.input_dir, "input"), (self.loras_dir, "models/loras")]
+        roots += [(d, "models/diffusers") for d in self.diffusers_dirs]
+        if self.base_dir is not None:
+            roots.append((self.base_dir, "<comfyui>"))
+        for root, name in sorted(roots, key=lambda r: -len(str(r[0]))):
+            for form in {str(root), str(Path(root).resolve())}:
+                text = text.replace(form, name)
+        return text
 
 
 def in_comfyui() -> bool:
@@ -100,7 +118,7 @@ def local_host(base: Path) -> Host:
         return lambda value: None
 
     return Host(base / "input", [base / "models" / "diffusers"], base / "models" / "loras",
-                base / "output", progress, lambda: False, lambda event, data: None)
+                base / "output", progress, lambda: False, lambda event, data: None, base_dir=base)
 
 
 def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI tests
@@ -130,7 +148,8 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
     diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
                 Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
-                progress, comfy.model_management.processing_interrupted, send)
+                progress, comfy.model_management.processing_interrupted, send,
+                comfy.model_management.throw_exception_if_processing_interrupted, Path(folder_paths.base_path))
 
 
 def model_folders(host: Host) -> list[str]:
@@ -153,3 +172,55 @@ def resolve_model(host: Host, name: str) -> Path:
         if path.is_dir():
             return path
     raise PathError(f"source={name!r} is invalid: no such folder under {', '.join(map(str, host.diffusers_dirs))}")
+
+
+RUN_DIGITS = 5
+
+
+def numbered_run(root: Path, name: str, key: str = "run_name") -> Path:
+    """A new run folder ``name_00001``, ``name_00002``, ... under ``root`` (the next free number),
+    as ComfyUI's save nodes number their files: queueing a workflow again starts a new run.
+
+    Raises:
+        PathError: ``name`` leaves ``root`` (see :func:`contained`).
+    """
+    contained(root, name, key)
+    taken = [n for n in _run_numbers(root, name)]
+    return contained(root, f"{name}_{(max(taken) if taken else 0) + 1:0{RUN_DIGITS}d}", key)
+
+
+def latest_run(root: Path, name: str, key: str = "run_name") -> Path | None:
+    """The highest-numbered existing run folder of ``name`` (``None`` when there is none)."""
+    contained(root, name, key)
+    taken = _run_numbers(root, name)
+    return contained(root, f"{name}_{max(taken):0{RUN_DIGITS}d}", key) if taken else None
+
+
+def _run_numbers(root: Path, name: str) -> list[int]:
+    parent = (Path(root) / name).parent
+    stem = Path(name).name
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        head, _, number = path.name.rpartition("_")
+        if path.is_dir() and head == stem and number.isdigit() and len(number) == RUN_DIGITS:
+            found.append(int(number))
+    return found
+
+
+class NodeError(ValueError):
+    """An error a node reports to the page: the engine's message with server paths hidden."""
+
+
+def public_errors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a node's function: the project's errors (``ValueError``) and file errors reach the
+    page with the host's folders named as ComfyUI names them, never as absolute paths."""
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except (ValueError, OSError) as exc:
+            raise NodeError(current_host().public(str(exc))) from None
+
+    return wrapper

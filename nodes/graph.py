@@ -85,7 +85,10 @@ def validate(graph: dict[str, dict]) -> None:
             params = inspect.signature(cls.VALIDATE_INPUTS).parameters
             every = any(p.kind is p.VAR_KEYWORD for p in params.values())
             given = {k: v for k, v in inputs.items() if not _is_link(v) and (every or k in params)}
-            verdict = cls.VALIDATE_INPUTS(**given)
+            try:
+                verdict = cls.VALIDATE_INPUTS(**given)
+            except ValueError as exc:  # validators that report once raise (see the Schedule node)
+                verdict = str(exc)
             if verdict is not True:
                 raise GraphError(f"node {node_id} ({kind}): {verdict}")
 

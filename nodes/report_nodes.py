@@ -61,7 +61,7 @@ class RunReport:
             f"{sec:.3f} sec/step (median after warm-up)" if sec is not None else "sec/step: too few steps",
             f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})",
             result.plan.render(),
-            f"report: {result.report_path}",
+            f"report: {current_host().public(str(result.report_path))}",
         ]
         text = "\n".join(lines)
         return {"ui": {"text": [text], "plan": [json.dumps(result.plan.to_dict())]}, "result": (text,)}

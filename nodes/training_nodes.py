@@ -22,7 +22,7 @@ from ..engine.train.attention_kernels import (
     AttentionBackendError,
     parse_attention_backend,
 )
-from ..engine.train.config import HELP, LR_SCHEDULERS, TrainConfig
+from ..engine.train.config import HELP, LR_SCHEDULERS, ConfigError, TrainConfig
 from ..engine.train.data import write_sample_dataset
 from ..engine.train.loop import load_bundle, train
 from ..engine.train.lora_io import LoraSettings, save_lora
@@ -31,10 +31,14 @@ from ..engine.train.precision import BASE_PRECISIONS
 from .environment import (
     BUILTIN_DATA,
     TINY_PRESET,
+    NodeError,
     PathError,
     contained,
     current_host,
+    latest_run,
     model_folders,
+    numbered_run,
+    public_errors,
     resolve_model,
 )
 
@@ -68,9 +72,10 @@ class LoadDiffusionModel:
             try:
                 resolve_model(current_host(), source)
             except PathError as exc:
-                return str(exc)
+                return current_host().public(str(exc))
         return True
 
+    @public_errors
     def load(self, family, source, seed, base_model_precision="auto"):
         # a folder loads straight into its storage dtype; quantizing (on the training device) and
         # casting a preset happen in Train LoRA, on its copy
@@ -100,9 +105,10 @@ class ImageCaptionDataset:
         try:
             path = contained(current_host().input_dir, folder, "folder")
         except PathError as exc:
-            return str(exc)
+            return current_host().public(str(exc))
         return True if path.is_dir() else f"folder={folder!r} is invalid: no such folder under the input folder"
 
+    @public_errors
     def build(self, folder, resolution):
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
@@ -156,15 +162,16 @@ class GradientCheckpointingSchedule:
     @classmethod
     def VALIDATE_INPUTS(cls, family, gradient_checkpointing_backend, gradient_checkpointing_interval,
                         gradient_checkpointing_segment_stride, gradient_checkpointing_offload_attention):
-        # Only the keys that can be wrong together are named here, so /prompt attributes an error
-        # to them; ComfyUI checks combos, booleans and INT bounds itself.
+        # ComfyUI checks combos, booleans and INT bounds itself; the keys that can be wrong together
+        # are checked here. A returned message would be listed once per input named in this
+        # signature, so the error is raised: ComfyUI then reports it once, for this node.
         try:
             cls.schedule(family, gradient_checkpointing_backend=gradient_checkpointing_backend,
                          gradient_checkpointing_interval=gradient_checkpointing_interval,
                          gradient_checkpointing_segment_stride=gradient_checkpointing_segment_stride,
                          gradient_checkpointing_offload_attention=gradient_checkpointing_offload_attention)
         except (ScheduleError, KeyError) as exc:
-            return str(exc).strip("'\"")
+            raise NodeError(str(exc).strip("'\"")) from None
         return True
 
     def build(self, family, **keys):
@@ -229,8 +236,11 @@ class TrainLoRA:
                 "batch_size": ("INT", _tip(HELP["batch_size"], default=1, min=1, max=1024)),
                 "gradient_accumulation_steps": ("INT", _tip(HELP["gradient_accumulation_steps"], default=1, min=1, max=1024)),
                 "seed": ("INT", _tip(HELP["seed"], default=0, min=0, max=2**31 - 1)),
-                "run_name": ("STRING", _tip("Subfolder of output/segckpt for the state and report.", default="lora_run")),
-                "resume": ("BOOLEAN", _tip(HELP["resume"], default=False)),
+                "run_name": ("STRING", _tip("Name of the run: each queue trains into a new folder output/segckpt/"
+                                             "<run_name>_00001, _00002, ...", default="lora_run")),
+                "resume": ("BOOLEAN", _tip("Continue the latest run of this name from its saved state (the "
+                                           "options that shape the run must match it; steps may grow).",
+                                           default=False)),
             },
             "optional": {
                 "offload": (OFFLOAD, _tip("Optional: overrides the schedule's backend and offload keys.")),
@@ -243,12 +253,18 @@ class TrainLoRA:
 
     @classmethod
     def VALIDATE_INPUTS(cls, run_name, attention_backend="auto"):
-        try:
+        try:  # raised, not returned: reported once, not under each input named here
             contained(current_host().output_dir / "segckpt", run_name, "run_name")
             parse_attention_backend(attention_backend)
         except (PathError, AttentionBackendError) as exc:
-            return str(exc)
+            raise NodeError(current_host().public(str(exc))) from None
         return True
+
+    @classmethod
+    def IS_CHANGED(cls, **inputs):
+        """Every queue trains a new run (ComfyUI would otherwise reuse the cached result of an
+        unchanged graph): NaN never equals the previous value."""
+        return float("nan")
 
     @staticmethod
     def check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed, run_name,
@@ -258,12 +274,20 @@ class TrainLoRA:
         Raises:
             ConfigError, AttentionBackendError, PathError: an input is invalid (named).
         """
-        output = contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        root = current_host().output_dir / "segckpt"
+        if resume:  # the latest run of that name; a new queue otherwise starts run_name_<next number>
+            output = latest_run(root, run_name)
+            if output is None:
+                raise ConfigError(f"resume=true: there is no run {run_name!r} to continue under output/segckpt; "
+                                  "allowed: resume off (starts a new numbered run), or the run_name of an existing run")
+        else:
+            output = numbered_run(root, run_name)
         return TrainConfig(steps=steps, learning_rate=learning_rate, lr_scheduler=lr_scheduler,
                            batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
                            seed=seed, resume=resume, attention_backend=attention_backend,
                            on_nonfinite=on_nonfinite, output=str(output))
 
+    @public_errors
     def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
               gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
               attention_backend="auto", on_nonfinite="stop", unique_id=None):
@@ -315,14 +339,17 @@ class SaveLoRA:
         try:
             contained(current_host().loras_dir, filename_prefix, "filename_prefix")
         except PathError as exc:
-            return str(exc)
+            return current_host().public(str(exc))
         return True
 
+    @public_errors
     def save(self, run, filename_prefix):
+        host = current_host()
         result = run["result"]
-        path = contained(current_host().loras_dir, filename_prefix, "filename_prefix")
+        path = contained(host.loras_dir, filename_prefix, "filename_prefix")
         path = path.with_name(path.name + ".safetensors")
         meta = {"family": result.plan.family, "schedule": result.config.schedule.to_dict(),
                 "steps": len(result.history)}
         save_lora(result.model, path, run["lora"], meta)
-        return {"ui": {"text": [str(path)]}}
+        return {"ui": {"text": [f"saved {host.public(str(path))} ({len(result.history)} steps, "
+                                f"rank {run['lora'].rank}, alpha {run['lora'].alpha:g})"]}}

@@ -118,3 +118,14 @@ def test_write_outputs_of_failed_sweep_still_plots(tmp_path):
 def test_segckpt_sweep_refuses_bad_options_before_any_work(tmp_path, capsys, args, text):
     assert cli.main(["sweep", *args, "--output", str(tmp_path / "never")]) == 2
     assert text in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
+    from segmented_checkpointing.engine.train.runs import MeasurementInterrupted
+
+    bundle, steps = build_preset("flux"), []
+    schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule()]
+    with pytest.raises(MeasurementInterrupted):
+        run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=2, log=lambda line: None,
+                  on_step=lambda: steps.append(1), should_stop=lambda: len(steps) >= 4)
+    assert len(steps) == 4  # 3 steps of the first mode, then the first step of the second: stopped there

@@ -75,3 +75,30 @@ def test_ui_workflow_matches_its_api_twin(ui_file):
         assert got.keys() == node["inputs"].keys(), node_id
         for name, value in node["inputs"].items():
             assert _same_values(got[name], value), f"node {node_id} input {name}: UI {got[name]!r} != API {value!r}"
+
+
+# What the pack's frontend adds under a node's widgets once it runs (pixels): the schedule strip,
+# the live loss curve, the result text of report / planner / sweep / save, the loss image.
+RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunReport": 190,
+                 "SegCkptSchedulePlanner": 190, "SegCkptSaveLoRA": 60, "SegCkptSweep": 190, "SegCkptLossGraph": 200}
+TITLE = 30
+VIEW = (1280, 720)  # the smallest common screen's canvas; the frontends open a workflow at its extra.ds
+
+
+def _boxes(ui: dict) -> list[tuple[str, float, float, float, float]]:
+    return [(n["type"], n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0],
+             n["pos"][1] + n["size"][1] + RUNTIME_EXTRA.get(n["type"], 0)) for n in ui["nodes"]]
+
+
+@pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)
+def test_no_node_covers_another_and_the_strip_is_in_view(ui_file):
+    ui = json.loads(ui_file.read_text())
+    boxes = _boxes(ui)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (ui_file.name, a[0], b[0])
+    ds = ui["extra"]["ds"]
+    for kind, x0, y0, x1, y1 in boxes:
+        if kind in ("SegCkptSchedule", "SegCkptTrainLoRA", "SegCkptSchedulePlanner"):
+            screen = [(v + ds["offset"][i % 2]) * ds["scale"] for i, v in enumerate((x0, y0, x1, y1))]
+            assert 0 <= screen[0] and 0 <= screen[1] and screen[2] <= VIEW[0] and screen[3] <= VIEW[1], (kind, screen)

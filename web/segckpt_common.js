@@ -129,3 +129,19 @@ export const OFFLOAD_KEYS = SCHEDULE_KEYS.filter((key) => key.includes("backend"
 export function widgetValue(node, name) {
   return (node?.widgets ?? []).find((w) => w.name === name)?.value;
 }
+
+/** Node types that show their result text on the canvas after a run (node_text.js). */
+export const TEXT_NODES = ["SegCkptRunReport", "SegCkptSchedulePlanner", "SegCkptSaveLoRA", "SegCkptSweep"];
+
+/**
+ * The lines a node shows of an `executed` message's text: its first `maxLines` lines (an elided
+ * last line says how many were left out), each at most `maxChars` characters.
+ * @param {unknown} text the `ui.text` list (or one string) the node returned
+ * @returns {string[]}
+ */
+export function textLines(text, maxLines = 12, maxChars = 96) {
+  const joined = Array.isArray(text) ? text.join("\n") : String(text ?? "");
+  const lines = joined.split("\n").map((line) => (line.length > maxChars ? line.slice(0, maxChars - 1) + "…" : line));
+  if (lines.length <= maxLines) return lines;
+  return [...lines.slice(0, maxLines - 1), `… ${lines.length - maxLines + 1} more lines`];
+}

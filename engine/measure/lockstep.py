@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.schedule import CheckpointSchedule
 from ..train.config import TrainConfig
-from ..train.runs import RunWorkspace, StartRun
+from ..train.runs import MeasurementInterrupted, RunWorkspace, StartRun
 
 
 def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedule], warmup_steps: int = 1,
@@ -65,6 +65,10 @@ def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedul
                 next(steps[index])
             except StopIteration:
                 live.remove(index)
+            except MeasurementInterrupted:  # Cancel: every run ends now
+                for other in steps:
+                    other.close()
+                raise
             except Exception as exc:  # noqa: BLE001 - the others finish, then the caller gets it
                 live.remove(index)
                 error = error or exc

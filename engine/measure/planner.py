@@ -53,6 +53,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -326,7 +327,8 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, start_run: StartRun | None = None,
-                    max_tries: int = 4, probe_: Probe | None = None) -> PlanChoice:
+                    max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
     With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
@@ -335,11 +337,13 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     fastest measured one whose measured peak fits is chosen. Candidates measured over the budget
     are marked as not fitting and the choice repeats without them, at most ``max_tries`` times.
     ``probe_``: a probe of the same model and settings to reuse (several budgets), else one runs.
+    ``on_step`` / ``should_stop``: progress and Cancel after every step of every run.
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
+        MeasurementInterrupted: ``should_stop`` answered True.
     """
-    with RunWorkspace(config, bundle, start_run) as workspace:  # the data is encoded once for every run
+    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
                      probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace)
 

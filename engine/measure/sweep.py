@@ -36,7 +36,7 @@ from ..core.schedule import CheckpointSchedule, ScheduleError
 from ..families import get_family
 from ..train.atomic import atomic_write_bytes, atomic_write_text
 from ..train.config import TrainConfig
-from ..train.runs import RunWorkspace, StartRun, peak_after_warmup
+from ..train.runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .plots import sweep_plot_png
 
 BASE_MODES = {
@@ -108,7 +108,9 @@ def _free_memory() -> None:
 
 def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] | None = None,
               warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
-              start_run: StartRun | None = None, log: Callable[[str], None] = print) -> list[SweepCell]:
+              start_run: StartRun | None = None, log: Callable[[str], None] = print,
+              on_step: Callable[[], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
@@ -121,13 +123,18 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
         skip: schedules for which it returns True are ``not run``.
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`; tests inject faults).
         log: where progress lines go.
+        on_step, should_stop: progress and Cancel, after every step (see
+            :class:`~..train.runs.RunWorkspace`).
 
     Returns:
         One :class:`SweepCell` per schedule, in order, with flags set.
+
+    Raises:
+        MeasurementInterrupted: ``should_stop`` answered True.
     """
     family = get_family(bundle.family.name)
     cells = []
-    with RunWorkspace(config, bundle, start_run) as workspace:
+    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:
         for schedule in schedules or sweep_schedules():
             cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
             if skip is not None and skip(schedule):
@@ -149,6 +156,8 @@ def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSched
              measured_steps: int) -> None:
     try:
         result = workspace.run(schedule, warmup_steps, measured_steps)
+    except MeasurementInterrupted:  # Cancel stops the sweep; nothing else does
+        raise
     except Exception as exc:  # a cell never stops the sweep
         cell.status = "OOM" if _is_oom(exc) else "failed"
         cell.error = f"{type(exc).__name__}: {exc}"

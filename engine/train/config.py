@@ -254,7 +254,7 @@ class TrainConfig:
         for key in RESUME_KEYS:
             if saved.get(key) != now.get(key):
                 raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
-                                  f"{saved.get(key)!r}; allowed the saved value (or train into another output)")
+                                  f"{saved.get(key)!r}; allowed the saved value (or start a new run)")
         _need(self.steps >= header["step"], "steps", self.steps,
               f"at least the {header['step']} steps already done in {self.output}")
         saved_steps = saved.get("steps")

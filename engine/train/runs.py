@@ -28,6 +28,10 @@ and returns an iterable of step records with a ``result`` once exhausted (tests 
 their own)."""
 
 
+class MeasurementInterrupted(Exception):
+    """The caller's ``should_stop`` answered True after a step: the measurement ends there."""
+
+
 class RunWorkspace:
     """A temporary folder for short runs of one model and dataset (a context manager).
 
@@ -36,10 +40,15 @@ class RunWorkspace:
             replaces the schedule, the steps and the output folder.
         bundle: the loaded model; never changed (each run trains a deep copy).
         start_run: makes a run (default :class:`~.loop.TrainingRun`).
+        on_step: called after every step of every run (progress).
+        should_stop: polled after every step of every run; True raises
+            :class:`MeasurementInterrupted` there (Cancel in a node, within one step).
     """
 
-    def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None):
+    def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None,
+                 on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None):
         self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
+        self.on_step, self.should_stop = on_step, should_stop
         self._folder: tempfile.TemporaryDirectory | None = None
         self._runs = 0
 
@@ -62,7 +71,8 @@ class RunWorkspace:
         config = dataclasses.replace(
             self.config, schedule=schedule, steps=warmup_steps + measured_steps, timing_warmup_steps=warmup_steps,
             output=str(self.root / f"run-{self._runs}"), data=self.data, resume=False, save_every=0)
-        return self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache")
+        run = self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache")
+        return _Watched(run, self) if self.on_step or self.should_stop else run
 
     def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> TrainResult:
         """:meth:`start` and drive the run to its end; its result."""
@@ -70,6 +80,28 @@ class RunWorkspace:
         for _ in run:
             pass
         return run.result
+
+    def after_step(self) -> None:
+        """Report a finished step; raise :class:`MeasurementInterrupted` when asked to stop."""
+        if self.on_step is not None:
+            self.on_step()
+        if self.should_stop is not None and self.should_stop():
+            raise MeasurementInterrupted("measurement interrupted after a step")
+
+
+class _Watched:
+    """A run whose steps report to the workspace (progress, Cancel)."""
+
+    def __init__(self, run: Any, workspace: RunWorkspace):
+        self.run, self.workspace = run, workspace
+
+    def __getattr__(self, name: str) -> Any:  # result, bundle, context, ...
+        return getattr(self.run, name)
+
+    def __iter__(self):
+        for record in self.run:
+            self.workspace.after_step()
+            yield record
 
 
 def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,

@@ -84,3 +84,12 @@ test("linkedTrainInput follows schedule -> train.<input> -> node", () => {
     "gradient_checkpointing_offload_pin_memory_max_buckets"]);
   assert.equal(widgetValue(null, "x"), undefined);
 });
+
+test("textLines keeps the first lines, elides the rest and long lines", async () => {
+  const { textLines, TEXT_NODES } = await import("../../web/segckpt_common.js");
+  assert.deepEqual(textLines(["a\nb", "c"]), ["a", "b", "c"]);
+  const many = textLines(Array.from({ length: 20 }, (_, i) => `line ${i}`).join("\n"), 5);
+  assert.deepEqual(many, ["line 0", "line 1", "line 2", "line 3", "… 16 more lines"]);
+  assert.equal(textLines("x".repeat(200), 3, 10)[0], "xxxxxxxxx…");
+  assert.ok(TEXT_NODES.includes("SegCkptSaveLoRA") && TEXT_NODES.includes("SegCkptSchedulePlanner"));
+});
