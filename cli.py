@@ -37,6 +37,7 @@ from .engine.train.config import TrainConfig, read_config_file
 from .engine.train.loading import detect_family
 from .engine.train.loop import load_bundle, resolve_device, train
 from .engine.train.lora_io import LoraSettings
+from .engine.train.single_file import identify_file
 
 _SCHEDULE_OPTIONS = [
     ("--interval", "gradient_checkpointing_interval"),
@@ -89,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run an API-format workflow in-process with this pack's nodes.",
                          description="Run an API-format workflow (ComfyUI 'Save (API)') without ComfyUI. "
                                      "Folders follow ComfyUI's layout under --base-dir: input/, "
-                                     "models/diffusers/, models/loras/, output/.")
+                                     "models/diffusers/, models/diffusion_models/, models/unet/, "
+                                     "models/checkpoints/, models/loras/, output/.")
     run.add_argument("workflow", help="FILE.api.json")
     run.add_argument("--base-dir", default=".", help="Folder holding input/, models/ and output/ (default: .).")
     return parser
@@ -131,10 +133,12 @@ def _with_default(f: dataclasses.Field) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed ``train`` arguments (defaults < config file < options).
+    """The :class:`TrainConfig` of parsed ``train`` arguments (defaults < config file < options);
+    without a family, that of the ``model_path`` folder or the ``model_file`` file.
 
     Raises:
         ConfigError, ScheduleError, LoraConfigError: an invalid value, named with its key.
+        ModelLoadError: the model's family cannot be read from it.
     """
     config, from_file = TrainConfig(), {}
     if args.config_file:
@@ -145,9 +149,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given = {k: v for k, v in vars(args).items()
              if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
     config = TrainConfig.from_dict(given, config)[0]
-    if config.model_path and not {"family", "model_family"} & (set(given) | set(from_file)):
-        if Path(config.model_path).is_dir():  # else check_paths names the missing folder
+    if not {"family", "model_family"} & (set(given) | set(from_file)):
+        if config.model_path and Path(config.model_path).is_dir():  # else check_paths names the missing folder
             config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
+        elif config.model_file and config.model_file.endswith(".safetensors") and Path(config.model_file).is_file():
+            config = TrainConfig.from_dict({"family": identify_file(config.model_file).family.name}, config)[0]
     return config
 
 
@@ -202,6 +208,7 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--measure={args.sweep_measure} is invalid: allowed an integer >= 1")
         if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
+        config.check_input_paths()
         bundle = load_bundle(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -222,6 +229,7 @@ def _plan(args: argparse.Namespace) -> int:
         budget = parse_budget(args.plan_budget, resolve_device(config), key="--budget")
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
+        config.check_input_paths()
         bundle = load_bundle(config)
         choice = plan_for_budget(config, bundle, budget, measure_steps=args.plan_measure)
     except ValueError as exc:  # ConfigError, PlannerError, ...

@@ -1,6 +1,7 @@
 """Where the nodes read and write, and how they talk to the host: ComfyUI when present, else local.
 
-Inside ComfyUI, folders come from ``folder_paths`` (input, ``models/diffusers``, ``models/loras``,
+Inside ComfyUI, folders come from ``folder_paths`` (input, ``models/diffusers``, the single-file
+model folders ``diffusion_models`` (which covers ``models/unet``) and ``checkpoints``, ``models/loras``,
 output), progress goes through ``comfy.utils.ProgressBar``, interruption is
 ``comfy.model_management.processing_interrupted`` and events go to the page through
 ``PromptServer.instance.send_sync``. Without ComfyUI (``segckpt run``) the same layout lives under
@@ -15,12 +16,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 BUILTIN_DATA = "(built-in sample photos)"
 TINY_PRESET = "(tiny preset)"
+MODEL_FILE_FOLDERS = ("diffusion_models", "checkpoints")
+"""ComfyUI's folder kinds of single model files (``diffusion_models`` includes ``models/unet``)."""
 
 
 class PathError(ValueError):
@@ -69,6 +72,8 @@ class Host:
         progress: ``progress(node_id, total) -> update(value)``.
         interrupted: polled between optimizer steps.
         send: ``send(event, data)`` to the page (no-op without ComfyUI).
+        model_file_dirs: single ``.safetensors`` model files live under them, by the prefix they
+            are shown with (``{"diffusion_models": [...], "checkpoints": [...]}``).
     """
 
     input_dir: Path
@@ -78,6 +83,7 @@ class Host:
     progress: Callable[[Any, int], Callable[[int], None]]
     interrupted: Callable[[], bool]
     send: Callable[[str, dict], None]
+    model_file_dirs: dict[str, list[Path]] = field(default_factory=dict)
     raise_interrupt: Callable[[], None] = lambda: None
     """Raise the host's own "interrupted" exception (ComfyUI: the prompt ends as interrupted)."""
     base_dir: Path | None = None
@@ -89,6 +95,7 @@ class Host:
         not reveal its layout."""
         roots = [(self.output_dir, "output"), (self.input_dir, "input"), (self.loras_dir, "models/loras")]
         roots += [(d, "models/diffusers") for d in self.diffusers_dirs]
+        roots += [(d, f"models/{d.name}") for dirs in self.model_file_dirs.values() for d in dirs]
         if self.base_dir is not None:
             roots.append((self.base_dir, "<comfyui>"))
         for root, name in sorted(roots, key=lambda r: -len(str(r[0]))):
@@ -110,15 +117,20 @@ def current_host() -> Host:
 
 
 def local_host(base: Path) -> Host:
-    """A ComfyUI-like layout under ``base`` (``input/``, ``models/diffusers``, ``models/loras``,
-    ``output/``); progress and page events are no-ops (the trainer's log lines still print)."""
+    """A ComfyUI-like layout under ``base`` (``input/``, ``models/diffusers``,
+    ``models/unet`` + ``models/diffusion_models`` (shown as ``diffusion_models/``, as ComfyUI lists
+    them together), ``models/checkpoints``, ``models/loras``, ``output/``); progress and page
+    events are no-ops (the trainer's log lines still print)."""
     base = Path(base)
+    models = base / "models"
 
     def progress(node_id: Any, total: int) -> Callable[[int], None]:
         return lambda value: None
 
-    return Host(base / "input", [base / "models" / "diffusers"], base / "models" / "loras",
-                base / "output", progress, lambda: False, lambda event, data: None, base_dir=base)
+    files = {"diffusion_models": [models / "unet", models / "diffusion_models"],  # ComfyUI's order
+             "checkpoints": [models / "checkpoints"]}
+    return Host(base / "input", [models / "diffusers"], models / "loras", base / "output", progress,
+                lambda: False, lambda event, data: None, files, base_dir=base)
 
 
 def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI tests
@@ -146,9 +158,10 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
         PromptServer.instance.send_sync(event, data)
 
     diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
+    files = {name: [Path(p) for p in folder_paths.get_folder_paths(name)] for name in MODEL_FILE_FOLDERS}
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
                 Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
-                progress, comfy.model_management.processing_interrupted, send,
+                progress, comfy.model_management.processing_interrupted, send, files,
                 comfy.model_management.throw_exception_if_processing_interrupted, Path(folder_paths.base_path))
 
 
@@ -161,12 +174,45 @@ def model_folders(host: Host) -> list[str]:
     return sorted(names)
 
 
+def model_files(host: Host) -> list[str]:
+    """``<folder kind>/<relative path>`` of every ``.safetensors`` file under the host's single-file
+    model folders (recursive, as ComfyUI lists them; hidden entries and links that lead outside
+    the folder are left out)."""
+    names = set()
+    for kind, roots in host.model_file_dirs.items():
+        for root in roots:
+            for folder, dirs, files in os.walk(root):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                for name in files:
+                    rel = (Path(folder) / name).relative_to(root).as_posix()
+                    if name.endswith(".safetensors") and not name.startswith(".") and _inside(root, rel):
+                        names.add(f"{kind}/{rel}")
+    return sorted(names)
+
+
+def _inside(root: Path, rel: str) -> bool:
+    try:
+        contained(root, rel, "source")
+    except PathError:
+        return False
+    return True
+
+
 def resolve_model(host: Host, name: str) -> Path:
-    """The folder of model ``name`` under one of the host's diffusers directories.
+    """The diffusers folder ``name`` under one of the host's diffusers directories, or the single
+    model file ``<folder kind>/<relative path>`` (as :func:`model_files` lists it).
 
     Raises:
-        PathError: outside every directory, or not found.
+        PathError: outside every directory, not found, or a file that is not ``.safetensors``.
     """
+    kind, _, rel = name.partition("/") if isinstance(name, str) else ("", "", "")
+    if kind in host.model_file_dirs and rel:
+        for root in host.model_file_dirs[kind]:
+            path = contained(root, rel, "source")
+            if path.is_file() and path.name.endswith(".safetensors"):
+                return path
+        raise PathError(f"source={_shown(name)} is invalid: no such .safetensors file under "
+                        f"{', '.join(map(str, host.model_file_dirs[kind]))}")
     for root in host.diffusers_dirs:
         path = contained(root, name, "source")
         if path.is_dir():

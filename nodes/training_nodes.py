@@ -36,6 +36,7 @@ from .environment import (
     contained,
     current_host,
     latest_run,
+    model_files,
     model_folders,
     numbered_run,
     public_errors,
@@ -52,7 +53,9 @@ def _tip(text: str, **spec: Any) -> dict:
 
 
 class LoadDiffusionModel:
-    """A diffusers folder under ``models/diffusers``, or the family's tiny random-init preset."""
+    """A diffusers folder under ``models/diffusers``, one ``.safetensors`` file under
+    ``models/diffusion_models``, ``models/unet`` or ``models/checkpoints`` (shown as
+    ``diffusion_models/<file>``, ``checkpoints/<file>``), or the family's tiny random-init preset."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "load", (MODEL,), ("model",)
 
@@ -60,8 +63,11 @@ class LoadDiffusionModel:
     def INPUT_TYPES(cls):
         return {"required": {
             "family": (family_names(), _tip(HELP["family"], default="flux")),
-            "source": ([TINY_PRESET] + model_folders(current_host()),
-                       _tip("A diffusers folder under models/diffusers, or the tiny random-init preset.")),
+            "source": ([TINY_PRESET] + model_folders(current_host()) + model_files(current_host()),
+                       _tip("A diffusers folder under models/diffusers; a .safetensors file under "
+                            "models/diffusion_models, unet or checkpoints (original release or diffusers layout; "
+                            "the variant is read from its shapes; training then needs a VAE, which a single file "
+                            "does not hold); or the tiny random-init preset.")),
             "seed": ("INT", _tip("Seed of the preset's random init.", default=0, min=0, max=2**31 - 1)),
             "base_model_precision": (list(BASE_PRECISIONS), _tip(HELP["base_model_precision"], default="auto")),
         }}
@@ -77,10 +83,11 @@ class LoadDiffusionModel:
 
     @public_errors
     def load(self, family, source, seed, base_model_precision="auto"):
-        # a folder loads straight into its storage dtype; quantizing (on the training device) and
-        # casting a preset happen in Train LoRA, on its copy
-        folder = None if source == TINY_PRESET else str(resolve_model(current_host(), source))
-        config = TrainConfig(family=family, model_path=folder, seed=seed, base_model_precision=base_model_precision)
+        # a folder or file loads straight into its storage dtype; quantizing (on the training device)
+        # and casting a preset happen in Train LoRA, on its copy
+        path = None if source == TINY_PRESET else resolve_model(current_host(), source)
+        where = {} if path is None else {"model_file": str(path)} if path.is_file() else {"model_path": str(path)}
+        config = TrainConfig(family=family, seed=seed, base_model_precision=base_model_precision, **where)
         with torch.inference_mode(False):  # weights must not become inference tensors
             return (load_bundle(config),)
 

@@ -83,7 +83,7 @@ OPTIONS = ["--family", "--resolution", "--steps", "--batch-size", "--grad-accum"
            "--lr-warmup-steps", "--weight-decay", "--seed", "--rank", "--alpha", "--lora-dropout", "--device",
            "--mixed-precision", "--base-precision", "--attention-backend", "--on-nonfinite", "--save-every",
            "--timing-warmup-steps", "--interval", "--stride", "--backend", "--pin-buckets", "--data",
-           "--model-path", "--init-lora", "--preset"]
+           "--model-path", "--model-file", "--init-lora", "--preset"]
 texts = st.one_of(st.text(max_size=30), st.sampled_from(["0", "-1", "nan", "inf", "1e99", "2.5", "none", "", "7",
                                                          "99999999999999999999", "torch", "é"]))
 

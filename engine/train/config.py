@@ -65,8 +65,8 @@ ALIASES = {
 }
 
 
-RESUME_KEYS = ("family", "preset", "model_path", "vae_path", "text_encoder_path", "data", "init_lora", "resolution",
-               "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
+RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
+               "resolution", "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
                "lr_scheduler", "lr_warmup_steps", "weight_decay")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
 
@@ -136,8 +136,12 @@ class TrainConfig:
                          "--preset")
     model_path: str | None = option(None, "Local diffusers folder (pipeline with transformer/ and vae/, or a "
                                     "transformer). Never downloaded.", "--model-path")
-    vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder.",
-                                  "--vae-path")
+    model_file: str | None = option(
+        None, "One local .safetensors file holding the transformer (ComfyUI's models/diffusion_models, unet or "
+        "checkpoints; the original release layout or the diffusers layout); the variant is read from its tensor "
+        "shapes. Needs vae_path for image data. Never downloaded.", "--model-file")
+    vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder "
+                                  "or model_file is set.", "--vae-path")
     text_encoder_path: str | None = option(None, "Local transformers text encoder folder; default: the "
                                            "deterministic word embedder.", "--text-encoder")
     data: str | None = option(None, "Folder of images with same-name .txt captions; default: built-in sample "
@@ -190,9 +194,12 @@ class TrainConfig:
         for key in ("family", "preset", "output"):
             _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
                   "a non-empty string")
-        for key in ("model_path", "vae_path", "text_encoder_path", "data", "init_lora"):
+        for key in ("model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora"):
             _need(getattr(self, key) is None or isinstance(getattr(self, key), str), key, getattr(self, key),
                   "a path (string) or unset")
+        _need(not (self.model_path and self.model_file), "model_file", self.model_file,
+              f"unset when model_path is set ({self.model_path!r}): model_path and model_file both name the model, "
+              "give one of them")
         for key in ("resume", "overwrite"):
             _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
@@ -225,20 +232,39 @@ class TrainConfig:
         _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
               self.timing_warmup_steps, "an integer >= 0")
 
-    def check_paths(self) -> None:
-        """Check paths, device and saved state before any heavy work.
+    def check_input_paths(self) -> None:
+        """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any
+        model is built.
 
         Raises:
-            ConfigError: a path does not exist; ``device=cuda`` without CUDA; ``resume`` without a
-                saved state or with options that differ from it (:data:`RESUME_KEYS`), or fewer
-                steps than already done; a run already in ``output`` without ``resume`` or
-                ``overwrite`` (nothing a user made is replaced silently).
+            ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file,
+                or has no ``vae_path`` beside it.
+            DamagedFileError: ``model_file`` or ``init_lora`` is truncated or unreadable.
         """
         for key in ("model_path", "vae_path", "text_encoder_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+        if self.model_file is not None:
+            _need(self.model_file.endswith(".safetensors") and Path(self.model_file).is_file(), "model_file",
+                  self.model_file, "an existing .safetensors file (pickle checkpoints are refused: loading one can "
+                  "run arbitrary code)")
+            check_safetensors(self.model_file, "model_file", "download or copy the file again")
+            _need(self.vae_path is not None, "vae_path", self.vae_path, "a diffusers VAE folder (--vae-path) when "
+                  "model_file is set: a single .safetensors file holds no VAE to encode the images with")
         if self.init_lora is not None and not self.resume:  # a resumed run continues from its state
             check_safetensors(self.init_lora, "init_lora", "give a complete .safetensors LoRA file")
+
+    def check_paths(self) -> None:
+        """Check paths (:meth:`check_input_paths`), device and saved state before any heavy work.
+
+        Raises:
+            ConfigError: see :meth:`check_input_paths`; ``device=cuda`` without CUDA; ``resume``
+                without a saved state or with options that differ from it (:data:`RESUME_KEYS`),
+                or fewer steps than already done; a run already in ``output`` without ``resume``
+                or ``overwrite`` (nothing a user made is replaced silently).
+            DamagedFileError: see :meth:`check_input_paths`.
+        """
+        self.check_input_paths()
         _need(not Path(self.output).exists() or Path(self.output).is_dir(), "output", self.output, "a folder")
         _need(self.device != "cuda" or torch.cuda.is_available(), "device", self.device,
               "auto or cpu (CUDA is not available here)")

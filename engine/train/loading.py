@@ -1,4 +1,5 @@
-"""Loading a model: a diffusers folder at a local path, or a tiny random-init preset by family name.
+"""Loading a model: a diffusers folder at a local path, or a tiny random-init preset by family name
+(one ``.safetensors`` file: :mod:`.single_file`).
 
 Nothing here ever touches the network: folders are loaded with ``local_files_only=True`` and
 only ``.safetensors`` weights are accepted (pickle checkpoints can run code when loaded, so they
@@ -24,8 +25,8 @@ from .text import DeterministicTextEmbedder, load_text_encoder
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PRESETS = ("tiny",)
-_SAFETENSORS_FLOAT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F64": torch.float64}
+SAFETENSORS_FLOAT = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F64": torch.float64}
 
 
 class ModelLoadError(ValueError):
@@ -39,7 +40,8 @@ class ModelBundle:
     Attributes:
         family: the family adapter.
         transformer: the diffusers denoiser (``FluxTransformer2DModel``, ...), fp32, eval mode.
-        vae: the diffusers autoencoder used to encode images to latents.
+        vae: the diffusers autoencoder used to encode images to latents (``None``: a single-file
+            model loaded without ``vae_path``; image data then cannot be encoded).
         encode_text: captions -> :class:`TextBatch` (a local text encoder, or the deterministic
             embedder of the built-in default).
         source: where it came from (``preset:tiny`` or the folder path), for the report.
@@ -49,7 +51,7 @@ class ModelBundle:
 
     family: FamilyAdapter
     transformer: torch.nn.Module
-    vae: torch.nn.Module
+    vae: torch.nn.Module | None
     encode_text: Callable[[list[str]], TextBatch]
     source: str
     base_precision: str | None = None
@@ -155,10 +157,10 @@ def stored_dtype(path: str | Path) -> torch.dtype:
                     counts[part.get_dtype()] = counts.get(part.get_dtype(), 0) + math.prod(part.get_shape())
     except (OSError, safetensors.SafetensorError) as exc:
         raise ModelLoadError(f"{folder}: the .safetensors weights could not be read: {exc}") from exc
-    floating = {k: v for k, v in counts.items() if k in _SAFETENSORS_FLOAT}
+    floating = {k: v for k, v in counts.items() if k in SAFETENSORS_FLOAT}
     if not floating:
         raise ModelLoadError(f"{folder} has no floating-point .safetensors weights")
-    return _SAFETENSORS_FLOAT[max(floating, key=floating.get)]
+    return SAFETENSORS_FLOAT[max(floating, key=floating.get)]
 
 
 def detect_family(path: str | Path) -> str:
@@ -215,10 +217,21 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     vae_dir = Path(vae_path) if vae_path else (root / "vae" if pipeline else None)
     if vae_dir is None or not vae_dir.is_dir():
         raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")
-    vae = _load_component(vae_dir)
     text_dir = Path(text_encoder_path) if text_encoder_path else None
     if text_dir is None and pipeline and (root / "text_encoder").is_dir():
         text_dir = root / "text_encoder"
+    return assemble_bundle(family, transformer, str(root), vae_dir, text_dir, seed)
+
+
+def assemble_bundle(family: FamilyAdapter, transformer: torch.nn.Module, source: str, vae_dir: Path | None,
+                    text_dir: Path | None, seed: int = 0) -> ModelBundle:
+    """A :class:`ModelBundle` of a loaded transformer: the VAE of ``vae_dir`` (fp32; ``None``: no
+    VAE) and the text encoder of ``text_dir`` (``None``: the deterministic embedder).
+
+    Raises:
+        ModelLoadError: the VAE folder is not a diffusers model folder with ``.safetensors`` weights.
+    """
+    vae = _load_component(vae_dir) if vae_dir is not None else None
     spec = family.text(transformer.config)
     encode = load_text_encoder(text_dir, spec) if text_dir else DeterministicTextEmbedder(spec, seed=seed)
-    return ModelBundle(family, transformer, vae, encode, str(root))
+    return ModelBundle(family, transformer, vae, encode, source)

@@ -31,7 +31,7 @@ from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend
 from .config import TrainConfig
 from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
-from .loading import ModelBundle, build_preset, load_model_folder, stored_dtype
+from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
 from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
 from .nonfinite import TrainingDiverged, TrainingStopped
 from .precision import (
@@ -43,6 +43,7 @@ from .precision import (
     tensor_bytes,
 )
 from .report import REPORT_FILE, build_report, write_report
+from .single_file import load_model_file, stored_file_dtype
 from .state import STATE_FILE, TrainingState, load_state, save_state
 from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
 
@@ -82,16 +83,27 @@ def run_precision(config: TrainConfig, device: torch.device) -> Precision:
     stored = torch.float32
     if config.base_model_precision == "no_change" and config.model_path:
         stored = stored_dtype(config.model_path)
+    elif config.base_model_precision == "no_change" and config.model_file:
+        stored = stored_file_dtype(config.model_file)
     return resolve_precision(config.base_model_precision, config.mixed_precision, device, stored)
 
 
-def load_bundle(config: TrainConfig, precision: Precision | None = None) -> ModelBundle:
-    """The model of ``config``: a local folder when ``model_path`` is set (loaded straight into
-    the run's storage dtype), else the preset (random init in fp32; training casts it)."""
+def load_bundle(config: TrainConfig, precision: Precision | None = None,
+                log: Callable[[str], None] = print) -> ModelBundle:
+    """The model of ``config``: a local folder when ``model_path`` is set, one ``.safetensors`` file
+    when ``model_file`` is (both loaded straight into the run's storage dtype; a file's family,
+    layout and variant go to ``log``), else the preset (random init in fp32; training casts it).
+
+    Raises:
+        ModelLoadError: the folder or file cannot be used (named, with what was found).
+    """
     precision = precision or run_precision(config, resolve_device(config))
     if config.model_path:
         bundle = load_model_folder(config.model_path, config.family, config.vae_path,
                                    config.text_encoder_path, seed=config.seed, dtype=precision.storage_dtype)
+    elif config.model_file:
+        bundle = load_model_file(config.model_file, config.family, config.vae_path, config.text_encoder_path,
+                                 seed=config.seed, dtype=precision.storage_dtype, log=log)
     else:
         bundle = build_preset(config.family, config.preset, seed=config.seed)
     return dataclasses.replace(bundle, base_precision=config.base_model_precision)
@@ -205,8 +217,11 @@ class TrainingRun:
         """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""
         config, device, log = self.config, self.device, self.log
         remove_stale_temporaries(self.output)  # left by a process killed while writing
-        bundle = self.bundle = self.bundle or load_bundle(config, self.precision)
+        bundle = self.bundle = self.bundle or load_bundle(config, self.precision, log)
         family = bundle.family
+        if bundle.vae is None:
+            raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
+                                 "vae_path (--vae-path, a diffusers AutoencoderKL folder), or load a diffusers folder")
         # Data: encode every image once with the VAE (excluded from timing), then free the VAE.
         data_dir = config.data or write_sample_dataset(self.output / "sample_data")
         self.dataset = scan_dataset(data_dir)
@@ -357,9 +372,9 @@ def _cache_identity(config: TrainConfig, bundle: ModelBundle) -> str:
     model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
     and the deterministic embedder are seeded)."""
     parts = [bundle.family.name, bundle.source, f"seed={config.seed}", f"text={config.text_encoder_path}"]
-    for folder in (config.model_path, config.vae_path, config.text_encoder_path):
+    for folder in (config.model_path, config.model_file, config.vae_path, config.text_encoder_path):
         if folder:
-            for path in sorted(Path(folder).rglob("*")):
+            for path in [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).rglob("*")):
                 if path.is_file():
                     stat = path.stat()
                     parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
