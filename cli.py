@@ -107,6 +107,8 @@ def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = 
         text = output_help if f.name == "output" and output_help else _with_default(f)
         if hints[f.name] is bool:
             parser.add_argument(option, dest=f.name, action="store_const", const=True, default=None, help=text)
+        elif typing.get_origin(_scalar(hints[f.name])) is tuple:  # --text-encoder DIR [DIR ...]
+            parser.add_argument(option, dest=f.name, nargs="+", default=None, help=text)
         else:
             parser.add_argument(option, dest=f.name, type=_scalar(hints[f.name]), default=None, help=text)
     lora_hints = typing.get_type_hints(LoraSettings)

@@ -112,6 +112,20 @@ def _module_names(value: Any) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _paths(value: Any) -> tuple[str, ...] | None:
+    """``text_encoder_path`` as a tuple of folders: one path, a list of paths, or unset.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None or value == [] or value == ():
+        return None
+    values = (value,) if isinstance(value, str) else value
+    _need(isinstance(values, (list, tuple)) and all(isinstance(v, str) and v for v in values),
+          "text_encoder_path", value, "a folder or a list of folders")
+    return tuple(values)
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -138,8 +152,11 @@ class TrainConfig:
                                     "transformer). Never downloaded.", "--model-path")
     vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder.",
                                   "--vae-path")
-    text_encoder_path: str | None = option(None, "Local transformers text encoder folder; default: the "
-                                           "deterministic word embedder.", "--text-encoder")
+    text_encoder_path: tuple[str, ...] | None = option(
+        None, "Local transformers text encoder folder(s), the ones the family's pipeline uses, each identified by its "
+        "config.json (Flux: CLIP-L and T5; SD3: CLIP-L, CLIP-G and T5; Qwen-Image: Qwen2.5-VL; Wan: UMT5); default: "
+        "a model folder's text_encoder*/ folders, else the deterministic stand-in word embedder (NOT a language "
+        "model: the run warns).", "--text-encoder")
     data: str | None = option(None, "Folder of images with same-name .txt captions; default: built-in sample "
                               "photographs.", "--data")
     resolution: int = option(256, "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
@@ -190,9 +207,10 @@ class TrainConfig:
         for key in ("family", "preset", "output"):
             _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
                   "a non-empty string")
-        for key in ("model_path", "vae_path", "text_encoder_path", "data", "init_lora"):
+        for key in ("model_path", "vae_path", "data", "init_lora"):
             _need(getattr(self, key) is None or isinstance(getattr(self, key), str), key, getattr(self, key),
                   "a path (string) or unset")
+        object.__setattr__(self, "text_encoder_path", _paths(self.text_encoder_path))
         for key in ("resume", "overwrite"):
             _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
@@ -234,9 +252,11 @@ class TrainConfig:
                 steps than already done; a run already in ``output`` without ``resume`` or
                 ``overwrite`` (nothing a user made is replaced silently).
         """
-        for key in ("model_path", "vae_path", "text_encoder_path", "data"):
+        for key in ("model_path", "vae_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+        for value in self.text_encoder_path or ():
+            _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
         if self.init_lora is not None and not self.resume:  # a resumed run continues from its state
             check_safetensors(self.init_lora, "init_lora", "give a complete .safetensors LoRA file")
         _need(not Path(self.output).exists() or Path(self.output).is_dir(), "output", self.output, "a folder")

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import diffusers
 import safetensors
@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from ..families import FamilyAdapter, TextBatch, family_for_class, get_family
 from .file_checks import DamagedFileError, check_safetensors
-from .text import DeterministicTextEmbedder, load_text_encoder
+from .text import DeterministicTextEmbedder, load_text_encoders
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PRESETS = ("tiny",)
@@ -71,7 +71,8 @@ def tiny_vae_config(latent_channels: int) -> dict[str, Any]:
 
 
 def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
-                 overrides: dict[str, Any] | None = None) -> ModelBundle:
+                 overrides: dict[str, Any] | None = None,
+                 text_encoders: Sequence[str | Path] | None = None) -> ModelBundle:
     """A random-init model of ``family_name`` from its tiny preset (deterministic for a seed).
 
     Args:
@@ -79,9 +80,12 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
         preset: only ``tiny`` is defined.
         seed: seed of the random init.
         overrides: config keys replacing the preset's (e.g. ``{"num_layers": 4}``).
+        text_encoders: local text encoder folders (:func:`~.text.load_text_encoders`; their
+            widths must be the preset's); default: the deterministic stand-in embedder.
 
     Raises:
         KeyError: unknown family. ModelLoadError: unknown preset.
+        TextEncoderError: the text encoder folders do not serve the family.
     """
     family = get_family(family_name)
     if preset not in PRESETS:
@@ -89,7 +93,9 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
     torch.manual_seed(seed)
     transformer = family.model_cls()(**{**family.tiny_config, **(overrides or {})})
     vae = diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels))
-    embedder = DeterministicTextEmbedder(family.text(transformer.config), seed=seed)
+    spec = family.text(transformer.config)
+    embedder = (load_text_encoders(text_encoders, family, spec) if text_encoders
+                else DeterministicTextEmbedder(spec, seed=seed))
     return ModelBundle(family, transformer.eval(), vae.eval(), embedder, f"preset:{preset}")
 
 
@@ -181,7 +187,7 @@ def detect_family(path: str | Path) -> str:
 
 def load_model_folder(path: str | Path, family_name: str | None = None,
                       vae_path: str | Path | None = None,
-                      text_encoder_path: str | Path | None = None, seed: int = 0,
+                      text_encoder_path: str | Path | Sequence[str | Path] | None = None, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> ModelBundle:
     """Load a diffusers folder from a local path (never the network).
 
@@ -189,12 +195,15 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     exists in fp32 when bf16 was asked for); the VAE stays fp32 (it encodes the data once).
 
     ``path`` is either a pipeline folder (``model_index.json`` with ``transformer/`` and ``vae/``
-    subfolders, optionally ``text_encoder/`` + ``tokenizer/``) or a bare transformer folder (then
-    ``vae_path`` is required). Without a text encoder the deterministic embedder is used.
+    subfolders, optionally ``text_encoder*/`` + ``tokenizer*/``) or a bare transformer folder (then
+    ``vae_path`` is required). ``text_encoder_path`` (one folder or several, see
+    :func:`~.text.load_text_encoders`) replaces the pipeline's encoders; without any, the
+    deterministic stand-in embedder is used.
 
     Raises:
         ModelLoadError: missing folder, pickle-only weights, a class other than the family's,
             or no VAE.
+        TextEncoderError: the text encoder folders do not serve the family.
     """
     root = Path(path)
     if not root.is_dir():
@@ -216,9 +225,11 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     if vae_dir is None or not vae_dir.is_dir():
         raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")
     vae = _load_component(vae_dir)
-    text_dir = Path(text_encoder_path) if text_encoder_path else None
-    if text_dir is None and pipeline and (root / "text_encoder").is_dir():
-        text_dir = root / "text_encoder"
+    if isinstance(text_encoder_path, (str, Path)):
+        text_encoder_path = [text_encoder_path]
+    text_dirs = list(text_encoder_path or [])
+    if not text_dirs and pipeline:  # text_encoder, text_encoder_2, ...: the pipeline's order (CLIPs first)
+        text_dirs = sorted(p for p in root.glob("text_encoder*") if p.is_dir())
     spec = family.text(transformer.config)
-    encode = load_text_encoder(text_dir, spec) if text_dir else DeterministicTextEmbedder(spec, seed=seed)
+    encode = load_text_encoders(text_dirs, family, spec) if text_dirs else DeterministicTextEmbedder(spec, seed=seed)
     return ModelBundle(family, transformer, vae, encode, str(root))
