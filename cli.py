@@ -33,7 +33,7 @@ from .engine.core.schedule import HELP as SCHEDULE_HELP
 from .engine.core.support import support_table
 from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
 from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
-from .engine.train.config import TrainConfig, read_config_file
+from .engine.train.config import ConfigError, TrainConfig, read_config_file
 from .engine.train.loading import detect_family
 from .engine.train.loop import load_bundle, resolve_device, train
 from .engine.train.lora_io import LoraSettings
@@ -109,6 +109,8 @@ def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = 
         text = output_help if f.name == "output" and output_help else _with_default(f)
         if hints[f.name] is bool:
             parser.add_argument(option, dest=f.name, action="store_const", const=True, default=None, help=text)
+        elif typing.get_origin(_scalar(hints[f.name])) is tuple:  # --text-encoder DIR [DIR ...]
+            parser.add_argument(option, dest=f.name, nargs="+", default=None, help=text)
         else:
             parser.add_argument(option, dest=f.name, type=_scalar(hints[f.name]), default=None, help=text)
     lora_hints = typing.get_type_hints(LoraSettings)
@@ -165,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             config = config_from_args(args)
             config.check_paths()
+            if config.model_file and not config.vae_path:  # the CLI trains on images: they need a VAE
+                raise ConfigError(f"vae_path=None is invalid with model_file={config.model_file!r}: allowed a "
+                                  "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
+                                  "encode the images with")
         except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
             print(f"segckpt: error: {exc}", file=sys.stderr)
             return 2

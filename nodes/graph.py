@@ -84,7 +84,8 @@ def validate(graph: dict[str, dict]) -> None:
         if hasattr(cls, "VALIDATE_INPUTS"):
             params = inspect.signature(cls.VALIDATE_INPUTS).parameters
             every = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            given = {k: v for k, v in inputs.items() if not _is_link(v) and (every or k in params)}
+            # as ComfyUI: a linked input VALIDATE_INPUTS names arrives as None (its value is not known yet)
+            given = {k: None if _is_link(v) else v for k, v in inputs.items() if every or k in params}
             try:
                 verdict = cls.VALIDATE_INPUTS(**given)
             except ValueError as exc:  # validators that report once raise (see the Schedule node)

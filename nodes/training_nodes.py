@@ -28,6 +28,7 @@ from ..engine.train.loop import load_bundle, train
 from ..engine.train.lora_io import LoraSettings, save_lora
 from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
 from ..engine.train.precision import BASE_PRECISIONS
+from ..engine.train.prepared import prepare_comfy_data
 from .environment import (
     BUILTIN_DATA,
     TINY_PRESET,
@@ -225,6 +226,29 @@ class LoRAConfig:
         return (LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets),)
 
 
+UNLINKED = "(not connected)"
+"""Default of a data input VALIDATE_INPUTS names: ComfyUI leaves an unconnected optional input out."""
+
+
+def data_source(dataset: bool, latent: bool, conditioning: bool) -> str:
+    """Which data Train LoRA trains on: ``dataset`` or ``latent`` (with conditioning).
+
+    Raises:
+        ValueError: both sources, neither, or latent without conditioning (or the reverse),
+            naming the node's inputs.
+    """
+    if dataset and (latent or conditioning):
+        raise ValueError("Train LoRA takes one data source: dataset, or latent + conditioning; both are "
+                         "connected: disconnect one")
+    if latent != conditioning:
+        have, need = ("latent", "conditioning") if latent else ("conditioning", "latent")
+        raise ValueError(f"Train LoRA input {have} is connected without {need}: connect {need} too (or use dataset)")
+    if not (dataset or latent):
+        raise ValueError("Train LoRA has no data: connect dataset (Image+Caption Dataset), or latent (VAE Encode) "
+                         "and conditioning (CLIP Text Encode)")
+    return "dataset" if dataset else "latent"
+
+
 class TrainLoRA:
     """Runs the training steps on a copy of the model (the loaded model is never changed)."""
 
@@ -235,7 +259,6 @@ class TrainLoRA:
         return {
             "required": {
                 "model": (MODEL, _tip("From Load Diffusion Model.")),
-                "dataset": (DATASET, _tip("From Image+Caption Dataset.")),
                 "schedule": (SCHEDULE, _tip("From Gradient Checkpointing Schedule.")),
                 "steps": ("INT", _tip(HELP["steps"], default=20, min=1, max=1_000_000)),
                 "learning_rate": ("FLOAT", _tip(HELP["learning_rate"], default=1e-3, min=1e-7, max=1.0, step=1e-5)),
@@ -250,6 +273,14 @@ class TrainLoRA:
                                            default=False)),
             },
             "optional": {
+                "dataset": (DATASET, _tip("From Image+Caption Dataset; or connect latent and conditioning instead "
+                                          "(one data source).")),
+                "latent": ("LATENT", _tip("Instead of dataset: the training images' latents from VAE Encode (a "
+                                          "batch), encoded with this model's VAE; used with conditioning.")),
+                "conditioning": ("CONDITIONING", _tip(
+                    "With latent: from CLIP Text Encode, one conditioning for all images, or one entry per image "
+                    "in the latents' order (as ComfyUI's own Train LoRA). Families without a ComfyUI latent "
+                    "mapping are refused when the run starts.")),
                 "offload": (OFFLOAD, _tip("Optional: overrides the schedule's backend and offload keys.")),
                 "lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16.")),
                 "attention_backend": ("STRING", _tip(HELP["attention_backend"], default="auto")),
@@ -259,11 +290,18 @@ class TrainLoRA:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name, attention_backend="auto"):
-        try:  # raised, not returned: reported once, not under each input named here
+    def VALIDATE_INPUTS(cls, run_name, attention_backend="auto", dataset=UNLINKED, latent=UNLINKED,
+                        conditioning=UNLINKED):
+        # ComfyUI passes None for a linked input named here (its value is not known yet) and leaves
+        # an unconnected optional input out, so which data inputs are connected is known at /prompt.
+        # The model's family is not (it is another node's widget): a family without a ComfyUI
+        # latent mapping is refused when the run starts, before any work. Raised, not returned:
+        # ComfyUI lists a returned message once per input named here.
+        try:
             contained(current_host().output_dir / "segckpt", run_name, "run_name")
             parse_attention_backend(attention_backend)
-        except (PathError, AttentionBackendError) as exc:
+            data_source(dataset is not UNLINKED, latent is not UNLINKED, conditioning is not UNLINKED)
+        except (PathError, AttentionBackendError, ValueError) as exc:
             raise NodeError(current_host().public(str(exc))) from None
         return True
 
@@ -295,10 +333,12 @@ class TrainLoRA:
                            on_nonfinite=on_nonfinite, output=str(output))
 
     @public_errors
-    def train(self, model, dataset, schedule, steps, learning_rate, lr_scheduler, batch_size,
-              gradient_accumulation_steps, seed, run_name, resume, offload=None, lora_config=None,
-              attention_backend="auto", on_nonfinite="stop", unique_id=None):
+    def train(self, model, dataset=None, schedule=None, steps=20, learning_rate=1e-3, lr_scheduler="constant",
+              batch_size=1, gradient_accumulation_steps=1, seed=0, run_name="lora_run", resume=False, offload=None,
+              lora_config=None, attention_backend="auto", on_nonfinite="stop", unique_id=None, latent=None,
+              conditioning=None):
         host = current_host()
+        comfy_data = data_source(dataset is not None, latent is not None, conditioning is not None) == "latent"
         family = model.family.name
         if schedule["family"] != family:
             raise ValueError(f"schedule is for family {schedule['family']!r} but the model is {family!r}: "
@@ -310,8 +350,14 @@ class TrainLoRA:
         config = dataclasses.replace(
             self.check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed,
                               run_name, resume, attention_backend, on_nonfinite),
-            family=family, data=dataset["data"], resolution=dataset["resolution"], schedule=schedule,
-            lora=lora_config or LoraSettings(), base_model_precision=model.base_precision or "auto")
+            family=family, schedule=schedule, lora=lora_config or LoraSettings(),
+            base_model_precision=model.base_precision or "auto")
+        prepared = None
+        if comfy_data:  # the engine maps them (a family without a ComfyUI latent mapping stops here)
+            prepared = prepare_comfy_data(model.family, model.family.text(model.transformer.config), latent,
+                                          conditioning)
+        else:
+            config = dataclasses.replace(config, data=dataset["data"], resolution=dataset["resolution"])
         update = host.progress(unique_id, steps)
 
         def on_step(record, total):
@@ -324,7 +370,7 @@ class TrainLoRA:
         # one latent cache for every run of this server: its keys are the data, the model and the
         # resolution, so queueing again (or changing a training setting) does not encode again
         result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted,
-                       cache_dir=host.output_dir / "segckpt" / "cache")
+                       cache_dir=host.output_dir / "segckpt" / "cache", prepared=prepared)
         return ({"result": result, "lora": result.config.lora},)
 
 

@@ -81,3 +81,42 @@ def one_step(family_name: str, schedule: CheckpointSchedule, dropout: float = 0.
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return grads, calls, runner
+
+
+WORDS = ("[PAD]", "[UNK]", "a", "cat", "dog", "photo", "of", "the", "</s>")
+
+
+def save_tiny_text_encoder(folder, kind: str, width: int = 32, projection: int | None = None, seed: int = 0,
+                           tokenizer_folder=None):
+    """A tiny random transformers text encoder with a word-level tokenizer, saved offline.
+
+    ``kind``: ``clip`` (``CLIPTextModel``, or ``CLIPTextModelWithProjection`` when ``projection``
+    is given) or ``t5`` (``T5EncoderModel``); ``width`` is its hidden size. The tokenizer goes
+    into ``tokenizer_folder`` (a pipeline's ``tokenizer_2``), default ``folder``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        PreTrainedTokenizerFast,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(
+        tokenizer_folder or folder)
+    torch.manual_seed(seed)
+    if kind == "clip":
+        config = CLIPTextConfig(vocab_size=len(WORDS), hidden_size=width, intermediate_size=37, num_hidden_layers=2,
+                                num_attention_heads=2, max_position_embeddings=77, projection_dim=projection or width,
+                                pad_token_id=0, bos_token_id=2, eos_token_id=len(WORDS) - 1)
+        model = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+    else:
+        model = T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=width, d_kv=8, d_ff=37, num_layers=1,
+                                        num_heads=2, pad_token_id=0, eos_token_id=len(WORDS) - 1))
+    model.save_pretrained(folder)
+    return folder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import save_tiny_text_encoder
 
 from segmented_checkpointing.engine.train.loading import (
     ModelLoadError,
@@ -63,23 +64,15 @@ def test_missing_folder(tmp_path):
         load_model_folder(tmp_path / "nope", "flux")
 
 
-def test_local_text_encoder(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "a": 2, "cat": 3, "dog": 4}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+def test_local_text_encoders_of_a_pipeline_folder(tmp_path):
+    """Flux's pipeline layout: CLIP-L in text_encoder/ (pooled), T5 in text_encoder_2/ (states),
+    each with its tokenizer folder."""
     _save_pipeline(tmp_path)
-    fast.save_pretrained(tmp_path / "tokenizer")
-    torch.manual_seed(0)
-    encoder = CLIPTextModel(CLIPTextConfig(vocab_size=5, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                                           num_attention_heads=2, max_position_embeddings=16, projection_dim=32,
-                                           pad_token_id=0, bos_token_id=2, eos_token_id=3))
-    encoder.save_pretrained(tmp_path / "text_encoder")
+    save_tiny_text_encoder(tmp_path / "text_encoder", "clip", tokenizer_folder=tmp_path / "tokenizer")
+    save_tiny_text_encoder(tmp_path / "text_encoder_2", "t5", tokenizer_folder=tmp_path / "tokenizer_2")
     bundle = load_model_folder(tmp_path, "flux")
     text = bundle.encode_text(["a cat", "a dog"])
-    assert text.seq.shape == (2, 16, 32) and text.pooled.shape == (2, 32)
+    assert text.seq.shape == (2, 512, 32) and text.pooled.shape == (2, 32)  # T5 at Flux's 512 tokens
     assert text.mask[:, :2].all() and not text.mask[:, 2:].any()
     assert not torch.allclose(text.seq[0, 1], text.seq[1, 1])
+    assert [e["kind"] for e in bundle.encode_text.describe()["encoders"]] == ["clip", "t5"]

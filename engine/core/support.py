@@ -81,4 +81,20 @@ def support_table() -> str:
     return (HEADER + "\n".join(rows) + "\n\n## Families named by the documents\n\n" + "\n".join(named)
             + "\n\nA diffusers model outside this list still trains through the generic fallback "
               "(`engine/core/generic.py`): per-block checkpointing, and segments when a one-step probe proves "
-              "the carry map.\n\n## Notes\n\n" + "\n".join(notes) + "\n")
+              "the carry map.\n\n" + data_sources_table() + "\n## Notes\n\n" + "\n".join(notes) + "\n")
+
+
+def data_sources_table() -> str:
+    """Per family: ComfyUI's latent format (Train LoRA's ``latent`` + ``conditioning`` inputs) and
+    the text encoders ``segckpt --text-encoder`` takes, as markdown."""
+    legend = ("*ComfyUI latent format*: the `comfy/latent_formats.py` class (ComfyUI 0.3.64) that maps a `LATENT` "
+              "to the model's latents; Train LoRA refuses `latent` + `conditioning` for `-` (no mapping). "
+              "*text encoders*: the folders `--text-encoder` takes, by kind (`-`: one generic folder).\n")
+    rows = ["## Data sources besides images\n", legend,
+            "| family | ComfyUI latent format | text encoders |", "|---|---|---|"]
+    for name in _family_names():
+        family = get_family(name)
+        fmt = family.comfy_latents.describe() if family.comfy_latents else "-"
+        kinds = " + ".join(family.text_encoders.kinds) if family.text_encoders else "-"
+        rows.append(f"| {name} | {fmt} | {kinds} |")
+    return "\n".join(rows) + "\n"

@@ -16,7 +16,7 @@ from .base import (  # noqa: F401
     register_family,
 )
 
-_HELPERS = ("base", "blocks", "packing", "registry", "timesteps")
+_HELPERS = ("base", "blocks", "conditioning", "packing", "registry", "timesteps")
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _HELPERS:

@@ -19,6 +19,7 @@ from .base import (
     TextSpec,
     register_family,
 )
+from .conditioning import SDXL, TextEncoders
 
 # Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->
 # (encoder, hidden) and the single blocks as block(combined, temb) -> combined, on the concatenated
@@ -61,6 +62,8 @@ AURAFLOW = register_family(
             "pos_embed_max_size": 1024,  # a 32 x 32 grid of 2x2 patches: latents up to 64 x 64 (512 px)
         },
         latent_channels=4,  # the SDXL VAE
+        comfy_latents=SDXL,
+        text_encoders=TextEncoders("t5", max_length=256),  # Pile-T5 (UMT5)
         notes=(
             "FFN boundary is the image stream's ff (joint) and the ff of the combined stream (single); "
             "the text stream's ff_context stays in the joint block",

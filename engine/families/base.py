@@ -16,6 +16,7 @@ import diffusers.models
 import torch
 
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
+from .conditioning import LatentFormat, TextEncoders
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 
 
@@ -94,6 +95,10 @@ class FamilyAdapter:
         notes: free-text notes shown in the support table.
         plan_notes: notes every plan of this family carries (the generic fallback says there
             whether its segments were proven by the probe).
+        comfy_latents: ComfyUI's latent format of the family (``LATENT`` -> model latents), or
+            ``None``: no ComfyUI mapping (Train LoRA refuses ComfyUI latents for it).
+        text_encoders: the text encoders its pipeline uses (``segckpt --text-encoder``), or
+            ``None``: one generic local encoder folder at most.
     """
 
     name: str
@@ -112,6 +117,8 @@ class FamilyAdapter:
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     notes: tuple[str, ...] = field(default=())
     plan_notes: tuple[str, ...] = field(default=())
+    comfy_latents: LatentFormat | None = None
+    text_encoders: TextEncoders | None = None
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

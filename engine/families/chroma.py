@@ -19,6 +19,7 @@ from .base import (
     TextSpec,
     register_family,
 )
+from .conditioning import FLUX, TextEncoders
 from .packing import image_ids, pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, temb_i, rope, attention_mask) -> (encoder, hidden); single:
@@ -82,6 +83,8 @@ CHROMA = register_family(
             "approximator_layers": 2,
         },
         latent_channels=16,
+        comfy_latents=FLUX,
+        text_encoders=TextEncoders("t5", max_length=512),
         segmented=False,
         notes=(
             "per-block only: the loop passes every block its own modulation slice (temb), which a carry "

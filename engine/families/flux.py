@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import FLUX as FLUX_LATENTS
+from .conditioning import TextEncoders
 from .packing import image_ids, pack_2x2, read_packed_2x2
 
 # Both lists are called as block(hidden, encoder, temb, rope, joint_attention_kwargs) and
@@ -52,6 +54,8 @@ FLUX = register_family(
             "axes_dims_rope": (4, 6, 6),
         },
         latent_channels=16,
+        comfy_latents=FLUX_LATENTS,
+        text_encoders=TextEncoders("t5", pooled=("clip",), max_length=512),  # CLIP-L pooled, T5-XXL
         notes=("single-stream blocks: the FFN region is the MLP branch act_mlp(proj_mlp(x)); the "
                "fused output projection stays outside it",),
     )

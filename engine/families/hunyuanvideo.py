@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import HUNYUAN_VIDEO
 from .timesteps import scheduler_timesteps
 
 # Both lists: block(hidden, encoder, temb, attention_mask, rotary_emb, token_replace_emb,
@@ -66,6 +67,7 @@ HUNYUANVIDEO = register_family(
             "rope_axes_dim": (4, 6, 6),
         },
         latent_channels=16,
+        comfy_latents=HUNYUAN_VIDEO,
         video_latents=True,
         notes=(
             "text = LLaVA-Llama hidden states (encoder_hidden_states + mask) and the CLIP pooled embedding",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import LTXV, TextEncoders
 from .packing import pack_video, read_packed_video
 from .timesteps import scheduler_timesteps
 
@@ -57,6 +58,8 @@ LTXVIDEO = register_family(
             "caption_channels": 32,
         },
         latent_channels=128,
+        comfy_latents=LTXV,
+        text_encoders=TextEncoders("t5", max_length=128),
         video_latents=True,
         notes=(
             "attention offload unsupported for LTX-Video 0.9 (documents): no attention boundary declared",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import FLUX, TextEncoders
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
@@ -59,6 +60,8 @@ LUMINA2 = register_family(
             "cap_feat_dim": 32,
         },
         latent_channels=16,
+        comfy_latents=FLUX,
+        text_encoders=TextEncoders("gemma2", max_length=256, hidden_layer=-2),  # Gemma 2 2B
         notes=(
             "context_refiner and noise_refiner are called directly by the model: never checkpointed",
             "time runs backwards (t = 1 - sigma) and the raw output is x0 - noise; the adapter negates it",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import QWEN_IMAGE_TEMPLATE, WAN21, TextEncoders
 from .packing import pack_2x2, unpack_2x2
 
 # block(hidden, encoder, encoder_mask, temb, image_rotary_emb, attention_kwargs, modulate_index)
@@ -53,6 +54,8 @@ QWENIMAGE = register_family(
             "axes_dims_rope": (4, 6, 6),
         },
         latent_channels=16,
+        comfy_latents=WAN21.one_frame(),  # ComfyUI QwenImage: latent_formats.Wan21
+        text_encoders=TextEncoders("qwen2_5_vl", max_length=1024, template=QWEN_IMAGE_TEMPLATE, drop=34),
         video_latents=True,
         notes=(
             "latents are single-frame video latents (B, C, 1, H, W) from AutoencoderKLQwenImage",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import SD3 as SD3_LATENTS
+from .conditioning import TextEncoders
 from .timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, joint_attention_kwargs) -> (encoder, hidden)
@@ -51,6 +53,9 @@ SD3 = register_family(
             "qk_norm": "rms_norm",
         },
         latent_channels=16,
+        comfy_latents=SD3_LATENTS,
+        # CLIP-L and CLIP-G (pooled, and penultimate states before the T5 tokens), T5-XXL
+        text_encoders=TextEncoders("t5", pooled=("clip", "clip"), clip_states=True, max_length=256),
         notes=(
             "the last block is context_pre_only (returns no text stream); the carry map is unaffected",
             "FFN boundary is the image stream's ff; the text stream's ff_context stays in the block",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import WAN21, TextEncoders
 from .timesteps import scheduler_timesteps
 
 
@@ -43,6 +44,8 @@ WAN = register_family(
             "rope_max_seq_len": 32,
         },
         latent_channels=16,
+        comfy_latents=WAN21,
+        text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,
         notes=(
             "latent_channels 16 is the Wan 2.1 VAE (Wan 2.2 TI2V-5B uses a 48-channel VAE)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from .conditioning import WAN21, TextEncoders
 from .timesteps import scheduler_timesteps
 
 # Under gradient checkpointing the loop first calls every VACE block as block(hidden, encoder,
@@ -68,6 +69,8 @@ WANVACE = register_family(
             "vace_in_channels": 96,  # 2 x 16 latent channels + 64 mask channels, as the released models
         },
         latent_channels=16,
+        comfy_latents=WAN21,
+        text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,
         segmented=False,
         notes=(

@@ -112,6 +112,20 @@ def _module_names(value: Any) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _paths(value: Any) -> tuple[str, ...] | None:
+    """``text_encoder_path`` as a tuple of folders: one path, a list of paths, or unset.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None or value == [] or value == ():
+        return None
+    values = (value,) if isinstance(value, str) else value
+    _need(isinstance(values, (list, tuple)) and all(isinstance(v, str) and v for v in values),
+          "text_encoder_path", value, "a folder or a list of folders")
+    return tuple(values)
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -142,8 +156,11 @@ class TrainConfig:
         "shapes. Needs vae_path for image data. Never downloaded.", "--model-file")
     vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder "
                                   "or model_file is set.", "--vae-path")
-    text_encoder_path: str | None = option(None, "Local transformers text encoder folder; default: the "
-                                           "deterministic word embedder.", "--text-encoder")
+    text_encoder_path: tuple[str, ...] | None = option(
+        None, "Local transformers text encoder folder(s), the ones the family's pipeline uses, each identified by its "
+        "config.json (Flux: CLIP-L and T5; SD3: CLIP-L, CLIP-G and T5; Qwen-Image: Qwen2.5-VL; Wan: UMT5); default: "
+        "a model folder's text_encoder*/ folders, else the deterministic stand-in word embedder (NOT a language "
+        "model: the run warns).", "--text-encoder")
     data: str | None = option(None, "Folder of images with same-name .txt captions; default: built-in sample "
                               "photographs.", "--data")
     resolution: int = option(256, "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
@@ -194,9 +211,10 @@ class TrainConfig:
         for key in ("family", "preset", "output"):
             _need(isinstance(getattr(self, key), str) and getattr(self, key) != "", key, getattr(self, key),
                   "a non-empty string")
-        for key in ("model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora"):
+        for key in ("model_path", "model_file", "vae_path", "data", "init_lora"):
             _need(getattr(self, key) is None or isinstance(getattr(self, key), str), key, getattr(self, key),
                   "a path (string) or unset")
+        object.__setattr__(self, "text_encoder_path", _paths(self.text_encoder_path))
         _need(not (self.model_path and self.model_file), "model_file", self.model_file,
               f"unset when model_path is set ({self.model_path!r}): model_path and model_file both name the model, "
               "give one of them")
@@ -241,16 +259,16 @@ class TrainConfig:
                 or has no ``vae_path`` beside it.
             DamagedFileError: ``model_file`` or ``init_lora`` is truncated or unreadable.
         """
-        for key in ("model_path", "vae_path", "text_encoder_path", "data"):
+        for key in ("model_path", "vae_path", "data"):
             value = getattr(self, key)
             _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+        for value in self.text_encoder_path or ():
+            _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
         if self.model_file is not None:
             _need(self.model_file.endswith(".safetensors") and Path(self.model_file).is_file(), "model_file",
                   self.model_file, "an existing .safetensors file (pickle checkpoints are refused: loading one can "
                   "run arbitrary code)")
             check_safetensors(self.model_file, "model_file", "download or copy the file again")
-            _need(self.vae_path is not None, "vae_path", self.vae_path, "a diffusers VAE folder (--vae-path) when "
-                  "model_file is set: a single .safetensors file holds no VAE to encode the images with")
         if self.init_lora is not None and not self.resume:  # a resumed run continues from its state
             check_safetensors(self.init_lora, "init_lora", "give a complete .safetensors LoRA file")
 

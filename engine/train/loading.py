@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import diffusers
 import safetensors
@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from ..families import FamilyAdapter, TextBatch, family_for_class, get_family
 from .file_checks import DamagedFileError, check_safetensors
-from .text import DeterministicTextEmbedder, load_text_encoder
+from .text import DeterministicTextEmbedder, load_text_encoders
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 PRESETS = ("tiny",)
@@ -73,7 +73,8 @@ def tiny_vae_config(latent_channels: int) -> dict[str, Any]:
 
 
 def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
-                 overrides: dict[str, Any] | None = None) -> ModelBundle:
+                 overrides: dict[str, Any] | None = None,
+                 text_encoders: Sequence[str | Path] | None = None) -> ModelBundle:
     """A random-init model of ``family_name`` from its tiny preset (deterministic for a seed).
 
     Args:
@@ -81,9 +82,12 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
         preset: only ``tiny`` is defined.
         seed: seed of the random init.
         overrides: config keys replacing the preset's (e.g. ``{"num_layers": 4}``).
+        text_encoders: local text encoder folders (:func:`~.text.load_text_encoders`; their
+            widths must be the preset's); default: the deterministic stand-in embedder.
 
     Raises:
         KeyError: unknown family. ModelLoadError: unknown preset.
+        TextEncoderError: the text encoder folders do not serve the family.
     """
     family = get_family(family_name)
     if preset not in PRESETS:
@@ -91,7 +95,9 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
     torch.manual_seed(seed)
     transformer = family.model_cls()(**{**family.tiny_config, **(overrides or {})})
     vae = diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels))
-    embedder = DeterministicTextEmbedder(family.text(transformer.config), seed=seed)
+    spec = family.text(transformer.config)
+    embedder = (load_text_encoders(text_encoders, family, spec) if text_encoders
+                else DeterministicTextEmbedder(spec, seed=seed))
     return ModelBundle(family, transformer.eval(), vae.eval(), embedder, f"preset:{preset}")
 
 
@@ -183,7 +189,7 @@ def detect_family(path: str | Path) -> str:
 
 def load_model_folder(path: str | Path, family_name: str | None = None,
                       vae_path: str | Path | None = None,
-                      text_encoder_path: str | Path | None = None, seed: int = 0,
+                      text_encoder_path: str | Path | Sequence[str | Path] | None = None, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> ModelBundle:
     """Load a diffusers folder from a local path (never the network).
 
@@ -191,12 +197,15 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     exists in fp32 when bf16 was asked for); the VAE stays fp32 (it encodes the data once).
 
     ``path`` is either a pipeline folder (``model_index.json`` with ``transformer/`` and ``vae/``
-    subfolders, optionally ``text_encoder/`` + ``tokenizer/``) or a bare transformer folder (then
-    ``vae_path`` is required). Without a text encoder the deterministic embedder is used.
+    subfolders, optionally ``text_encoder*/`` + ``tokenizer*/``) or a bare transformer folder (then
+    ``vae_path`` is required). ``text_encoder_path`` (one folder or several, see
+    :func:`~.text.load_text_encoders`) replaces the pipeline's encoders; without any, the
+    deterministic stand-in embedder is used.
 
     Raises:
         ModelLoadError: missing folder, pickle-only weights, a class other than the family's,
             or no VAE.
+        TextEncoderError: the text encoder folders do not serve the family.
     """
     root = Path(path)
     if not root.is_dir():
@@ -217,21 +226,24 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     vae_dir = Path(vae_path) if vae_path else (root / "vae" if pipeline else None)
     if vae_dir is None or not vae_dir.is_dir():
         raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")
-    text_dir = Path(text_encoder_path) if text_encoder_path else None
-    if text_dir is None and pipeline and (root / "text_encoder").is_dir():
-        text_dir = root / "text_encoder"
-    return assemble_bundle(family, transformer, str(root), vae_dir, text_dir, seed)
+    if isinstance(text_encoder_path, (str, Path)):
+        text_encoder_path = [text_encoder_path]
+    text_dirs = [Path(p) for p in text_encoder_path or []]
+    if not text_dirs and pipeline:  # text_encoder, text_encoder_2, ...: the pipeline's order (CLIPs first)
+        text_dirs = sorted(p for p in root.glob("text_encoder*") if p.is_dir())
+    return assemble_bundle(family, transformer, str(root), vae_dir, text_dirs, seed)
 
 
 def assemble_bundle(family: FamilyAdapter, transformer: torch.nn.Module, source: str, vae_dir: Path | None,
-                    text_dir: Path | None, seed: int = 0) -> ModelBundle:
+                    text_dirs: Sequence[Path], seed: int = 0) -> ModelBundle:
     """A :class:`ModelBundle` of a loaded transformer: the VAE of ``vae_dir`` (fp32; ``None``: no
-    VAE) and the text encoder of ``text_dir`` (``None``: the deterministic embedder).
+    VAE) and the text encoders of ``text_dirs`` (none: the deterministic stand-in embedder).
 
     Raises:
         ModelLoadError: the VAE folder is not a diffusers model folder with ``.safetensors`` weights.
+        TextEncoderError: the text encoder folders do not serve the family.
     """
     vae = _load_component(vae_dir) if vae_dir is not None else None
     spec = family.text(transformer.config)
-    encode = load_text_encoder(text_dir, spec) if text_dir else DeterministicTextEmbedder(spec, seed=seed)
+    encode = load_text_encoders(text_dirs, family, spec) if text_dirs else DeterministicTextEmbedder(spec, seed=seed)
     return ModelBundle(family, transformer, vae, encode, source)

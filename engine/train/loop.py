@@ -1,10 +1,11 @@
 """The LoRA training loop as a step iterator: :class:`TrainingRun`, and :func:`train` that drives it.
 
 Order of work: validate paths, precision and attention kernels (constructor, before any model is
-built) -> at the first ``next()``: load the model, encode the data once (cached), bring the
-frozen base to its precision, add the fp32 LoRA, compute and install the checkpoint plan,
-restore the state when resuming -> one optimizer step per ``next()`` (:func:`~.step.train_step`)
--> save the LoRA, the resumable state and ``report.json`` (all atomic).
+built) -> at the first ``next()``: load the model, encode the data once (cached; or take the
+latents and text a caller prepared, :mod:`.prepared`), bring the frozen base to its precision,
+add the fp32 LoRA, compute and install the checkpoint plan, restore the state when resuming ->
+one optimizer step per ``next()`` (:func:`~.step.train_step`) -> save the LoRA, the resumable
+state and ``report.json`` (all atomic).
 
 Every entry point drives the same iterator: the CLI and the nodes through :func:`train`, the
 sweep, the probe and lockstep timing (several runs interleaved one step at a time in one thread)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
 from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
 from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
 from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
@@ -42,10 +44,12 @@ from .precision import (
     resolve_precision,
     tensor_bytes,
 )
+from .prepared import ComfyDataError, PreparedData
 from .report import REPORT_FILE, build_report, write_report
 from .single_file import load_model_file, stored_file_dtype
 from .state import STATE_FILE, TrainingState, load_state, save_state
 from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
+from .text import TextEncoderWarning, describe_text_encoder, stand_in_warning
 
 LORA_FILE = "lora.safetensors"
 __all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "learning_rate_at",
@@ -105,7 +109,7 @@ def load_bundle(config: TrainConfig, precision: Precision | None = None,
         bundle = load_model_file(config.model_file, config.family, config.vae_path, config.text_encoder_path,
                                  seed=config.seed, dtype=precision.storage_dtype, log=log)
     else:
-        bundle = build_preset(config.family, config.preset, seed=config.seed)
+        bundle = build_preset(config.family, config.preset, seed=config.seed, text_encoders=config.text_encoder_path)
     return dataclasses.replace(bundle, base_precision=config.base_model_precision)
 
 
@@ -133,11 +137,17 @@ class TrainingRun:
         log: where progress lines go.
         cache_dir: folder of the latent cache (default ``<output>/cache``); runs of the same
             data and model may share one.
+        prepared: latents and text embeddings prepared by the caller (ComfyUI's LATENT and
+            CONDITIONING, :func:`~.prepared.prepare_comfy_data`), trained on instead of scanning
+            ``config.data`` (which must then be unset); the data position of the resumable state
+            counts these samples.
 
     Raises:
         ConfigError, PrecisionError, AttentionBackendError: an option cannot run here (in the
             constructor, before any model is built).
-        ModelLoadError, DatasetError: the model or the data cannot be used (first step).
+        ConfigError: ``prepared`` together with ``config.data`` (constructor).
+        ModelLoadError, DatasetError: the model or the data cannot be used (first step); prepared
+            data of another family is a :class:`~.prepared.ComfyDataError`.
         TrainingStopped: a non-finite loss or LoRA gradient with ``on_nonfinite=stop``
             (:class:`~.nonfinite.TrainingDiverged`), or a recompute that did not repeat its
             forward (:class:`~.step.RecomputeNotRepeatable`); the LoRA and resumable state of the
@@ -145,7 +155,10 @@ class TrainingRun:
     """
 
     def __init__(self, config: TrainConfig, *, bundle: ModelBundle | None = None,
-                 log: Callable[[str], None] = print, cache_dir: str | Path | None = None):
+                 log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
+                 prepared: PreparedData | None = None):
+        if prepared is not None and config.data is not None:
+            raise ConfigError(f"data={config.data!r} is invalid with prepared data: allowed unset (one data source)")
         config.check_paths()
         self.config, self.log, self.output = config, log, Path(config.output)
         self.device = resolve_device(config)
@@ -156,7 +169,7 @@ class TrainingRun:
         self.context: StepContext | None = None
         self.history: list[dict[str, Any]] = []
         self.result: TrainResult | None = None
-        self.bundle = bundle
+        self.bundle, self.prepared = bundle, prepared
         self._stop, self._started = False, False
 
     def stop(self) -> None:
@@ -219,17 +232,9 @@ class TrainingRun:
         remove_stale_temporaries(self.output)  # left by a process killed while writing
         bundle = self.bundle = self.bundle or load_bundle(config, self.precision, log)
         family = bundle.family
-        if bundle.vae is None:
-            raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
-                                 "vae_path (--vae-path, a diffusers AutoencoderKL folder), or load a diffusers folder")
-        # Data: encode every image once with the VAE (excluded from timing), then free the VAE.
-        data_dir = config.data or write_sample_dataset(self.output / "sample_data")
-        self.dataset = scan_dataset(data_dir)
-        samples, epoch = self.dataset.samples, self.dataset.epoch
-        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
-                              family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
-        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
-            f"latents {tuple(cache['latents'].shape[1:])}{_skipped_text(self.dataset)}")
+        # Data: encode every image once with the VAE (excluded from timing), then free the VAE;
+        # or take the latents and text a caller prepared (ComfyUI's encoders).
+        cache, epoch = self._prepare_data(bundle)
         # Model: frozen base at the run's precision (cast, or quantized layer by layer on the
         # device), then the fp32 LoRA, then the checkpoint plan.
         model = bundle.transformer
@@ -269,6 +274,35 @@ class TrainingRun:
             [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch)
         return start
 
+    def _prepare_data(self, bundle: ModelBundle) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The run's cache (latents, text) and the cache row of each position of an epoch; sets
+        :attr:`data_summary` and :attr:`text_encoder` for the report."""
+        config, log, prepared = self.config, self.log, self.prepared
+        if prepared is not None:
+            if prepared.family != bundle.family.name:
+                raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
+                                     f"{bundle.family.name!r}")
+            self.data_summary, self.text_encoder = prepared.summary, {"kind": "comfyui conditioning"}
+            log(f"data: {prepared.describe()}")
+            return prepared.cache, list(range(prepared.count))
+        self.text_encoder = describe_text_encoder(bundle.encode_text)
+        if self.text_encoder["kind"] == "stand-in":  # loud: a demo's captions carry no meaning
+            self.text_encoder["warning"] = stand_in_warning(bundle.family)
+            warnings.warn(self.text_encoder["warning"], TextEncoderWarning, stacklevel=2)
+        if bundle.vae is None:
+            raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
+                                 "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
+                                 "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
+        data_dir = config.data or write_sample_dataset(self.output / "sample_data")
+        dataset = scan_dataset(data_dir)
+        samples, epoch = dataset.samples, dataset.epoch
+        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
+                              bundle.family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
+        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
+            f"latents {tuple(cache['latents'].shape[1:])}{_skipped_text(dataset)}")
+        self.data_summary = dataset.summary()
+        return cache, epoch
+
     def _log_step(self, record: StepRecord) -> None:
         self.history.append(vars(record))
         offload = (f"  offload {record.offloaded_bytes / 2**20:.1f} MiB, pool {record.pool_bytes / 2**20:.1f} MiB"
@@ -307,7 +341,7 @@ class TrainingRun:
         setup = {"precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                "quantized_linear_layers": self.base.quantized_linear_layers},
                  "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped,
-                 "dataset": self.dataset.summary()}
+                 "dataset": self.data_summary, "text_encoder": self.text_encoder}
         report = build_report(config, self.plan, self.history, ctx.timer, self.device, bundle.source,
                               interrupted, setup)
         write_report(report, self.output)
@@ -317,11 +351,12 @@ class TrainingRun:
 def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
           on_step: Callable[[StepRecord, int], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
-          log: Callable[[str], None] = print, cache_dir: str | Path | None = None) -> TrainResult:
+          log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
+          prepared: PreparedData | None = None) -> TrainResult:
     """Run :class:`TrainingRun` to its end.
 
     Args:
-        config, bundle, log, cache_dir: see :class:`TrainingRun`.
+        config, bundle, log, cache_dir, prepared: see :class:`TrainingRun`.
         on_step: called after every optimizer step with ``(record, total_steps)``.
         should_stop: polled after every optimizer step; when it returns True the resumable state
             is saved and the run ends cleanly (``TrainResult.interrupted``).
@@ -329,7 +364,7 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
     Raises:
         See :class:`TrainingRun`.
     """
-    run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir)
+    run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir, prepared=prepared)
     for record in run:
         if on_step is not None:
             on_step(record, config.steps)
@@ -371,8 +406,9 @@ def _cache_identity(config: TrainConfig, bundle: ModelBundle) -> str:
     """What the cached latents and text embeddings depend on besides the images: the family, the
     model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
     and the deterministic embedder are seeded)."""
-    parts = [bundle.family.name, bundle.source, f"seed={config.seed}", f"text={config.text_encoder_path}"]
-    for folder in (config.model_path, config.model_file, config.vae_path, config.text_encoder_path):
+    parts = [bundle.family.name, bundle.source, f"seed={config.seed}",
+             f"text={json.dumps(describe_text_encoder(bundle.encode_text), sort_keys=True, default=str)}"]
+    for folder in (config.model_path, config.model_file, config.vae_path, *(config.text_encoder_path or ())):
         if folder:
             for path in [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).rglob("*")):
                 if path.is_file():

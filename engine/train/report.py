@@ -25,7 +25,10 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     ``setup`` (from the trainer): ``precision`` (base, storage and compute dtypes, Linear layers
     and how many are quantized), ``attention_backend`` (SDPA kernels), ``memory`` (bytes of the
     frozen weights, of the LoRA and of the optimizer state; the activation peak is added here)
-    and ``stopped`` (the non-finite guard's message, or None).
+    ``stopped`` (the non-finite guard's message, or None), ``dataset`` (the image folder's counts,
+    or for prepared data its source, count, shapes and latent format) and ``text_encoder`` (what
+    encoded the captions: ``stand-in`` with its warning, ``transformers`` with the folders, or
+    ``comfyui conditioning``).
 
     ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak

@@ -305,5 +305,7 @@ def load_model_file(path: str | Path, family_name: str | None = None, vae_path: 
         ModelLoadError: see :func:`load_transformer_file`; a VAE folder that cannot be loaded.
     """
     transformer, found = load_transformer_file(path, family_name, dtype, log)
+    if isinstance(text_encoder_path, (str, Path)):
+        text_encoder_path = [text_encoder_path]
     return assemble_bundle(found.family, transformer, str(path), Path(vae_path) if vae_path else None,
-                           Path(text_encoder_path) if text_encoder_path else None, seed)
+                           [Path(p) for p in text_encoder_path or []], seed)
