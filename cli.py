@@ -159,6 +159,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return config
 
 
+def _check_vae(config: TrainConfig) -> None:
+    """The CLI trains on images (train, sweep, plan): a single file needs a VAE folder to encode them.
+
+    Raises:
+        ConfigError: ``model_file`` without ``vae_path``.
+    """
+    if config.model_file and not config.vae_path:
+        raise ConfigError(f"vae_path=None is invalid with model_file={config.model_file!r}: allowed a "
+                          "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
+                          "encode the images with")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``segckpt`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -167,10 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             config = config_from_args(args)
             config.check_paths()
-            if config.model_file and not config.vae_path:  # the CLI trains on images: they need a VAE
-                raise ConfigError(f"vae_path=None is invalid with model_file={config.model_file!r}: allowed a "
-                                  "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
-                                  "encode the images with")
+            _check_vae(config)
         except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
             print(f"segckpt: error: {exc}", file=sys.stderr)
             return 2
@@ -215,6 +224,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
         config.check_input_paths()
+        _check_vae(config)
         bundle = load_bundle(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -236,6 +246,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
         config.check_input_paths()
+        _check_vae(config)
         bundle = load_bundle(config)
         choice = plan_for_budget(config, bundle, budget, measure_steps=args.plan_measure)
     except ValueError as exc:  # ConfigError, PlannerError, ...

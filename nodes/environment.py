@@ -242,6 +242,19 @@ def latest_run(root: Path, name: str, key: str = "run_name") -> Path | None:
     return contained(root, f"{name}_{max(taken):0{RUN_DIGITS}d}", key) if taken else None
 
 
+def next_file(root: Path, prefix: str, suffix: str, key: str) -> Path:
+    """A new file ``prefix_00001<suffix>``, ``_00002``, ... under ``root`` (the next free number),
+    as ComfyUI's save nodes number theirs: nothing written earlier is replaced.
+
+    Raises:
+        PathError: ``prefix`` leaves ``root``.
+    """
+    first = contained(root, prefix, key)
+    numbers = [p.name[len(first.name) + 1:-len(suffix)] for p in first.parent.glob(f"{first.name}_*{suffix}")]
+    taken = [int(n) for n in numbers if n.isdigit()]
+    return contained(root, f"{prefix}_{(max(taken) if taken else 0) + 1:0{RUN_DIGITS}d}{suffix}", key)
+
+
 def _run_numbers(root: Path, name: str) -> list[int]:
     parent = (Path(root) / name).parent
     stem = Path(name).name

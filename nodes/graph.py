@@ -61,12 +61,16 @@ def validate(graph: dict[str, dict]) -> None:
     Raises:
         GraphError: the first problem found, naming the node id, type and input.
     """
+    foreign = {node_id: node.get("class_type") for node_id, node in graph.items()
+               if node.get("class_type") not in NODE_CLASS_MAPPINGS}
+    if foreign:
+        named = ", ".join(f"node {k} {v!r}" for k, v in foreign.items())
+        raise GraphError(f"{named}: not nodes of this pack; `segckpt run` runs graphs of this pack's nodes only "
+                         f"(known: {', '.join(sorted(NODE_CLASS_MAPPINGS))}); queue a workflow that uses "
+                         "ComfyUI's own nodes to a ComfyUI server")
     for node_id, node in graph.items():
         kind = node.get("class_type")
-        cls = NODE_CLASS_MAPPINGS.get(kind)
-        if cls is None:
-            raise GraphError(f"node {node_id}: type {kind!r} is not a node of this pack "
-                             f"(known: {', '.join(sorted(NODE_CLASS_MAPPINGS))})")
+        cls = NODE_CLASS_MAPPINGS[kind]
         declared = cls.INPUT_TYPES()
         inputs = node.get("inputs", {})
         for section in ("required", "optional"):

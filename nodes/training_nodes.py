@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from ..engine.core.backends import BACKENDS
 from ..engine.core.plan import check_supported
 from ..engine.core.schedule import HELP as SCHEDULE_HELP
 from ..engine.core.schedule import CheckpointSchedule, ScheduleError
-from ..engine.families import family_names, get_family
+from ..engine.families import TextBatch, family_names, get_family
 from ..engine.train.attention_kernels import (
     AttentionBackendError,
     parse_attention_backend,
@@ -28,7 +29,8 @@ from ..engine.train.loop import load_bundle, train
 from ..engine.train.lora_io import LoraSettings, save_lora
 from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
 from ..engine.train.precision import BASE_PRECISIONS
-from ..engine.train.prepared import prepare_comfy_data
+from ..engine.train.prepared import comfy_latent_format, prepare_comfy_data
+from ..engine.train.validation import PreviewSource
 from .environment import (
     BUILTIN_DATA,
     TINY_PRESET,
@@ -39,6 +41,7 @@ from .environment import (
     latest_run,
     model_files,
     model_folders,
+    next_file,
     numbered_run,
     public_errors,
     resolve_model,
@@ -285,6 +288,11 @@ class TrainLoRA:
                 "lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16.")),
                 "attention_backend": ("STRING", _tip(HELP["attention_backend"], default="auto")),
                 "on_nonfinite": (list(NONFINITE_POLICIES), _tip(HELP["on_nonfinite"], default="stop")),
+                "preview_every": ("INT", _tip(HELP["validation_every"] + " Shown on this node while it trains; with "
+                                              "latent + conditioning, connect the VAE that encoded them.",
+                                              default=0, min=0, max=1_000_000)),
+                "vae": ("VAE", _tip("Optional: decodes the previews of a run on ComfyUI latents (the VAE of VAE "
+                                    "Encode).")),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -313,7 +321,7 @@ class TrainLoRA:
 
     @staticmethod
     def check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed, run_name,
-                     resume, attention_backend="auto", on_nonfinite="stop") -> TrainConfig:
+                     resume, attention_backend="auto", on_nonfinite="stop", preview_every=0) -> TrainConfig:
         """The engine config of the node's own inputs (the model, data and schedule come later).
 
         Raises:
@@ -330,13 +338,13 @@ class TrainLoRA:
         return TrainConfig(steps=steps, learning_rate=learning_rate, lr_scheduler=lr_scheduler,
                            batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
                            seed=seed, resume=resume, attention_backend=attention_backend,
-                           on_nonfinite=on_nonfinite, output=str(output))
+                           on_nonfinite=on_nonfinite, validation_every=preview_every, output=str(output))
 
     @public_errors
     def train(self, model, dataset=None, schedule=None, steps=20, learning_rate=1e-3, lr_scheduler="constant",
               batch_size=1, gradient_accumulation_steps=1, seed=0, run_name="lora_run", resume=False, offload=None,
               lora_config=None, attention_backend="auto", on_nonfinite="stop", unique_id=None, latent=None,
-              conditioning=None):
+              conditioning=None, preview_every=0, vae=None):
         host = current_host()
         comfy_data = data_source(dataset is not None, latent is not None, conditioning is not None) == "latent"
         family = model.family.name
@@ -349,42 +357,73 @@ class TrainLoRA:
         check_supported(model.family, schedule)  # the offload node may ask for a backend the family lacks
         config = dataclasses.replace(
             self.check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed,
-                              run_name, resume, attention_backend, on_nonfinite),
+                              run_name, resume, attention_backend, on_nonfinite, preview_every),
             family=family, schedule=schedule, lora=lora_config or LoraSettings(),
             base_model_precision=model.base_precision or "auto")
-        prepared = None
+        prepared = previews = None
         if comfy_data:  # the engine maps them (a family without a ComfyUI latent mapping stops here)
             prepared = prepare_comfy_data(model.family, model.family.text(model.transformer.config), latent,
                                           conditioning)
+            previews = _comfy_previews(model.family, prepared, vae) if preview_every and vae is not None else None
         else:
             config = dataclasses.replace(config, data=dataset["data"], resolution=dataset["resolution"])
         update = host.progress(unique_id, steps)
+        run_folder = Path(config.output).resolve().relative_to(host.output_dir.resolve()).as_posix()
 
         def on_step(record, total):
             update(record.step)
             host.send("segckpt.loss", {"node": unique_id, "step": record.step, "total": total,
                                        "loss": record.loss})
+            if record.previews:  # drawn on this node while it trains (web/train_loss_curve.js)
+                host.send("segckpt.preview", {"node": unique_id, "step": record.step, "images": [
+                    {"filename": Path(p).name, "subfolder": f"{run_folder}/{Path(p).parent.as_posix()}",
+                     "type": "output"} for p in record.previews]})
 
         with torch.inference_mode(False):  # our copy: the loaded model is shared with other nodes
             bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
         # one latent cache for every run of this server: its keys are the data, the model and the
         # resolution, so queueing again (or changing a training setting) does not encode again
         result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted,
-                       cache_dir=host.output_dir / "segckpt" / "cache", prepared=prepared)
+                       cache_dir=host.output_dir / "segckpt" / "cache", prepared=prepared, preview_source=previews)
         return ({"result": result, "lora": result.config.lora},)
 
 
-class SaveLoRA:
-    """Writes the trained LoRA into ``models/loras`` (loads in ComfyUI's LoRA loader and diffusers)."""
+def _comfy_previews(family, prepared, vae) -> PreviewSource:
+    """Previews of a run on ComfyUI latents: the first conditioning's text, decoded by ComfyUI's VAE
+    (``VAE.decode`` takes raw latents and gives ``(B, H, W, 3)`` in [0, 1])."""
+    fmt = comfy_latent_format(family)
+    cache = prepared.cache
+    text = TextBatch(cache["text_seq"][:1], cache["text_mask"][:1],
+                     cache["text_pooled"][:1] if "text_pooled" in cache else None)
 
-    CATEGORY, FUNCTION, RETURN_TYPES, OUTPUT_NODE = CATEGORY, "save", (), True
+    def decode(latents: torch.Tensor) -> torch.Tensor:
+        return vae.decode(fmt.process_out(latents)).movedim(-1, 1).float().clamp(0, 1).cpu()
+
+    return PreviewSource(text, decode, tuple(cache["latents"].shape[1:]), ["conditioning0"])
+
+
+class AnyType(str):
+    """A type that matches any input (ComfyUI compares types with ``!=``): lets Save LoRA's file name
+    feed a LoRA loader's ``lora_name``, so the file trained in this graph is the one applied."""
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+
+class SaveLoRA:
+    """Writes the trained LoRA into ``models/loras`` as ``<prefix>_00001.safetensors``, ``_00002``, ...
+    (never over an earlier file); it loads in ComfyUI's LoRA loaders and diffusers, and its
+    ``lora_name`` output can feed ``LoraLoaderModelOnly`` in the same graph."""
+
+    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "save", True
+    RETURN_TYPES, RETURN_NAMES = (AnyType("*"),), ("lora_name",)
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
             "run": (RUN, _tip("From Train LoRA.")),
-            "filename_prefix": ("STRING", _tip("File name under models/loras (no '..', no absolute path).",
-                                               default="segckpt_lora")),
+            "filename_prefix": ("STRING", _tip("File name under models/loras (no '..', no absolute path); a number "
+                                               "is added: prefix_00001.safetensors, ...", default="segckpt_lora")),
         }}
 
     @classmethod
@@ -399,10 +438,10 @@ class SaveLoRA:
     def save(self, run, filename_prefix):
         host = current_host()
         result = run["result"]
-        path = contained(host.loras_dir, filename_prefix, "filename_prefix")
-        path = path.with_name(path.name + ".safetensors")
+        path = next_file(host.loras_dir, filename_prefix, ".safetensors", "filename_prefix")
         meta = {"family": result.plan.family, "schedule": result.config.schedule.to_dict(),
                 "steps": len(result.history)}
         save_lora(result.model, path, run["lora"], meta)
-        return {"ui": {"text": [f"saved {host.public(str(path))} ({len(result.history)} steps, "
-                                f"rank {run['lora'].rank}, alpha {run['lora'].alpha:g})"]}}
+        name = path.relative_to(host.loras_dir.resolve()).as_posix()
+        return {"ui": {"text": [f"saved models/loras/{name} ({len(result.history)} steps, "
+                                f"rank {run['lora'].rank}, alpha {run['lora'].alpha:g})"]}, "result": (name,)}

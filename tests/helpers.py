@@ -25,6 +25,25 @@ MODES = {
 _PROTOTYPES: dict = {}
 
 
+def pack_only(workflow) -> bool:
+    """Whether an API workflow file holds only this pack's nodes (what `segckpt run` runs)."""
+    import json
+
+    from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS
+
+    graph = json.loads(workflow.read_text())
+    return all(node["class_type"] in NODE_CLASS_MAPPINGS for node in graph.values())
+
+
+def verdict(cls, **inputs):
+    """What ComfyUI reports for a node's VALIDATE_INPUTS: True, or the message (returned, or raised
+    by validators of several inputs so that ComfyUI lists it once)."""
+    try:
+        return cls.VALIDATE_INPUTS(**inputs)
+    except ValueError as exc:
+        return str(exc)
+
+
 def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0, **overrides):
     """A tiny random-init model with a LoRA whose B is non-zero (so every LoRA weight gets a gradient).
 

@@ -18,7 +18,7 @@ import diffusers
 import pytest
 import torch
 from diffusers.configuration_utils import FrozenDict
-from helpers import save_tiny_text_encoder
+from helpers import save_tiny_text_encoder, verdict
 
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.families import TextSpec, get_family
@@ -251,7 +251,7 @@ def test_train_lora_node_takes_latent_and_conditioning(base, image_runs):
 
 def test_train_lora_node_refuses_a_family_without_mapping_before_any_work(base):
     (model,) = NODES["SegCkptLoadDiffusionModel"]().load("pixart", "(tiny preset)", 0)
-    with pytest.raises(ComfyDataError, match="family 'pixart' has no ComfyUI latent mapping"):
+    with pytest.raises(ValueError, match="family 'pixart' has no ComfyUI latent mapping"):
         NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("pixart"), steps=1, run_name="px",
                                           latent={"samples": torch.zeros(1, 4, 4, 4)},
                                           conditioning=[[torch.zeros(1, 3, 32), {}]])
@@ -269,8 +269,8 @@ def test_train_lora_node_refuses_a_family_without_mapping_before_any_work(base):
 def test_train_lora_validation_sees_which_data_inputs_are_connected(base, linked, message):
     """ComfyUI passes None for a linked input that VALIDATE_INPUTS names and leaves unconnected
     optional inputs out."""
-    verdict = NODES["SegCkptTrainLoRA"].VALIDATE_INPUTS(run_name="r", **linked)
-    assert verdict is True if message is True else message in verdict
+    found = verdict(NODES["SegCkptTrainLoRA"], run_name="r", **linked)
+    assert found is True if message is True else message in found
 
 
 def test_segckpt_run_validates_the_data_inputs_like_comfyui(base):
@@ -364,3 +364,41 @@ def test_text_encoder_option_accepts_one_or_several_folders(tmp_path):
     assert cli.config_from_args(args).text_encoder_path == ("x", "y")
     with pytest.raises(ValueError, match="text_encoder_path=3 is invalid"):
         TrainConfig(text_encoder_path=3)
+
+
+class _RecordingVAE:
+    """ComfyUI's VAE interface for previews: ``decode`` takes raw latents ``(B, C, h, w)`` and gives
+    images ``(B, 8h, 8w, 3)`` in [0, 1]."""
+
+    def __init__(self):
+        self.seen = []
+
+    def decode(self, latents):
+        self.seen.append(latents)
+        gray = torch.sigmoid(latents.mean(dim=1, keepdim=True))
+        return torch.nn.functional.interpolate(gray, scale_factor=8).movedim(1, -1).expand(-1, -1, -1, 3)
+
+
+def test_train_lora_node_previews_decode_with_comfyuis_vae_and_reach_the_page(base, image_runs, monkeypatch):
+    from segmented_checkpointing.nodes import training_nodes
+    from segmented_checkpointing.nodes.environment import local_host
+
+    events = []
+    host = dataclasses.replace(local_host(base), send=lambda event, data: events.append((event, data)))
+    monkeypatch.setattr(training_nodes, "current_host", lambda: host)
+    _, cache, _ = image_runs("flux")
+    latent, conditioning = _as_comfy("flux", cache)
+    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    vae = _RecordingVAE()
+    with torch.inference_mode():
+        NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("flux"), steps=3, run_name="seen",
+                                          latent=latent, conditioning=conditioning, vae=vae, preview_every=2,
+                                          unique_id="7")
+    previews = [data for event, data in events if event == "segckpt.preview"]
+    assert [p["step"] for p in previews] == [2, 3] and all(p["node"] == "7" for p in previews)
+    assert previews[0]["images"] == [{"filename": "step_00002_conditioning0.png",
+                                      "subfolder": "segckpt/seen_00001/previews", "type": "output"}]
+    assert (base / "output" / "segckpt" / "seen_00001" / "previews" / "step_00003_conditioning0.png").is_file()
+    # ComfyUI's VAE decoded one latent per preview round, of the training latents' shape
+    assert len(vae.seen) == 2 and vae.seen[0].shape == (1, *cache["latents"].shape[1:])
+    assert [event for event, _ in events].count("segckpt.loss") == 3

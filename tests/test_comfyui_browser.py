@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from comfy_models import write_closed_loop_files
 from live_comfyui import ROOT, Server, comfyui_path
 
 UI_FILES = sorted((ROOT / "workflows").glob("*.json"))
@@ -43,7 +44,9 @@ def browser_server(tmp_path_factory):
     chromium = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
     if not Path(chromium).exists():
         pytest.skip(f"no Chromium at {chromium} (set CHROMIUM_PATH)")
-    server = Server(checkout, tmp_path_factory.mktemp("comfyui-browser"))
+    base = tmp_path_factory.mktemp("comfyui-browser")
+    write_closed_loop_files(base)  # the closed-loop workflow's model files and images
+    server = Server(checkout, base)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -89,21 +92,30 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptSchedule'
             && n.segckpt?.plan?.block_map)""", timeout=60_000)
         plan = page.evaluate("() => window.app.graph._nodes.find(n => n.type === 'SegCkptSchedule').segckpt")
-        assert plan["error"] is None and plan["plan"]["size"] == "tiny"  # the loader's source is the tiny preset
-        assert set(plan["plan"]["block_map"]) == {"double", "single"} and len(plan["plan"]["block_map"]["double"]) == 8
+        loader = next(n for n in workflow["nodes"] if n["type"] == "SegCkptLoadDiffusionModel")
+        assert plan["error"] is None and plan["plan"]["family"] == loader["widgets_values"][0]
+        if loader["widgets_values"][1] == "(tiny preset)":
+            assert plan["plan"]["size"] == "tiny"
+            assert set(plan["plan"]["block_map"]) == {"double", "single"} and len(plan["plan"]["block_map"]["double"]) == 8
+        else:  # a model file: the strip shows the family's full-size plan
+            assert plan["plan"]["size"] == "full" and plan["plan"]["block_map"]
         offload = next((n for n in workflow["nodes"] if n["type"] == "SegCkptOffloadOptions"), None)
         if offload:  # the strip shows what Train LoRA runs: the offload node's backend over the schedule's
             assert plan["plan"]["mode"].endswith(f"-{offload['widgets_values'][0]}-offload-attn"), plan["plan"]["mode"]
 
     known = set(server.get("/history"))
-    page.evaluate(SET_WIDGETS, {"steps": 3, "resolution": 64, "measured_steps": 1,
-                                "run_name": f"browser_{uuid.uuid4().hex[:8]}"})
+    previews = any(n["type"] == "SegCkptTrainLoRA" and n["widgets_values"][-1] for n in workflow["nodes"])
+    page.evaluate(SET_WIDGETS, {"steps": 3, "resolution": 64, "measured_steps": 1, "width": 64, "height": 64,
+                                "run_name": f"browser_{uuid.uuid4().hex[:8]}", **({"preview_every": 3} if previews else {})})
     page.evaluate("() => window.app.queuePrompt(0, 1)")
     entry = _new_history_entry(server, known)
     assert entry["status"]["status_str"] == "success", entry["status"]
     if "SegCkptTrainLoRA" in types:
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
             && n.segckptLoss?.history.length === 3)""", timeout=30_000)
+    if previews:  # the validation preview of step 3, loaded from the server and drawn on the node
+        page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
+            && n.segckptPreviews?.step === 3 && n.segckptPreviews.images[0]?.naturalWidth === 64)""", timeout=30_000)
 
     version = page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__ ?? 'unknown'")
     shot = Path(os.environ.get("SEGCKPT_ARTIFACTS", tmp_path)) / f"canvas-{ui_file.stem}-frontend-{version}.png"

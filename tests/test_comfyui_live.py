@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
+import torch
+from comfy_models import TRANSFORMER, tiny_sd3_transformer, write_closed_loop_files
 from live_comfyui import (
     NODE_TYPES,
     PACK_FOLDER,
@@ -18,6 +24,8 @@ from live_comfyui import (
     node_id_of,
     queue,
 )
+from original_layouts import sd3_to_mmdit
+from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.train.state import STATE_FILE, read_state_header
 
@@ -27,7 +35,9 @@ WORKFLOWS = tuple(sorted(p.name for p in (ROOT / "workflows" / "api").glob("*.ap
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     checkout = comfyui_path()
-    running = Server(checkout, tmp_path_factory.mktemp("comfyui-base"))
+    base = tmp_path_factory.mktemp("comfyui-base")
+    write_closed_loop_files(base)  # the closed-loop workflow's model files and images
+    running = Server(checkout, base)
     yield running
     running.stop()
 
@@ -50,6 +60,12 @@ def _short(graph: dict, steps: int = 4) -> dict:
             inputs["resolution"] = 64
         if "measured_steps" in inputs:
             inputs["measured_steps"] = 1
+        if node["class_type"] in ("ImageScale", "EmptySD3LatentImage"):
+            inputs.update(width=64, height=64)
+        if node["class_type"] == "KSampler":
+            inputs["steps"] = 2
+        if inputs.get("preview_every"):
+            inputs["preview_every"] = 2
         if "run_name" in inputs:  # a new run folder (no overwrite refusal)
             inputs["run_name"] = f"{inputs['run_name']}_{uuid.uuid4().hex[:8]}"
     return graph
@@ -61,6 +77,18 @@ def _our_traceback(log: str) -> bool:
     blocks = log.split("Traceback (most recent call last):")[1:]
     return any(PACK_FOLDER in block.split("\n\n")[0] or "segmented_checkpointing" in block.split("\n\n")[0]
                for block in blocks)
+
+
+def _completed(server, ws, graph: dict) -> tuple[str, dict]:
+    """Queue ``graph``, wait for its end, check that it succeeded: ``(prompt_id, its history)``."""
+    status, body = queue(server, ws, graph)
+    assert status == 200, body
+    prompt_id = body["prompt_id"]
+    end = ws.wait_for(finished(prompt_id))
+    assert end["type"] != "execution_error", end
+    history = server.get(f"/history/{prompt_id}")[prompt_id]
+    assert history["status"]["status_str"] == "success", history["status"]
+    return prompt_id, history
 
 
 def test_pack_loads_and_lists_every_node(server):
@@ -84,13 +112,7 @@ def test_templates_menu_lists_the_ui_workflows(server):
 def test_api_workflow_completes_with_one_progress_event_per_step(server, ws, name):
     """Every API workflow completes; a training one sends exactly `steps` progress events."""
     graph = _short(api_workflow(name))
-    status, body = queue(server, ws, graph)
-    assert status == 200, body
-    prompt_id = body["prompt_id"]
-    end = ws.wait_for(finished(prompt_id))
-    assert end["type"] != "execution_error", end
-    history = server.get(f"/history/{prompt_id}")[prompt_id]
-    assert history["status"]["status_str"] == "success", history["status"]
+    prompt_id, history = _completed(server, ws, graph)
     if not any(node["class_type"] == "SegCkptTrainLoRA" for node in graph.values()):
         sweep = node_id_of(graph, "SegCkptSweep")
         assert history["outputs"][sweep]["images"][0]["filename"] == "sweep.png"
@@ -235,3 +257,54 @@ def test_errors_name_no_server_path_and_a_bad_key_once(server, ws):
     assert end["type"] == "execution_error"
     message = end["data"]["exception_message"]
     assert "resume=true: there is no run 'never_ran'" in message and str(server.base) not in message
+
+
+def _expected_mmdit_deltas(lora_file: Path, shapes: dict) -> dict:
+    """What a LoRA file changes, in the original MMDiT keys: ``lora_B @ lora_A`` per adapted
+    diffusers weight (the scale is folded into ``lora_B``), zero elsewhere, through the published
+    key mapping (original_layouts.sd3_to_mmdit)."""
+    tensors = load_file(lora_file)
+    deltas = {k: torch.zeros(v) for k, v in shapes.items()}
+    for key, a in tensors.items():
+        if ".lora_A." in key:
+            module = key.removeprefix("transformer.").split(".lora_A.")[0]
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            deltas[f"{module}.weight"] += b.float() @ a.float()
+    return sd3_to_mmdit(deltas)
+
+
+def test_closed_loop_trains_then_samples_with_the_lora_on_comfyuis_model(server, ws):
+    """Single-file model through ComfyUI's loaders and ours, ComfyUI's encoders as the data, the
+    trained LoRA applied by LoraLoaderModelOnly to ComfyUI's own MODEL and sampled by KSampler."""
+    graph = _short(api_workflow("closed_loop_sd3.api.json"))
+    train, save = node_id_of(graph, "SegCkptTrainLoRA"), node_id_of(graph, "SegCkptSaveLoRA")
+    graph[train]["inputs"]["learning_rate"] = 1e-2  # a LoRA delta far above the comparison's tolerance
+    _, history = _completed(server, ws, graph)
+    image = history["outputs"][node_id_of(graph, "SaveImage")]["images"][0]
+    assert (server.base / "output" / image["subfolder"] / image["filename"]).is_file()
+    previews = [m["data"] for m in ws.messages if m["type"] == "segckpt.preview" and m["data"]["node"] == train]
+    assert [p["step"] for p in previews] == [2, 4]
+    shown = previews[-1]["images"][0]
+    assert (server.base / "output" / shown["subfolder"] / shown["filename"]).is_file()
+    lora_name = history["outputs"][save]["text"][0].split()[1].removeprefix("models/loras/")
+    assert "lora key not loaded" not in server.log()
+
+    # the same file applied to ComfyUI's MODEL outside the server: every key used, the patched
+    # weights equal the trained adapter's delta
+    lora_file = server.base / "models" / "loras" / lora_name
+    out = server.base / "comfy_deltas.safetensors"
+    model_file = server.base / "models" / "diffusion_models" / TRANSFORMER
+    done = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(ROOT / "tests" / "comfy_lora_check.py"),
+                           str(comfyui_path()), str(model_file), str(lora_file), str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "lora key not loaded" not in done.stdout, done.stdout
+    got = load_file(out)
+    expected = _expected_mmdit_deltas(lora_file, {k: v.shape for k, v in tiny_sd3_transformer().state_dict().items()})
+    assert got.keys() == expected.keys()
+    changed = {k for k, v in expected.items() if v.abs().max() > 0}
+    # to_q/k/v -> one fused qkv, to_out.0 -> proj; attn in both blocks, attn2 in block 0: 6 weights
+    assert changed == {k for k, v in got.items() if v.abs().max() > 0} and len(changed) == 6
+    assert max(expected[k].abs().max().item() for k in changed) > 1e-3  # a delta the check can see
+    worst = max((got[k] - expected[k]).abs().max().item() for k in got)
+    assert worst <= 1e-5, worst

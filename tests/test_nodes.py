@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import pack_only, verdict
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
@@ -18,15 +19,6 @@ from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
 WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "workflows" / "api").glob("*.api.json"))
-
-
-def _verdict(cls, **inputs):
-    """What ComfyUI reports for a node's VALIDATE_INPUTS: True, or the message (returned, or raised
-    by validators of several inputs so that ComfyUI lists it once)."""
-    try:
-        return cls.VALIDATE_INPUTS(**inputs)
-    except ValueError as exc:
-        return str(exc)
 
 
 @pytest.fixture
@@ -71,9 +63,12 @@ def test_node_functions_return_the_declared_types(base):
     report = NODES["SegCkptRunReport"]().report(run)
     assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
     saved = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")
-    assert saved["ui"]["text"][0].startswith("saved models/loras/node_lora.safetensors (2 steps")
-    tensors = load_file(base / "models" / "loras" / "node_lora.safetensors")
+    assert saved["ui"]["text"][0].startswith("saved models/loras/node_lora_00001.safetensors (2 steps")
+    assert saved["result"] == ("node_lora_00001.safetensors",)  # links into LoraLoaderModelOnly.lora_name
+    tensors = load_file(base / "models" / "loras" / "node_lora_00001.safetensors")
     assert tensors and all(k.startswith("transformer.") for k in tensors)
+    again = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")  # a second save never overwrites the first
+    assert again["result"] == ("node_lora_00002.safetensors",)
 
 
 @pytest.mark.parametrize("cls, inputs, text", [
@@ -85,8 +80,8 @@ def test_node_functions_return_the_declared_types(base):
     ("SegCkptLoadDiffusionModel", {"source": "../outside"}, "source='../outside'"),
 ])
 def test_paths_are_contained(base, cls, inputs, text):
-    verdict = _verdict(NODES[cls], **inputs)
-    assert verdict is not True and text in verdict
+    found = verdict(NODES[cls], **inputs)
+    assert found is not True and text in found
 
 
 def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
@@ -104,7 +99,7 @@ def _graph(name="train_segmented_lora.api.json"):
     (lambda g: g["5"]["inputs"].pop("steps"), "node 5 (SegCkptTrainLoRA): required input steps is missing"),
     (lambda g: g["3"]["inputs"].update(gradient_checkpointing_interval="two"), "gradient_checkpointing_interval='two'"),
     (lambda g: g["3"]["inputs"].update(gradient_checkpointing_segment_stride=1), "gradient_checkpointing_segment_stride=1"),
-    (lambda g: g["1"].update(class_type="KSampler"), "node 1: type 'KSampler' is not a node of this pack"),
+    (lambda g: g["1"].update(class_type="KSampler"), "node 1 'KSampler': not nodes of this pack"),
     (lambda g: g["2"]["inputs"].update(folder="/etc"), "node 2 (SegCkptImageCaptionDataset): folder='/etc'"),
     (lambda g: g["6"]["inputs"].update(filename_prefix="../../x"), "filename_prefix='../../x'"),
 ])
@@ -120,6 +115,12 @@ def test_invalid_graphs_fail_before_any_node_runs(base, mutate, message):
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
 def test_every_api_workflow_runs_through_segckpt_run(tmp_path, workflow, capsys):
     graph = load_api_graph(workflow)
+    if not pack_only(workflow):  # the closed loop: ComfyUI's own loaders, encoders and sampler
+        assert cli.main(["run", str(workflow), "--base-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "node 1 'UNETLoader'" in err and "queue a workflow that uses ComfyUI's own nodes" in err
+        assert not (tmp_path / "output").exists()
+        return
     for node in graph.values():  # keep CI short: fewer steps, smaller images; same graph otherwise
         if node["class_type"] == "SegCkptTrainLoRA":
             node["inputs"]["steps"] = 3
@@ -137,10 +138,10 @@ def test_every_api_workflow_runs_through_segckpt_run(tmp_path, workflow, capsys)
         assert len(loras) == 1 and load_file(loras[0])
         assert "plan (flux" in out
     if "SegCkptSweep" in types:
-        assert {p.name for p in (tmp_path / "output" / "segckpt" / "sweep").iterdir()} >= {
+        assert {p.name for p in (tmp_path / "output" / "segckpt" / "sweep_00001").iterdir()} >= {
             "sweep.md", "sweep.csv", "sweep.json", "sweep.png"}
     if "SegCkptSchedulePlanner" in types:
-        assert json.loads((tmp_path / "output" / "segckpt" / "plan" / "schedule.json").read_text())
+        assert json.loads((tmp_path / "output" / "segckpt" / "plan_00001" / "schedule.json").read_text())
 
 
 def test_segckpt_run_refuses_unknown_node_types(tmp_path, capsys):
@@ -155,11 +156,11 @@ def test_schedule_node_refuses_a_backend_the_family_cannot_run():
     ok = dict(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_interval=2,
               gradient_checkpointing_segment_stride=4, gradient_checkpointing_offload_attention=False)
     assert schedule.VALIDATE_INPUTS(family="flux", **ok) is True
-    verdict = _verdict(schedule, family="ideogram4", **ok)  # no FFN boundary (SPEC.md)
-    assert "gradient_checkpointing_backend='torch-ffn'" in verdict and "ideogram4" in verdict
-    verdict = _verdict(schedule, family="ideogram4", **{**ok, "gradient_checkpointing_backend": "torch",
-                                                              "gradient_checkpointing_offload_attention": True})
-    assert "gradient_checkpointing_offload_attention=True" in verdict
+    found = verdict(schedule, family="ideogram4", **ok)  # no FFN boundary (SPEC.md)
+    assert "gradient_checkpointing_backend='torch-ffn'" in found and "ideogram4" in found
+    found = verdict(schedule, family="ideogram4", **{**ok, "gradient_checkpointing_backend": "torch",
+                                                            "gradient_checkpointing_offload_attention": True})
+    assert "gradient_checkpointing_offload_attention=True" in found
 
 
 def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
@@ -191,4 +192,4 @@ def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
     assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0
     assert report["attention_backend"] == ["flash", "math"] and report["config"]["on_nonfinite"] == "skip"
     assert all(type(m) is torch.nn.Linear for m in model.transformer.modules() if isinstance(m, torch.nn.Linear))
-    assert "attention_backend='sage'" in _verdict(NODES["SegCkptTrainLoRA"], run_name="run", attention_backend="sage")
+    assert "attention_backend='sage'" in verdict(NODES["SegCkptTrainLoRA"], run_name="run", attention_backend="sage")

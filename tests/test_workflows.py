@@ -15,9 +15,30 @@ WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING")
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
 
 
-def _widget_names(cls) -> list[tuple[str, bool]]:
+# ComfyUI 0.3.64's own nodes used by the shipped workflows: their widgets in the frontend's order
+# (name, has a control_after_generate widget after it); None: a frontend-only widget (LoadImage's
+# upload button), not sent to the server.
+CORE_WIDGETS = {
+    "UNETLoader": [("unet_name", False), ("weight_dtype", False)],
+    "CLIPLoader": [("clip_name", False), ("type", False), ("device", False)],
+    "VAELoader": [("vae_name", False)],
+    "LoadImage": [("image", False), None],
+    "ImageScale": [("upscale_method", False), ("width", False), ("height", False), ("crop", False)],
+    "ImageBatch": [], "VAEEncode": [], "VAEDecode": [], "ConditioningCombine": [],
+    "CLIPTextEncode": [("text", False)],
+    "LoraLoaderModelOnly": [("lora_name", False), ("strength_model", False)],
+    "EmptySD3LatentImage": [("width", False), ("height", False), ("batch_size", False)],
+    "KSampler": [("seed", True), ("steps", False), ("cfg", False), ("sampler_name", False), ("scheduler", False),
+                 ("denoise", False)],
+    "SaveImage": [("filename_prefix", False)],
+}
+
+
+def _widget_names(kind: str) -> list[tuple[str, bool] | None]:
     """(name, has a control_after_generate widget after it), in the order the frontend makes widgets."""
-    declared = cls.INPUT_TYPES()
+    if kind in CORE_WIDGETS:
+        return CORE_WIDGETS[kind]
+    declared = NODES[kind].INPUT_TYPES()
     names = []
     for section in ("required", "optional"):
         for name, spec in declared.get(section, {}).items():
@@ -33,11 +54,14 @@ def _as_api(ui: dict) -> dict:
     links = {link[0]: link for link in ui["links"]}
     graph = {}
     for node in ui["nodes"]:
-        cls = NODES[node["type"]]
         values = list(node.get("widgets_values") or [])
         inputs = {}
-        for name, control in _widget_names(cls):
-            inputs[name] = values.pop(0)
+        for widget in _widget_names(node["type"]):
+            value = values.pop(0)
+            if widget is None:
+                continue
+            name, control = widget
+            inputs[name] = value
             if control:
                 assert values.pop(0) == "fixed", f"{node['type']}.{name}: seed control must be 'fixed' (reproducible)"
         assert not values, f"node {node['id']} ({node['type']}): extra widget values {values}"
@@ -45,7 +69,7 @@ def _as_api(ui: dict) -> dict:
             if slot.get("link") is not None:
                 _, origin, origin_slot, target, _, _ = links[slot["link"]]
                 assert target == node["id"]
-                inputs[slot["name"]] = [str(origin), origin_slot]
+                inputs[slot["name"]] = [str(origin), origin_slot]  # a linked widget: the link wins
         graph[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
     return graph
 
@@ -83,11 +107,22 @@ RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunRep
                  "SegCkptSchedulePlanner": 190, "SegCkptSaveLoRA": 60, "SegCkptSweep": 190, "SegCkptLossGraph": 200}
 TITLE = 30
 VIEW = (1280, 720)  # the smallest common screen's canvas; the frontends open a workflow at its extra.ds
+CHROME = (60, 60)  # the canvas under frontend 1.58's sidebar and graph breadcrumb
+
+
+PREVIEWS = 112  # Train LoRA's preview row (web/train_loss_curve.js), when previews are on
+
+
+def _extra(node: dict) -> float:
+    extra = RUNTIME_EXTRA.get(node["type"], 0)
+    if node["type"] == "SegCkptTrainLoRA" and node["widgets_values"][-1]:  # preview_every, its last widget
+        extra += PREVIEWS
+    return extra
 
 
 def _boxes(ui: dict) -> list[tuple[str, float, float, float, float]]:
     return [(n["type"], n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0],
-             n["pos"][1] + n["size"][1] + RUNTIME_EXTRA.get(n["type"], 0)) for n in ui["nodes"]]
+             n["pos"][1] + n["size"][1] + _extra(n)) for n in ui["nodes"]]
 
 
 @pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)
@@ -97,8 +132,14 @@ def test_no_node_covers_another_and_the_strip_is_in_view(ui_file):
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (ui_file.name, a[0], b[0])
+    groups = [(g["title"], g["bounding"][0], g["bounding"][1], g["bounding"][0] + g["bounding"][2],
+               g["bounding"][1] + g["bounding"][3]) for g in ui.get("groups", [])]
+    for i, a in enumerate(groups):
+        for b in groups[i + 1:]:
+            assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (ui_file.name, a[0], b[0])
     ds = ui["extra"]["ds"]
     for kind, x0, y0, x1, y1 in boxes:
         if kind in ("SegCkptSchedule", "SegCkptTrainLoRA", "SegCkptSchedulePlanner"):
             screen = [(v + ds["offset"][i % 2]) * ds["scale"] for i, v in enumerate((x0, y0, x1, y1))]
-            assert 0 <= screen[0] and 0 <= screen[1] and screen[2] <= VIEW[0] and screen[3] <= VIEW[1], (kind, screen)
+            assert CHROME[0] <= screen[0] and CHROME[1] <= screen[1], (kind, screen)  # not under the frontend's bars
+            assert screen[2] <= VIEW[0] and screen[3] <= VIEW[1], (kind, screen)

@@ -145,3 +145,14 @@ export function textLines(text, maxLines = 12, maxChars = 96) {
   if (lines.length <= maxLines) return lines;
   return [...lines.slice(0, maxLines - 1), `… ${lines.length - maxLines + 1} more lines`];
 }
+
+/**
+ * The `/view` URL (relative to the API root) of an output file the node reported.
+ * @param {{filename: string, subfolder?: string, type?: string}} file
+ * @returns {string} e.g. "/view?filename=step_00004_prompt0.png&subfolder=segckpt%2Frun_00001%2Fpreviews&type=output"
+ */
+export function previewUrl(file) {
+  const params = new URLSearchParams({ filename: file.filename, subfolder: file.subfolder ?? "",
+                                       type: file.type ?? "output" });
+  return `/view?${params}`;
+}

@@ -1,11 +1,13 @@
 // Train LoRA node: a live loss curve from the `segckpt.loss` websocket events the node sends once
-// per optimizer step ({node, step, total, loss}).
+// per optimizer step ({node, step, total, loss}), and the validation previews from
+// `segckpt.preview` events ({node, step, images: [{filename, subfolder, type}]}) under it.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
-import { lossPoints, recordLoss } from "./segckpt_common.js";
+import { lossPoints, previewUrl, recordLoss } from "./segckpt_common.js";
 
 const HEIGHT = 96;
+const PREVIEW = 112;
 
 function draw(node, ctx, area) {
   const state = node.segckptLoss;
@@ -13,27 +15,40 @@ function draw(node, ctx, area) {
   ctx.font = "11px sans-serif";
   ctx.textBaseline = "middle";
   ctx.strokeStyle = "#3f3f46";
-  ctx.strokeRect(area.x, area.y + 14, area.w, area.h - 14);
+  ctx.strokeRect(area.x, area.y + 14, area.w, HEIGHT - 20);
   ctx.fillStyle = "#a1a1aa";
   if (!state?.history.length) {
     fillText(ctx, "loss: waiting for the first step", area.x, area.y + 6, area.w);
-    ctx.restore();
-    return;
+  } else {
+    const last = state.history[state.history.length - 1];
+    fillText(ctx, `step ${last.step}/${state.total}  loss ${last.loss.toFixed(4)}`, area.x, area.y + 6, area.w);
+    const box = { x: area.x + 4, y: area.y + 18, w: area.w - 8, h: HEIGHT - 28 };
+    const { points } = lossPoints(state.history, box, state.total);
+    ctx.strokeStyle = "#60a5fa";
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    points.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
+    ctx.stroke();
   }
-  const last = state.history[state.history.length - 1];
-  fillText(ctx, `step ${last.step}/${state.total}  loss ${last.loss.toFixed(4)}`, area.x, area.y + 6, area.w);
-  const box = { x: area.x + 4, y: area.y + 18, w: area.w - 8, h: area.h - 22 };
-  const { points } = lossPoints(state.history, box, state.total);
-  ctx.strokeStyle = "#60a5fa";
-  ctx.lineWidth = 1.5;
-  ctx.beginPath();
-  points.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
-  ctx.stroke();
+  const previews = node.segckptPreviews;
+  if (previews?.images.length) {
+    const y = area.y + HEIGHT;
+    fillText(ctx, `previews after step ${previews.step}`, area.x, y + 6, area.w);
+    const side = PREVIEW - 20;
+    previews.images.forEach((image, i) => {
+      if (image.complete && image.naturalWidth) ctx.drawImage(image, area.x + i * (side + 4), y + 14, side, side);
+    });
+  }
   ctx.restore();
 }
 
 function nodeById(id) {
   return app.graph?.getNodeById(Number(id)) ?? app.graph?.getNodeById(id) ?? null;
+}
+
+function redraw(node) {
+  node.setDirtyCanvas?.(true, false);
+  app.graph.setDirtyCanvas?.(true, false);
 }
 
 app.registerExtension({
@@ -45,13 +60,25 @@ app.registerExtension({
       const state = (node.segckptLoss ??= { history: [], total: detail.total });
       state.history = recordLoss(state.history, detail);
       state.total = detail.total;
-      node.setDirtyCanvas?.(true, false);
-      app.graph.setDirtyCanvas?.(true, false);
+      redraw(node);
+    });
+    api.addEventListener("segckpt.preview", ({ detail }) => {
+      const node = nodeById(detail.node);
+      if (!node) return;
+      const images = detail.images.map((file) => {
+        const image = new Image();
+        image.onload = () => redraw(node);
+        image.src = api.apiURL(previewUrl(file));
+        return image;
+      });
+      node.segckptPreviews = { step: detail.step, images };
+      fitHeight(node);
+      redraw(node);
     });
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "SegCkptTrainLoRA") return;
-    addBottomPanel(nodeType, () => HEIGHT, draw);
+    addBottomPanel(nodeType, (node) => HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0), draw);
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);

@@ -204,6 +204,12 @@ class TrainConfig:
                                "it, go on).", "--on-nonfinite")
     save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
                              "interruption).", "--save-every", long_run=True)
+    validation_every: int = option(0, "Every N steps (and at the last), sample one small image per validation "
+                                   "prompt with the LoRA being trained, saved under previews/ beside the report "
+                                   "(0 = off; flow-matching families).", "--validation-every")
+    validation_prompts: tuple[str, ...] | None = option(None, "Prompts of the previews (default: the first caption "
+                                                        "of the data).", "--validation-prompt")
+    validation_steps: int = option(8, "Sampler steps per preview (flow-matching Euler).", "--validation-steps")
     timing_warmup_steps: int = option(2, "Steps excluded from the sec/step figure (warm-up).",
                                       "--timing-warmup-steps", long_run=True)
 
@@ -249,6 +255,17 @@ class TrainConfig:
         _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
               self.timing_warmup_steps, "an integer >= 0")
+        _need(_int(self.validation_every) and self.validation_every >= 0, "validation_every", self.validation_every,
+              "an integer >= 0")
+        _need(_int(self.validation_steps) and 1 <= self.validation_steps <= 1000, "validation_steps",
+              self.validation_steps, "an integer from 1 to 1000")
+        prompts = self.validation_prompts
+        if isinstance(prompts, str):
+            prompts = (prompts,)
+        _need(prompts is None or (isinstance(prompts, (list, tuple)) and 0 < len(prompts) <= 16
+                                  and all(isinstance(p, str) for p in prompts)),
+              "validation_prompts", self.validation_prompts, "up to 16 prompts (strings), or unset")
+        object.__setattr__(self, "validation_prompts", tuple(prompts) if prompts is not None else None)
 
     def check_input_paths(self) -> None:
         """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any

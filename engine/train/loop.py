@@ -30,7 +30,7 @@ from ..core.memory import PeakMemory, StepTimer, format_mib
 from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
 from .atomic import remove_stale_temporaries
-from .attention_kernels import check_attention_backend
+from .attention_kernels import check_attention_backend, sdpa_context
 from .config import ConfigError, TrainConfig
 from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
 from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
@@ -50,6 +50,7 @@ from .single_file import load_model_file, stored_file_dtype
 from .state import STATE_FILE, TrainingState, load_state, save_state
 from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
 from .text import TextEncoderWarning, describe_text_encoder, stand_in_warning
+from .validation import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews, vae_decoder
 
 LORA_FILE = "lora.safetensors"
 __all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "learning_rate_at",
@@ -137,6 +138,9 @@ class TrainingRun:
         log: where progress lines go.
         cache_dir: folder of the latent cache (default ``<output>/cache``); runs of the same
             data and model may share one.
+        prepared: latents and text states a caller encoded (ComfyUI's encoders) instead of images.
+        preview_source: what validation previews sample from (default: the validation prompts
+            through the bundle's text encoder, decoded by its VAE).
         prepared: latents and text embeddings prepared by the caller (ComfyUI's LATENT and
             CONDITIONING, :func:`~.prepared.prepare_comfy_data`), trained on instead of scanning
             ``config.data`` (which must then be unset); the data position of the resumable state
@@ -156,7 +160,7 @@ class TrainingRun:
 
     def __init__(self, config: TrainConfig, *, bundle: ModelBundle | None = None,
                  log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
-                 prepared: PreparedData | None = None):
+                 prepared: PreparedData | None = None, preview_source: PreviewSource | None = None):
         if prepared is not None and config.data is not None:
             raise ConfigError(f"data={config.data!r} is invalid with prepared data: allowed unset (one data source)")
         config.check_paths()
@@ -169,7 +173,8 @@ class TrainingRun:
         self.context: StepContext | None = None
         self.history: list[dict[str, Any]] = []
         self.result: TrainResult | None = None
-        self.bundle, self.prepared = bundle, prepared
+        self.bundle, self.prepared, self.preview_source = bundle, prepared, preview_source
+        self.validation_peak, self.dataset = 0, None
         self._stop, self._started = False, False
 
     def stop(self) -> None:
@@ -213,6 +218,7 @@ class TrainingRun:
                         self._write_outputs(interrupted=False, stopped=str(exc))
                         raise
                     self._log_step(record)
+                    self._previews(record)  # every validation_every steps: after the step, outside its timing
                 yield record
                 with self._work():
                     if self._after_step(step):
@@ -272,7 +278,49 @@ class TrainingRun:
             self.kernels, PeakMemory(device, exclude=offloader.pool.is_host if offloader else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch)
+        self._set_up_previews(bundle, cache)
         return start
+
+    def _set_up_previews(self, bundle: ModelBundle, cache: dict[str, torch.Tensor]) -> None:
+        """The source of validation previews, or none (off, an epsilon family, nothing to decode)."""
+        config, family = self.config, bundle.family
+        if not config.validation_every:
+            return
+        if family.objective != "flow":
+            self.preview_source = None
+            self.log(f"previews: off ({family.name} trains on the {family.objective} objective; previews sample "
+                     "flow-matching families)")
+            return
+        if self.preview_source is None and bundle.vae is not None:
+            prompts = list(config.validation_prompts or [self._first_caption() or "a photo"])
+            self.preview_source = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, self.device),
+                                                tuple(cache["latents"].shape[1:]),
+                                                [f"prompt{i}" for i in range(len(prompts))])
+        if self.preview_source is None:
+            self.log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
+
+    def _first_caption(self) -> str:
+        return self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
+
+    def _previews(self, record: StepRecord) -> None:
+        """Sample and save the previews due after ``record``'s step; their paths go in the record."""
+        if self.preview_source is None or not previews_at(record.step, self.config.validation_every,
+                                                          self.config.steps):
+            return
+        ctx = self.context
+
+        @contextlib.contextmanager
+        def kernels_and_autocast():
+            with sdpa_context(self.kernels), self.precision.autocast(self.device):
+                yield
+
+        paths, peak = run_previews(ctx.model, ctx.family, self.preview_source, self.config.validation_steps,
+                                   self.config.seed, self.device, kernels_and_autocast, self.output / PREVIEW_FOLDER,
+                                   record.step)
+        self.validation_peak = max(self.validation_peak, peak)
+        record.previews = [p.relative_to(self.output).as_posix() for p in paths]
+        self.history[-1]["previews"] = record.previews
+        self.log(f"step {record.step}: previews {', '.join(record.previews)}")
 
     def _prepare_data(self, bundle: ModelBundle) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The run's cache (latents, text) and the cache row of each position of an epoch; sets
@@ -294,7 +342,7 @@ class TrainingRun:
                                  "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
                                  "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
         data_dir = config.data or write_sample_dataset(self.output / "sample_data")
-        dataset = scan_dataset(data_dir)
+        dataset = self.dataset = scan_dataset(data_dir)
         samples, epoch = dataset.samples, dataset.epoch
         cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
                               bundle.family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
@@ -337,7 +385,8 @@ class TrainingRun:
         memory = {"frozen_weight_bytes": self.base.frozen_bytes,
                   "lora_bytes": sum(tensor_bytes(p) for _, p in ctx.named_params),
                   "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
-                                               for t in slots.values() if isinstance(t, torch.Tensor))}
+                                               for t in slots.values() if isinstance(t, torch.Tensor)),
+                  "validation_peak_bytes": self.validation_peak}
         setup = {"precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                "quantized_linear_layers": self.base.quantized_linear_layers},
                  "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped,
@@ -352,11 +401,11 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
           on_step: Callable[[StepRecord, int], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
           log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
-          prepared: PreparedData | None = None) -> TrainResult:
+          prepared: PreparedData | None = None, preview_source: PreviewSource | None = None) -> TrainResult:
     """Run :class:`TrainingRun` to its end.
 
     Args:
-        config, bundle, log, cache_dir, prepared: see :class:`TrainingRun`.
+        config, bundle, log, cache_dir, prepared, preview_source: see :class:`TrainingRun`.
         on_step: called after every optimizer step with ``(record, total_steps)``.
         should_stop: polled after every optimizer step; when it returns True the resumable state
             is saved and the run ends cleanly (``TrainResult.interrupted``).
@@ -364,7 +413,8 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
     Raises:
         See :class:`TrainingRun`.
     """
-    run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir, prepared=prepared)
+    run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir, prepared=prepared,
+                      preview_source=preview_source)
     for record in run:
         if on_step is not None:
             on_step(record, config.steps)

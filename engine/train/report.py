@@ -36,8 +36,9 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     tracker's peak of tensors created during the step (weights and the cached data excluded).
     """
     measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
-    peak = max((h["peak_bytes"] for h in history), default=0)
     setup = dict(setup or {})
+    # the run's peak: every step's, and the preview phase's (it counts, and is also given apart)
+    peak = max([h["peak_bytes"] for h in history] + [setup.get("memory", {}).get("validation_peak_bytes", 0)])
     # the step's own memory above what it started with; step 1 also creates the optimizer state
     later = history[1:] or history
     memory = {**setup.pop("memory", {}), "activation_peak_bytes": max(

@@ -9,7 +9,7 @@ offloaded inputs come back) -> the non-finite guard (one synchronisation) -> the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -50,6 +50,7 @@ class StepRecord:
             activation and gradient memory.
         skipped: why the update of this step was dropped (``on_nonfinite=skip``, or an fp16
             loss-scale overflow), else None.
+        previews: preview images sampled after this step (paths relative to the output folder).
     """
 
     step: int
@@ -66,6 +67,7 @@ class StepRecord:
     pool_buckets: int = 0
     start_bytes: int = 0
     skipped: str | None = None
+    previews: list[str] = field(default_factory=list)
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:

@@ -93,3 +93,9 @@ test("textLines keeps the first lines, elides the rest and long lines", async ()
   assert.equal(textLines("x".repeat(200), 3, 10)[0], "xxxxxxxxx…");
   assert.ok(TEXT_NODES.includes("SegCkptSaveLoRA") && TEXT_NODES.includes("SegCkptSchedulePlanner"));
 });
+
+test("previewUrl names the output file for ComfyUI's /view route", async () => {
+  const { previewUrl } = await import("../../web/segckpt_common.js");
+  const url = previewUrl({ filename: "step_00004_prompt0.png", subfolder: "segckpt/run_00001/previews", type: "output" });
+  assert.equal(url, "/view?filename=step_00004_prompt0.png&subfolder=segckpt%2Frun_00001%2Fpreviews&type=output");
+});

@@ -1,0 +1,80 @@
+"""Random-init models that a real ComfyUI loads with its own loader nodes, written into a ComfyUI
+base folder for the closed-loop workflow (workflows/closed_loop_sd3.json) in the live tests.
+
+ComfyUI builds its SD3 text encoder and VAE at their released sizes whatever the file holds (CLIP-L:
+width 768, 12 layers; VAE: channels 128-256-512-512, 16 latent channels), so those two are full
+size (random, fp16: about 250 and 170 MB); the transformer is a tiny SD3.5-style MMDiT (2 joint
+blocks, width 128 = 64 x depth as ComfyUI's MMDiT requires, one dual-attention block) written in
+Stability AI's original key layout. File names are those the workflow ships with, the names of the
+released files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from original_layouts import sd3_to_mmdit
+from PIL import Image
+from safetensors.torch import save_file
+
+TRANSFORMER = "sd3.5_medium.safetensors"
+TEXT_ENCODER = "clip_l.safetensors"
+VAE = "sd3.5_vae.safetensors"
+IMAGES = ("astronaut.png", "coffee.png")
+
+# SD3Transformer2DModel config: ComfyUI reads depth from the width (64 per block), heads = depth
+TINY_SD3 = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
+            "attention_head_dim": 64, "num_attention_heads": 2, "joint_attention_dim": 4096,
+            "caption_projection_dim": 128, "pooled_projection_dim": 2048, "pos_embed_max_size": 32,
+            "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
+
+
+def tiny_sd3_transformer(seed: int = 0):
+    """The tiny ``SD3Transformer2DModel`` (fp32) whose original-layout file the workflow loads."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(**TINY_SD3).eval()
+
+
+def _fp16(state: dict) -> dict:
+    return {k: v.detach().to(torch.float16).contiguous() for k, v in state.items()}
+
+
+def write_closed_loop_files(base: Path, seed: int = 0) -> dict[str, Path]:
+    """Write the transformer, CLIP-L, VAE and two input images under ``base`` (a ComfyUI base
+    folder: ``models/...``, ``input/``). Returns the written paths by role."""
+    from diffusers import AutoencoderKL
+    from skimage import data
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    paths = {"transformer": base / "models" / "diffusion_models" / TRANSFORMER,
+             "text_encoder": base / "models" / "text_encoders" / TEXT_ENCODER,
+             "vae": base / "models" / "vae" / VAE}
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd3_to_mmdit(tiny_sd3_transformer(seed).state_dict()).items()},
+              str(paths["transformer"]))
+    torch.manual_seed(seed + 1)
+    clip = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                        num_attention_heads=12, max_position_embeddings=77, projection_dim=768,
+                                        hidden_act="quick_gelu"))
+    state = {k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in clip.state_dict().items()}
+    state["text_projection.weight"] = torch.randn(768, 768) * 768 ** -0.5
+    save_file(_fp16(state), str(paths["text_encoder"]))  # the released file's keys (transformers 4 names)
+    del clip
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        block_out_channels=(128, 256, 512, 512), use_quant_conv=False, use_post_quant_conv=False,
+                        scaling_factor=1.5305, shift_factor=0.0609)
+    save_file(_fp16(vae.state_dict()), str(paths["vae"]))
+    del vae
+    (base / "input").mkdir(parents=True, exist_ok=True)
+    for name in IMAGES:
+        pixels = getattr(data, name.removesuffix(".png"))()
+        Image.fromarray(np.asarray(pixels)).convert("RGB").save(base / "input" / name)
+        paths[name] = base / "input" / name
+    return paths

@@ -1,0 +1,128 @@
+"""Validation previews: when they are due, that the sampler integrates the flow the families train
+on, that the decoder undoes the cache's normalisation, and that previews during a run are written,
+reported and leave the training itself unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from segmented_checkpointing.engine.families import TextBatch
+from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
+from segmented_checkpointing.engine.train.data import encode_latents
+from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.train.loop import TrainingRun
+from segmented_checkpointing.engine.train.lora_io import LoraSettings
+from segmented_checkpointing.engine.train.validation import PreviewSource, previews_at, sample, vae_decoder
+
+
+@pytest.mark.parametrize("every, last, due", [(0, 5, []), (2, 5, [2, 4, 5]), (5, 5, [5]), (7, 5, [5]),
+                                              (1, 3, [1, 2, 3])])
+def test_previews_are_due_every_n_steps_and_at_the_last(every, last, due):
+    assert [s for s in range(1, last + 1) if previews_at(s, every, last)] == due
+
+
+class _ExactVelocity(torch.nn.Module):
+    """The flow-matching velocity of one known sample ``x0``: on the path
+    ``x = (1 - sigma) x0 + sigma noise`` it is ``noise - x0 = (x - x0) / sigma``."""
+
+    def __init__(self, x0):
+        super().__init__()
+        self.x0 = x0
+
+    def forward(self, x, sigma):
+        return (x - self.x0) / sigma.view(-1, *([1] * (x.ndim - 1)))
+
+
+def test_the_sampler_integrates_the_trained_flow_to_its_data():
+    """Euler steps along the exact velocity land on ``x0`` whatever the step count: the sign, the
+    sigmas and the update are those of the families' training target (noise - latents)."""
+    x0 = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    family = SimpleNamespace(make_inputs=lambda model, x, sigma, text: {"x": x, "sigma": sigma},
+                             read_output=lambda model, output, x: output)
+    source = PreviewSource(TextBatch(torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool)), lambda z: z,
+                           (4, 3, 3), ["a", "b"])
+    for steps in (1, 4, 8):
+        out = sample(_ExactVelocity(x0), family, source, steps, seed=0, device=torch.device("cpu"),
+                     autocast=contextlib.nullcontext)
+        torch.testing.assert_close(out, x0, atol=1e-5, rtol=0)
+
+
+def test_the_decoder_undoes_the_caches_normalisation():
+    vae = build_preset("flux").vae.eval()
+    pixels = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        latents = encode_latents(vae, pixels, video=False)
+        raw = vae.encode(pixels).latent_dist.mode()
+        expected = ((vae.decode(raw).sample + 1) / 2).clamp(0, 1)
+    torch.testing.assert_close(vae_decoder(vae, torch.device("cpu"))(latents), expected, atol=1e-5, rtol=0)
+
+
+def _config(tmp_path, name, **changes):
+    base = TrainConfig(family="flux", output=str(tmp_path / name), resolution=32, steps=3, batch_size=2,
+                       lora=LoraSettings(rank=4, alpha=4.0), timing_warmup_steps=0, data=str(tmp_path / "data"))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from segmented_checkpointing.engine.train.data import write_sample_dataset
+
+    root = tmp_path_factory.mktemp("previews")
+    write_sample_dataset(root / "data")
+    return root
+
+
+def _run(config):
+    lines = []
+    with pytest.warns(UserWarning):  # the stand-in text embedder's notice
+        run = TrainingRun(config, bundle=build_preset("flux"), log=lines.append)
+        records = list(run)
+    return run, records, lines
+
+
+def test_previews_are_written_and_reported_and_leave_training_unchanged(data_dir):
+    plain, plain_records, _ = _run(_config(data_dir, "plain"))
+    config = _config(data_dir, "previews", validation_every=2, validation_prompts=("a cat", "a dog"),
+                     validation_steps=3)
+    run, records, lines = _run(config)
+    assert [r.loss for r in records] == [r.loss for r in plain_records]  # previews draw no training RNG
+    trained, reference = load_file(run.output / "lora.safetensors"), load_file(plain.output / "lora.safetensors")
+    assert all(torch.equal(trained[k], reference[k]) for k in reference)
+    assert [r.previews for r in records] == [
+        [], ["previews/step_00002_prompt0.png", "previews/step_00002_prompt1.png"],
+        ["previews/step_00003_prompt0.png", "previews/step_00003_prompt1.png"]]
+    for name in records[1].previews + records[2].previews:
+        with Image.open(run.output / name) as image:
+            assert image.size == (32, 32) and image.mode == "RGB"
+    assert any("previews previews/step_00002_prompt0.png" in line for line in lines)
+    report = json.loads((run.output / "report.json").read_text())
+    validation_peak = report["memory"]["validation_peak_bytes"]
+    assert validation_peak > 0 and report["steps"][1]["previews"] == records[1].previews
+    assert report["totals"]["peak_bytes"] >= validation_peak
+    plain_report = json.loads((plain.output / "report.json").read_text())
+    assert plain_report["memory"]["validation_peak_bytes"] == 0
+
+
+def test_an_epsilon_family_says_previews_are_off(data_dir):
+    config = dataclasses.replace(_config(data_dir, "pixart", validation_every=1, steps=1), family="pixart")
+    lines = []
+    with pytest.warns(UserWarning):
+        run = TrainingRun(config, bundle=build_preset("pixart"), log=lines.append)
+        records = list(run)
+    assert records[0].previews == [] and not (run.output / "previews").exists()
+    assert any("previews: off (pixart trains on the epsilon objective" in line for line in lines)
+
+
+@pytest.mark.parametrize("key, value", [("validation_every", -1), ("validation_steps", 0),
+                                        ("validation_prompts", ["x"] * 17)])
+def test_bad_preview_settings_are_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=key):
+        TrainConfig.from_dict({key: value})
