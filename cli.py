@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -31,11 +32,14 @@ for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.to
 from .engine.core.backends import BACKENDS
 from .engine.core.schedule import HELP as SCHEDULE_HELP
 from .engine.core.support import support_table
+from .engine.measure.guarded import guarded_train
 from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
+from .engine.measure.preflight import preflight
 from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
+from .engine.train.atomic import atomic_write_text
 from .engine.train.config import ConfigError, TrainConfig, read_config_file
 from .engine.train.loading import detect_family
-from .engine.train.loop import load_bundle, resolve_device, train
+from .engine.train.loop import load_bundle, resolve_device
 from .engine.train.lora_io import LoraSettings
 from .engine.train.single_file import identify_file
 
@@ -54,14 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
     _add_run_options(train)
-    for option, key in _SCHEDULE_OPTIONS:
-        extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
-        train.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
-    train.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
-                       const=False, default=None, help="Turn gradient checkpointing off (fastest, highest peak).")
-    train.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
-                       action="store_const", const=True, default=None,
-                       help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
+    _add_schedule_options(train)
     sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
@@ -80,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
                       help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
                            "before deciding (0 = predict only; default 3).")
+    plan.add_argument("--check", dest="plan_check", action="store_true", default=False,
+                      help="Pre-flight instead: judge the given schedule (the options below, or --config) against "
+                           "--budget in every phase (each batch shape, the previews) and name the schedule that "
+                           "would fit; exit status 0 when it fits, 1 when it does not.")
+    _add_schedule_options(plan)
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
                        help="Measured steps per mode after warm-up (default 3).")
@@ -95,6 +97,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("workflow", help="FILE.api.json")
     run.add_argument("--base-dir", default=".", help="Folder holding input/, models/ and output/ (default: .).")
     return parser
+
+
+def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """The six schedule keys as options (``train``, and ``plan --check``'s schedule)."""
+    for option, key in _SCHEDULE_OPTIONS:
+        extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
+        parser.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
+    parser.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
+                        const=False, default=None, help="Turn gradient checkpointing off (fastest, highest peak).")
+    parser.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
+                        action="store_const", const=True, default=None,
+                        help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
 
 
 def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = None) -> None:
@@ -186,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = _StopOnSignal()
         try:
             with stop:
-                result = train(config, should_stop=stop)
-        except ValueError as exc:  # ModelLoadError, DatasetError, LoraConfigError, TrainingDiverged, ...
+                result = guarded_train(config, should_stop=stop)
+        except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
             print(f"segckpt: error: {exc}", file=sys.stderr)
             return 2
         if result.interrupted:
@@ -248,6 +262,8 @@ def _plan(args: argparse.Namespace) -> int:
         config.check_input_paths()
         _check_vae(config)
         bundle = load_bundle(config)
+        if args.plan_check:
+            return _preflight(config, bundle, budget)
         choice = plan_for_budget(config, bundle, budget, measure_steps=args.plan_measure)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -256,6 +272,20 @@ def _plan(args: argparse.Namespace) -> int:
     path = write_choice(choice, Path(config.output))["schedule"]
     print(f"chosen: {choice.chosen.schedule.mode}; its keys are in {path} (segckpt train --config {path})")
     return 0
+
+
+def _preflight(config: TrainConfig, bundle, budget: int) -> int:
+    """``segckpt plan --check``: print the verdict, write ``preflight.json`` (and the schedule that
+    would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not."""
+    verdict = preflight(config, bundle, budget)
+    print(verdict.render())
+    out = Path(config.output)
+    atomic_write_text(out / "preflight.json", json.dumps(verdict.to_dict(), indent=2) + "\n")
+    if verdict.suggestion is not None:
+        path = atomic_write_text(out / "schedule.json", json.dumps(verdict.suggestion.to_dict(), indent=2) + "\n")
+        print(f"the schedule that would fit: {verdict.suggestion.mode}; its keys are in {path} "
+              f"(segckpt train --config {path})")
+    return 0 if verdict.fits else 1
 
 
 def _console_messages() -> None:

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 import weakref
@@ -252,3 +253,53 @@ class StepTimer:
         if not self.samples:
             raise ValueError(f"no step recorded after {self.warmup} warm-up step(s)")
         return statistics.median(self.samples)
+
+
+def device_budget(device: str | torch.device) -> int:
+    """"Fit this device": total accelerator memory (CUDA), else total system memory, in bytes."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_memory(device: str | torch.device) -> int:
+    """Memory free now, bytes: the CUDA driver's free device memory, else available system memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+BUDGET_WORDS = {"device": device_budget, "fit this device": device_budget, "free": free_memory}
+"""Budget values that name a device's memory instead of a number of GiB."""
+
+
+def check_budget(value: str | float | int, key: str = "budget") -> float | str:
+    """``value`` as a number of GiB, or one of :data:`BUDGET_WORDS` (lower case).
+
+    Raises:
+        ValueError: neither a finite number of GiB > 0 (below 1 PiB) nor a budget word; the
+            message names ``key``, the value and what is allowed.
+    """
+    if isinstance(value, str) and value.strip().lower() in BUDGET_WORDS:
+        return value.strip().lower()
+    try:
+        gib = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        gib = -1.0
+    if not 0 < gib < 2**20:  # also refuses nan and inf
+        raise ValueError(f"{key}={value!r} is invalid: allowed a number of GiB > 0 (below 1 PiB), 'device' (its "
+                         "total memory) or 'free' (its free memory now)")
+    return gib
+
+
+def budget_bytes(value: str | float | int, device: str | torch.device = "cpu", key: str = "budget") -> int:
+    """A memory budget in bytes from a number of GiB, ``device`` (the device's total memory) or
+    ``free`` (its free memory now).
+
+    Raises:
+        ValueError: see :func:`check_budget`.
+    """
+    checked = check_budget(value, key)
+    return BUDGET_WORDS[checked](device) if isinstance(checked, str) else int(checked * 2**30)

@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ..core.memory import budget_bytes
 from ..core.plan import check_supported, effective_plan
 from ..core.schedule import CheckpointSchedule, ScheduleError
 from ..families import get_family
@@ -210,7 +210,7 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
     return Prediction(schedule, int(peak), seconds, offloaded_tensors=tensors)
 
 
-def _preference(schedule: CheckpointSchedule) -> tuple:
+def preference(schedule: CheckpointSchedule) -> tuple:
     """The documents' decision rule as a sort key (smaller = preferred on a tie)."""
     if not schedule.gradient_checkpointing:
         return (0,)
@@ -247,33 +247,20 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
                            f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})")
     fastest = min(p.sec_per_step for p in fitting)
     tied = [p for p in fitting if p.sec_per_step <= fastest * (1 + TIE)]
-    chosen = min(tied, key=lambda p: _preference(p.schedule))
+    chosen = min(tied, key=lambda p: preference(p.schedule))
     return PlanChoice(budget_bytes, chosen, predictions, probe_)
 
 
-def device_budget(device: str | torch.device) -> int:
-    """"Fit this device": total accelerator memory (CUDA), else total system memory, in bytes."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def parse_budget(value: str | float | int, device: str | torch.device = "cpu", key: str = "budget") -> int:
-    """A budget in bytes from ``"device"`` or a number of GiB.
+    """A budget in bytes (:func:`~..core.memory.budget_bytes`).
 
     Raises:
-        PlannerError: not ``device`` nor a finite positive number; the message names ``key``.
+        PlannerError: not a budget; the message names ``key``.
     """
-    if isinstance(value, str) and value.strip().lower() in ("device", "fit this device"):
-        return device_budget(device)
     try:
-        gib = float(value)
-    except (TypeError, ValueError):
-        gib = -1.0
-    if not 0 < gib < 2**20:  # also refuses nan and inf
-        raise PlannerError(f"{key}={value!r} is invalid: allowed a number of GiB > 0 (below 1 PiB), or 'device'")
-    return int(gib * 2**30)
+        return budget_bytes(value, device, key)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
 
 
 def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
@@ -320,7 +307,7 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
     if fitting and len(timed) > 1:
         fastest = min(p.relative_time for p in fitting)
         choice.chosen = min((p for p in fitting if p.relative_time <= fastest * (1 + TIE)),
-                            key=lambda p: _preference(p.schedule))
+                            key=lambda p: preference(p.schedule))
     choice.measured_sec_per_step = choice.chosen.measured_sec_per_step
     choice.measured_peak_bytes = choice.chosen.measured_peak_bytes
 

@@ -70,6 +70,8 @@ class Probe:
     offload_s_per_tensor: float
     offload_s_per_byte: float
     blocks_end_bytes: int | None = None
+    validation_peak_bytes: int = 0
+    """Peak of the preview phase when the probe run sampled previews (else 0)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -278,7 +280,8 @@ def _copy_seconds_per_byte(device: torch.device) -> float:
 
 
 def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRun | None = None,
-          workspace: RunWorkspace | None = None) -> Probe:
+          workspace: RunWorkspace | None = None, rows: list[int] | None = None,
+          calibration: tuple[float, float] | None = None, **changes) -> Probe:
     """Measure per-block activation bytes and forward time on one step without checkpointing.
 
     Args:
@@ -288,6 +291,10 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
         warmup_steps: steps before the measured one (>= 1: the first sets the run up).
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
         workspace: an open workspace to run in (shared data and latent cache); default: its own.
+        rows: probe batches of these cache rows only (one bucket: one shape).
+        calibration: the offloader's ``(seconds per tensor, seconds per byte)`` of an earlier probe
+            on this machine (skips the two calibration runs).
+        changes: other settings of the probe run (e.g. ``validation_every``).
 
     Raises:
         ValueError: ``warmup_steps`` < 1.
@@ -297,12 +304,12 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
                          "the run set up its LoRA)")
     if workspace is None:
         with RunWorkspace(config, bundle, start_run) as own:
-            return probe(config, bundle, warmup_steps, start_run, own)
+            return probe(config, bundle, warmup_steps, start_run, own, rows, calibration, **changes)
     family = get_family(bundle.family.name)
     device = resolve_device(config)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
-    run = workspace.start(CheckpointSchedule(gradient_checkpointing=False), warmup_steps, 2)
+    run = workspace.start(CheckpointSchedule(gradient_checkpointing=False), warmup_steps, 2, rows=rows, **changes)
     # the run adds the LoRA to the copy; hooks attach to its blocks, which the run keeps
     collector = _Collector(run.bundle.transformer, family, sync)
     try:
@@ -320,7 +327,8 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
     costs = collector.costs()
     routed_attention = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
     attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
-    per_tensor, per_byte = _offload_cost(config, bundle, warmup_steps, workspace,
-                                         sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
+    per_tensor, per_byte = calibration or _offload_cost(config, bundle, warmup_steps, workspace,
+                                                        sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
     return Probe(family.name, device.type, costs, max(recorded["peak_bytes"], clean["peak_bytes"]),
-                 clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes)
+                 clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes,
+                 result.report["memory"]["validation_peak_bytes"])

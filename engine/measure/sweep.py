@@ -36,6 +36,7 @@ from ..core.schedule import CheckpointSchedule, ScheduleError
 from ..families import get_family
 from ..train.atomic import atomic_write_bytes, atomic_write_text
 from ..train.config import TrainConfig
+from ..train.recovery import OutOfMemoryStop, is_out_of_memory
 from ..train.runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .plots import sweep_plot_png
 
@@ -96,7 +97,7 @@ class SweepCell:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return is_out_of_memory(exc) or isinstance(exc, OutOfMemoryStop)
 
 
 def _free_memory() -> None:

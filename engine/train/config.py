@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..core.memory import check_budget
 from ..core.plan import check_supported
 from ..core.schedule import KEYS as SCHEDULE_KEYS
 from ..core.schedule import CheckpointSchedule
@@ -29,6 +30,7 @@ from .lora_io import HELP as LORA_HELP
 from .lora_io import LoraSettings
 from .nonfinite import POLICIES as NONFINITE_POLICIES
 from .precision import BASE_PRECISIONS
+from .recovery import ON_OOM
 from .state import STATE_FILE, read_state_header
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -202,6 +204,21 @@ class TrainConfig:
     on_nonfinite: str = option("stop", "When the loss or a LoRA gradient is NaN/inf: stop (keep the last good "
                                "step's LoRA and state, exit status 2) or skip (drop that step's update, report "
                                "it, go on).", "--on-nonfinite")
+    memory_budget: str | None = option(
+        None, "Memory budget of the pre-flight check: a number of GiB, device (the device's total memory) or free "
+        "(its free memory now); before step 1 one probe step per batch shape (and the preview phase) predicts every "
+        "phase's peak, and a run predicted not to fit does not start (unless start_anyway). Unset: no pre-flight.",
+        "--budget", long_run=True)
+    start_anyway: bool = option(False, "Start even when the pre-flight predicts that a phase does not fit the "
+                                "memory budget.", "--start-anyway", long_run=True)
+    on_oom: str = option("switch", "When a step runs out of memory: switch (keep the last completed step, apply "
+                         "the next cheaper checkpoint schedule, retry the step, report the switch) or stop (keep "
+                         "the last good step's LoRA and state, exit status 2).", "--on-oom", long_run=True)
+    watchdog_slowdown: float = option(1.5, "Report once when steps run this many times slower than the first "
+                                      "steps after warm-up (of the same shape) for watchdog_window steps in a row, "
+                                      "with the likely cause (0 = off).", "--watchdog-slowdown", long_run=True)
+    watchdog_window: int = option(5, "Consecutive slow steps that make a slowdown.", "--watchdog-window",
+                                  long_run=True)
     save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
                              "interruption).", "--save-every", long_run=True)
     validation_every: int = option(0, "Every N steps (and at the last), sample one small image per validation "
@@ -252,6 +269,17 @@ class TrainConfig:
         if not isinstance(self.attention_backend, str):  # a JSON list: kept as its canonical string
             object.__setattr__(self, "attention_backend", ",".join(names))
         _need(self.on_nonfinite in NONFINITE_POLICIES, "on_nonfinite", self.on_nonfinite, ", ".join(NONFINITE_POLICIES))
+        if self.memory_budget is not None:
+            try:
+                object.__setattr__(self, "memory_budget", str(check_budget(self.memory_budget, "memory_budget")))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        _need(isinstance(self.start_anyway, bool), "start_anyway", self.start_anyway, "true or false")
+        _need(self.on_oom in ON_OOM, "on_oom", self.on_oom, ", ".join(ON_OOM))
+        _need(_number(self.watchdog_slowdown) and (self.watchdog_slowdown == 0 or self.watchdog_slowdown > 1),
+              "watchdog_slowdown", self.watchdog_slowdown, "a number > 1, or 0 (off)")
+        _need(_int(self.watchdog_window) and self.watchdog_window >= 1, "watchdog_window", self.watchdog_window,
+              "an integer >= 1")
         _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
               self.timing_warmup_steps, "an integer >= 0")

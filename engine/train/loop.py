@@ -29,6 +29,7 @@ import torch
 from ..core.memory import PeakMemory, StepTimer, format_mib
 from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
+from ..core.schedule import CheckpointSchedule
 from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend, sdpa_context
 from .config import ConfigError, TrainConfig
@@ -45,12 +46,14 @@ from .precision import (
     tensor_bytes,
 )
 from .prepared import ComfyDataError, PreparedData
+from .recovery import OutOfMemoryStop, cheaper_schedules, is_out_of_memory, restore_step_start, switch_schedule
 from .report import REPORT_FILE, build_report, write_report
 from .single_file import load_model_file, stored_file_dtype
 from .state import STATE_FILE, TrainingState, load_state, save_state
 from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
 from .text import TextEncoderWarning, describe_text_encoder, stand_in_warning
 from .validation import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews, vae_decoder
+from .watchdog import Watchdog
 
 LORA_FILE = "lora.safetensors"
 __all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "learning_rate_at",
@@ -141,6 +144,13 @@ class TrainingRun:
         prepared: latents and text states a caller encoded (ComfyUI's encoders) instead of images.
         preview_source: what validation previews sample from (default: the validation prompts
             through the bundle's text encoder, decoded by its VAE).
+        next_schedule: ``(schedule, family) -> schedule or None``, the schedule to switch to when
+            a step runs out of memory with ``on_oom=switch`` (default: the first of
+            :func:`~.recovery.cheaper_schedules`; the pre-flight passes the planner's first one
+            predicted to fit).
+        rows: train on these cache rows only (a probe of one bucket); default: every sample.
+        announce: warn (``TextEncoderWarning``) when captions go through the stand-in embedder
+            (short measurement runs leave it to the real run; the report says it either way).
         prepared: latents and text embeddings prepared by the caller (ComfyUI's LATENT and
             CONDITIONING, :func:`~.prepared.prepare_comfy_data`), trained on instead of scanning
             ``config.data`` (which must then be unset); the data position of the resumable state
@@ -153,14 +163,17 @@ class TrainingRun:
         ModelLoadError, DatasetError: the model or the data cannot be used (first step); prepared
             data of another family is a :class:`~.prepared.ComfyDataError`.
         TrainingStopped: a non-finite loss or LoRA gradient with ``on_nonfinite=stop``
-            (:class:`~.nonfinite.TrainingDiverged`), or a recompute that did not repeat its
-            forward (:class:`~.step.RecomputeNotRepeatable`); the LoRA and resumable state of the
-            last good step are saved first.
+            (:class:`~.nonfinite.TrainingDiverged`), a recompute that did not repeat its
+            forward (:class:`~.step.RecomputeNotRepeatable`), or an out-of-memory error that
+            could not be recovered (:class:`~.recovery.OutOfMemoryStop`); the LoRA and resumable
+            state of the last good step are saved first.
     """
 
     def __init__(self, config: TrainConfig, *, bundle: ModelBundle | None = None,
                  log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
-                 prepared: PreparedData | None = None, preview_source: PreviewSource | None = None):
+                 prepared: PreparedData | None = None, preview_source: PreviewSource | None = None,
+                 next_schedule: Callable[[CheckpointSchedule, Any], CheckpointSchedule | None] | None = None,
+                 rows: list[int] | None = None, announce: bool = True):
         if prepared is not None and config.data is not None:
             raise ConfigError(f"data={config.data!r} is invalid with prepared data: allowed unset (one data source)")
         config.check_paths()
@@ -175,6 +188,10 @@ class TrainingRun:
         self.result: TrainResult | None = None
         self.bundle, self.prepared, self.preview_source = bundle, prepared, preview_source
         self.validation_peak, self.dataset = 0, None
+        self.next_schedule = next_schedule or _first_cheaper
+        self.rows = None if rows is None else set(rows)
+        self.announce = announce
+        self.switches: list[dict[str, Any]] = []
         self._stop, self._started = False, False
 
     def stop(self) -> None:
@@ -206,18 +223,20 @@ class TrainingRun:
         ctx = self.context
         try:
             for step in range(start, self.config.steps):
-                # where this step starts: what a stop on non-finite values saves as the last good step
+                # where this step starts: what a stop saves as the last good step, and where a
+                # step that ran out of memory starts again
                 position, rng = ctx.sampler.state(), _rng_state(ctx.noise_gen)
                 with self._work():
                     try:
-                        record = train_step(ctx, step)
-                    except TrainingStopped as exc:  # non-finite values, a recompute that differed
+                        record = self._step(step, position, rng)
+                    except TrainingStopped as exc:  # non-finite values, a recompute that differed, OOM
                         ctx.optimizer.zero_grad(set_to_none=True)
                         if step > 0:
                             self._save_state(rng, position, step)
                         self._write_outputs(interrupted=False, stopped=str(exc))
                         raise
                     self._log_step(record)
+                    self._watch(record)
                     self._previews(record)  # every validation_every steps: after the step, outside its timing
                 yield record
                 with self._work():
@@ -232,6 +251,52 @@ class TrainingRun:
         self.result = TrainResult(self.config, self.plan, self.history, lora_path, self.output / STATE_FILE,
                                   self.output / REPORT_FILE, report, interrupted, ctx.model)
 
+    def _step(self, step: int, position: dict[str, int], rng: dict[str, torch.Tensor]) -> StepRecord:
+        """One optimizer step; when it runs out of memory and ``on_oom=switch``, the next cheaper
+        schedule from the step's start (:mod:`.recovery`), as often as the ladder allows.
+
+        Raises:
+            OutOfMemoryStop: out of memory with recovery off, during the optimizer update, or with
+                no cheaper schedule left.
+        """
+        ctx, switches = self.context, []
+        while True:
+            try:
+                record = train_step(ctx, step)
+                break
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                error, updating = str(exc).strip().splitlines()[0][:300], ctx.updating
+            # the failed step's tensors are referenced by the exception's frames until here
+            restore_step_start(ctx, position)
+            _set_rng_state(rng, ctx.noise_gen)
+            old = ctx.config.schedule
+            new = None if updating or self.config.on_oom != "switch" else self.next_schedule(old, ctx.family)
+            if new is None:
+                why = ("during the optimizer update" if updating else "with on_oom=stop"
+                       if self.config.on_oom != "switch" else f"and no schedule saves more memory than {old.mode}")
+                raise OutOfMemoryStop(f"step {step + 1} ran out of memory ({error}) {why}; the last good step is "
+                                      "saved: resume with a cheaper schedule, smaller images or batch")
+            switch_schedule(ctx, new)
+            self.config = ctx.config
+            switches.append({"step": step + 1, "from": old.mode, "to": new.mode, "error": error,
+                             "from_schedule": old.to_dict(), "to_schedule": new.to_dict()})
+            self.log(f"step {step + 1}: out of memory with {old.mode} ({error}); switched to {new.mode}, "
+                     "retrying the step")
+            self.log(ctx.runner.plan.render())
+        record.schedule_switches = switches
+        self.switches += switches
+        return record
+
+    def _watch(self, record: StepRecord) -> None:
+        """Feed the watchdog; its reports (each once per run) are logged and kept in the step."""
+        shape = "x".join(map(str, self.context.batch_shape))
+        self.history[-1]["shape"] = shape  # the receipt's peak per phase
+        for found in self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape):
+            self.log(f"segckpt: warning: {found['message']}")
+            self.history[-1].setdefault("watchdog", []).append(found["kind"])
+
     def _set_up(self) -> int:
         """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""
         config, device, log = self.config, self.device, self.log
@@ -240,7 +305,11 @@ class TrainingRun:
         family = bundle.family
         # Data: encode every image once with the VAE (excluded from timing), then free the VAE;
         # or take the latents and text a caller prepared (ComfyUI's encoders).
-        cache, epoch = self._prepare_data(bundle)
+        cache, epoch = self.prepare_data()
+        if self.rows is not None:
+            epoch = [row for row in epoch if row in self.rows]
+            if not epoch:
+                raise ConfigError(f"rows={sorted(self.rows)[:8]} is invalid: allowed rows of the data's cache")
         # Model: frozen base at the run's precision (cast, or quantized layer by layer on the
         # device), then the fp32 LoRA, then the checkpoint plan.
         model = bundle.transformer
@@ -279,6 +348,8 @@ class TrainingRun:
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch)
         self._set_up_previews(bundle, cache)
+        self.watchdog = Watchdog(config.timing_warmup_steps, config.watchdog_slowdown, config.watchdog_window,
+                                 at_capacity=_at_capacity(device))
         return start
 
     def _set_up_previews(self, bundle: ModelBundle, cache: dict[str, torch.Tensor]) -> None:
@@ -318,14 +389,22 @@ class TrainingRun:
                                    self.config.seed, self.device, kernels_and_autocast, self.output / PREVIEW_FOLDER,
                                    record.step)
         self.validation_peak = max(self.validation_peak, peak)
+        self.watchdog.previews_ran(record.step)
         record.previews = [p.relative_to(self.output).as_posix() for p in paths]
         self.history[-1]["previews"] = record.previews
         self.log(f"step {record.step}: previews {', '.join(record.previews)}")
 
-    def _prepare_data(self, bundle: ModelBundle) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """The run's cache (latents, text) and the cache row of each position of an epoch; sets
-        :attr:`data_summary` and :attr:`text_encoder` for the report."""
+    def prepare_data(self) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The run's cache (latents, text; encoded once, or read from the latent cache) and the
+        cache row of each position of an epoch; sets :attr:`data_summary` and :attr:`text_encoder`
+        for the report. Loads the model when the run was given none (its VAE and text encoders
+        encode the data).
+
+        Raises:
+            ModelLoadError, DatasetError, ComfyDataError: see the class.
+        """
         config, log, prepared = self.config, self.log, self.prepared
+        bundle = self.bundle = self.bundle or load_bundle(config, self.precision, log)
         if prepared is not None:
             if prepared.family != bundle.family.name:
                 raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
@@ -336,7 +415,8 @@ class TrainingRun:
         self.text_encoder = describe_text_encoder(bundle.encode_text)
         if self.text_encoder["kind"] == "stand-in":  # loud: a demo's captions carry no meaning
             self.text_encoder["warning"] = stand_in_warning(bundle.family)
-            warnings.warn(self.text_encoder["warning"], TextEncoderWarning, stacklevel=2)
+            if self.announce:
+                warnings.warn(self.text_encoder["warning"], TextEncoderWarning, stacklevel=2)
         if bundle.vae is None:
             raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
                                  "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
@@ -387,7 +467,8 @@ class TrainingRun:
                   "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
                                                for t in slots.values() if isinstance(t, torch.Tensor)),
                   "validation_peak_bytes": self.validation_peak}
-        setup = {"precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
+        setup = {"schedule_switches": self.switches, "watchdog": self.watchdog.reports,
+                 "precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                "quantized_linear_layers": self.base.quantized_linear_layers},
                  "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped,
                  "dataset": self.data_summary, "text_encoder": self.text_encoder}
@@ -401,11 +482,13 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
           on_step: Callable[[StepRecord, int], None] | None = None,
           should_stop: Callable[[], bool] | None = None,
           log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
-          prepared: PreparedData | None = None, preview_source: PreviewSource | None = None) -> TrainResult:
+          prepared: PreparedData | None = None, preview_source: PreviewSource | None = None,
+          next_schedule: Callable[[CheckpointSchedule, Any], CheckpointSchedule | None] | None = None) -> TrainResult:
     """Run :class:`TrainingRun` to its end.
 
     Args:
-        config, bundle, log, cache_dir, prepared, preview_source: see :class:`TrainingRun`.
+        config, bundle, log, cache_dir, prepared, preview_source, next_schedule: see
+            :class:`TrainingRun`.
         on_step: called after every optimizer step with ``(record, total_steps)``.
         should_stop: polled after every optimizer step; when it returns True the resumable state
             is saved and the run ends cleanly (``TrainResult.interrupted``).
@@ -414,13 +497,30 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
         See :class:`TrainingRun`.
     """
     run = TrainingRun(config, bundle=bundle, log=log, cache_dir=cache_dir, prepared=prepared,
-                      preview_source=preview_source)
+                      preview_source=preview_source, next_schedule=next_schedule)
     for record in run:
         if on_step is not None:
             on_step(record, config.steps)
         if should_stop is not None and should_stop():
             run.stop()
     return run.result
+
+
+def _first_cheaper(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
+    """The default recovery policy: the next rung of :func:`~.recovery.cheaper_schedules`."""
+    ladder = cheaper_schedules(schedule, family)
+    return ladder[0] if ladder else None
+
+
+def _at_capacity(device: torch.device) -> Callable[[], bool]:
+    """Whether the device's memory is nearly full (CUDA: under 5% free); never on the CPU."""
+    if device.type != "cuda":
+        return lambda: False
+
+    def check() -> bool:
+        free, total = torch.cuda.mem_get_info(device)
+        return free < 0.05 * total
+    return check
 
 
 def _precision_line(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:

@@ -28,7 +28,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     ``stopped`` (the non-finite guard's message, or None), ``dataset`` (the image folder's counts,
     or for prepared data its source, count, shapes and latent format) and ``text_encoder`` (what
     encoded the captions: ``stand-in`` with its warning, ``transformers`` with the folders, or
-    ``comfyui conditioning``).
+    ``comfyui conditioning``), ``schedule_switches`` (out-of-memory recoveries: step, schedule
+    before and after, the error) and ``watchdog`` (slowdown and memory-growth reports).
 
     ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak

@@ -21,6 +21,7 @@ from ..core.schedule import CheckpointSchedule
 from .config import TrainConfig
 from .data import write_sample_dataset
 from .loop import TrainingRun, TrainResult
+from .prepared import PreparedData
 
 StartRun = Callable[..., Any]
 """Makes one run: called like :class:`~.loop.TrainingRun` (``config, bundle=, log=, cache_dir=``)
@@ -43,11 +44,15 @@ class RunWorkspace:
         on_step: called after every step of every run (progress).
         should_stop: polled after every step of every run; True raises
             :class:`MeasurementInterrupted` there (Cancel in a node, within one step).
+        prepared: latents and text states a caller prepared (ComfyUI's encoders), trained on
+            by every run instead of ``config.data``.
     """
 
     def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None,
-                 on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None):
+                 on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                 prepared: PreparedData | None = None):
         self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
+        self.prepared = prepared
         self.on_step, self.should_stop = on_step, should_stop
         self._folder: tempfile.TemporaryDirectory | None = None
         self._runs = 0
@@ -61,18 +66,40 @@ class RunWorkspace:
     def __exit__(self, *exc: Any) -> None:
         self._folder.cleanup()
 
-    def start(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> Any:
-        """A run of ``schedule`` for ``warmup_steps + measured_steps`` steps on a fresh copy of the
-        model (not started: iterate it)."""
+    def _config(self, **changes: Any) -> TrainConfig:
+        """The shared settings for the next run: its own output folder, the workspace's data."""
         self._runs += 1
-        self.data = self.data or str(write_sample_dataset(self.root / "sample_data"))
+        if self.prepared is None:
+            self.data = self.data or str(write_sample_dataset(self.root / "sample_data"))
+        # a measurement must measure its own schedule: an out-of-memory error ends the run (no
+        # switch), and neither the watchdog nor a nested pre-flight runs
+        return dataclasses.replace(self.config, output=str(self.root / f"run-{self._runs}"), data=self.data,
+                                   resume=False, save_every=0, on_oom="stop", watchdog_slowdown=0,
+                                   memory_budget=None, **changes)
+
+    def start(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
+              rows: list[int] | None = None, **changes: Any) -> Any:
+        """A run of ``schedule`` for ``warmup_steps + measured_steps`` steps on a fresh copy of the
+        model (not started: iterate it); ``rows``: on these cache rows only (one bucket);
+        ``changes``: other settings of this run (e.g. ``validation_every``)."""
         with torch.inference_mode(False):  # the copy's weights must not become inference tensors
             model = dataclasses.replace(self.bundle, transformer=copy.deepcopy(self.bundle.transformer))
-        config = dataclasses.replace(
-            self.config, schedule=schedule, steps=warmup_steps + measured_steps, timing_warmup_steps=warmup_steps,
-            output=str(self.root / f"run-{self._runs}"), data=self.data, resume=False, save_every=0)
-        run = self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache")
+        config = self._config(schedule=schedule, steps=warmup_steps + measured_steps,
+                              timing_warmup_steps=warmup_steps, **changes)
+        extra = {k: v for k, v in (("rows", rows), ("prepared", self.prepared)) if v is not None}
+        if isinstance(self.start_run, type) and issubclass(self.start_run, TrainingRun):
+            extra["announce"] = False  # the stand-in text encoder's warning is the real run's to give
+        run = self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache", **extra)
         return _Watched(run, self) if self.on_step or self.should_stop else run
+
+    def data_cache(self) -> dict[str, torch.Tensor]:
+        """The workspace's encoded data (latents, text), as every run of it trains on; encoded
+        once into the shared latent cache."""
+        extra = {"prepared": self.prepared} if self.prepared is not None else {}
+        run = TrainingRun(self._config(), bundle=self.bundle, log=lambda line: None, cache_dir=self.root / "cache",
+                          announce=False, **extra)
+        with torch.inference_mode(False), torch.no_grad():
+            return run.prepare_data()[0]
 
     def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> TrainResult:
         """:meth:`start` and drive the run to its end; its result."""

@@ -51,6 +51,8 @@ class StepRecord:
         skipped: why the update of this step was dropped (``on_nonfinite=skip``, or an fp16
             loss-scale overflow), else None.
         previews: preview images sampled after this step (paths relative to the output folder).
+        schedule_switches: out-of-memory recoveries of this step (``{"step", "from", "to", "error",
+            ...}``): it ran again under the schedule ``to``.
     """
 
     step: int
@@ -68,6 +70,7 @@ class StepRecord:
     start_bytes: int = 0
     skipped: str | None = None
     previews: list[str] = field(default_factory=list)
+    schedule_switches: list[dict] = field(default_factory=list)
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -112,6 +115,10 @@ class StepContext:
     lr_factor: Callable[[int], float]
     epoch: list[int]
     """Cache row of each position of an epoch (a sample appears as often as its repeats)."""
+    updating: bool = False
+    """True while the optimizer updates the LoRA (an out-of-memory error then cannot be retried)."""
+    batch_shape: tuple[int, ...] = ()
+    """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
 
     def guard_context(self) -> dict[str, Any]:
         """What the non-finite advice needs to know about this run."""
@@ -146,6 +153,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                 text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
                                  ctx.cache["text_pooled"][index] if "text_pooled" in ctx.cache else None).to(device)
                 noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
+                ctx.batch_shape = tuple(noisy.shape)
                 with ctx.precision.autocast(device):
                     output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
                     prediction = family.read_output(model, output, noisy)
@@ -161,7 +169,9 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         check = check_finite(loss_sum, ctx.named_params)  # the step's one synchronisation
         skipped = None
         if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
+            ctx.updating = True  # from here an out-of-memory error leaves the LoRA half-updated
             ctx.scaler.step(ctx.optimizer)  # with loss scaling an overflow is skipped here, the scale lowered
+            ctx.updating = False
             if not check.ok:
                 skipped = f"fp16 loss-scale overflow in {check.bad_module}; scale lowered"
         elif config.on_nonfinite == "stop":

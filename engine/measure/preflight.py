@@ -1,0 +1,217 @@
+"""Pre-flight verdict: will a run fit its memory budget in every phase, under its own schedule?
+
+The same settings that fit one bucket do not fit another (measured on an H200 with a full-size
+Flux.1-dev transformer: 23.0 to 41.3 GiB across schedules at 1024 px, 24.7 to 91.8 GiB at 2048 px),
+and the first validation or the largest bucket is where runs die at step N. Before step 1 the
+pre-flight therefore probes one step per distinct batch shape of the data (each bucket, the
+largest first; :func:`~.probe.probe`, one step without checkpointing, measured exactly like a
+sweep cell), plus the preview phase when previews are on (sampled once in the largest bucket's
+probe run), and predicts with the planner's model (:func:`~.planner.predict`) the peak of every
+training phase under the run's schedule. A phase fits when its predicted peak is at most the
+budget less the planner's headroom (:data:`~.planner.MARGIN`); the preview phase runs without
+gradients, so its measured peak is the same under every schedule. When a phase does not fit, the
+verdict names the schedule predicted to fit every training phase that is fastest over the run's
+mix of shapes (the planner's choice across buckets). A run predicted not to fit does not start
+unless the user overrides it (:class:`PreflightRefused`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..core.plan import check_supported
+from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..families import get_family
+from ..train.config import TrainConfig
+from ..train.prepared import PreparedData
+from ..train.runs import RunWorkspace, StartRun
+from .planner import MARGIN, TIE, Prediction, predict, preference
+from .probe import Probe, probe
+from .sweep import sweep_schedules
+
+
+class PreflightRefused(ValueError):
+    """The run is predicted not to fit its budget: the message is the verdict (phases, the schedule
+    that would fit) and how to start anyway."""
+
+
+@dataclass
+class Phase:
+    """One phase of a run and its predicted peak.
+
+    Attributes:
+        kind: ``train`` (steps of one batch shape) or ``validation`` (the preview phase).
+        shape: the batch's latent shape ``B x C x h x w`` (training), or ``""``.
+        share: the fraction of the epoch's samples of this shape (training), or 0.
+        peak_bytes: predicted peak (training, under the verdict's schedule) or measured peak
+            (validation), bytes, in the scope of the run's own peaks.
+        fits: ``peak_bytes`` is within the budget less the headroom.
+    """
+
+    kind: str
+    shape: str
+    share: float
+    peak_bytes: int
+    fits: bool
+
+    @property
+    def name(self) -> str:
+        return f"train {self.shape}" if self.kind == "train" else "validation previews"
+
+
+@dataclass
+class Verdict:
+    """The pre-flight's answer for one schedule and budget.
+
+    Attributes:
+        budget_bytes: the budget. schedule: the run's schedule. phases: every phase, largest
+            training shape first, then validation. suggestion: the schedule predicted to fit every
+            training phase, fastest over the shapes' mix (None when the run fits, or nothing
+            fits). suggested: the phases under ``suggestion``. probes: the probe per shape.
+            notes: what else the user should know (nothing fits; the preview phase alone does
+            not fit).
+    """
+
+    budget_bytes: int
+    schedule: CheckpointSchedule
+    phases: list[Phase]
+    suggestion: CheckpointSchedule | None = None
+    suggested: list[Phase] = field(default_factory=list)
+    probes: dict[str, Probe] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Every phase fits."""
+        return all(p.fits for p in self.phases)
+
+    def render(self) -> str:
+        """The verdict as lines: one per phase, then the schedule that would fit."""
+        head = "fits" if self.fits else "does NOT fit"
+        lines = [f"pre-flight: {self.schedule.mode} {head} in {self.budget_bytes / 2**30:.4g} GiB "
+                 f"(less {MARGIN:.0%} headroom)"]
+        for phase in self.phases:
+            share = f", {phase.share:.0%} of the samples" if phase.kind == "train" else ""
+            lines.append(f"  {'ok ' if phase.fits else 'NO '} {phase.name:<34} {_gib(phase.peak_bytes)}{share}")
+        if self.suggestion is not None:
+            peaks = ", ".join(f"{p.name} {_gib(p.peak_bytes)}" for p in self.suggested if p.kind == "train")
+            lines.append(f"  fits: {self.suggestion.mode} ({peaks}); its keys: "
+                         + ", ".join(f"{k}={v}" for k, v in self.suggestion.to_dict().items()))
+        lines.extend(f"  {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``report.json`` ``preflight``)."""
+        return {"budget_bytes": self.budget_bytes, "schedule": self.schedule.mode, "fits": self.fits,
+                "phases": [_phase_dict(p) for p in self.phases],
+                "suggestion": self.suggestion.to_dict() if self.suggestion else None,
+                "suggestion_mode": self.suggestion.mode if self.suggestion else None,
+                "suggested_phases": [_phase_dict(p) for p in self.suggested], "notes": self.notes}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.4g} GiB" if n >= 2**28 else f"{n / 2**20:.4g} MiB"
+
+
+def _phase_dict(p: Phase) -> dict[str, Any]:
+    return {"phase": p.name, "kind": p.kind, "shape": p.shape, "share": p.share, "peak_bytes": p.peak_bytes,
+            "fits": p.fits}
+
+
+def shape_classes(cache: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], list[int]]]:
+    """``(latent shape of one sample, cache rows)`` per distinct shape of the data, the largest
+    (most elements) first."""
+    latents = cache["latents"]
+    return [(tuple(latents.shape[1:]), list(range(latents.shape[0])))]
+
+
+def _fits(peak: int, budget: int) -> bool:
+    return peak <= budget * (1 - MARGIN)
+
+
+def training_phases(probes: dict[str, Probe], shares: dict[str, float], schedule: CheckpointSchedule,
+                    budget_bytes: int) -> list[Phase]:
+    """The predicted training phases of ``schedule`` (one per probed shape)."""
+    phases = []
+    for key, measured in probes.items():
+        peak = predict(measured, schedule).peak_bytes
+        phases.append(Phase("train", key, shares[key], peak, _fits(peak, budget_bytes)))
+    return phases
+
+
+def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: int,
+            candidates: list[CheckpointSchedule] | None = None) -> tuple[CheckpointSchedule | None, str | None]:
+    """The schedule predicted to fit every shape that is fastest over the shapes' mix (predicted
+    sec/step weighted by each shape's share; ties within the planner's ``TIE`` follow the
+    documents' rule), or ``(None, why)`` when none fits."""
+    family = get_family(next(iter(probes.values())).family)
+    scored: list[tuple[float, CheckpointSchedule]] = []
+    smallest: Prediction | None = None
+    for schedule in candidates or sweep_schedules():
+        try:
+            check_supported(family, schedule)
+        except ScheduleError:
+            continue
+        predictions = {key: predict(p, schedule) for key, p in probes.items()}
+        worst = max(predictions.values(), key=lambda p: p.peak_bytes)
+        if smallest is None or worst.peak_bytes < smallest.peak_bytes:
+            smallest = worst
+        if all(_fits(p.peak_bytes, budget_bytes) for p in predictions.values()):
+            scored.append((sum(shares[k] * p.sec_per_step for k, p in predictions.items()), schedule))
+    if not scored:
+        return None, (f"no schedule is predicted to fit every shape: the smallest predicted peak is "
+                      f"{_gib(smallest.peak_bytes)} ({smallest.schedule.mode}); lower the resolution or batch size")
+    fastest = min(t for t, _ in scored)
+    return min((s for t, s in scored if t <= fastest * (1 + TIE)), key=preference), None
+
+
+def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
+              prepared: PreparedData | None = None, start_run: StartRun | None = None,
+              on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None) -> Verdict:
+    """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
+    schedule against ``budget_bytes``.
+
+    Args:
+        config: the run's settings (data, resolution, batch, schedule, previews, device, ...).
+        bundle: the loaded model (never changed: probes train deep copies).
+        budget_bytes: the memory budget, bytes.
+        warmup_steps: probe steps before the measured one.
+        prepared: ComfyUI's latents and text, when the run trains on them.
+        start_run, on_step, should_stop: see :class:`~..train.runs.RunWorkspace`.
+
+    Raises:
+        MeasurementInterrupted: ``should_stop`` answered True.
+    """
+    with RunWorkspace(config, bundle, start_run, on_step, should_stop, prepared) as workspace:
+        classes = shape_classes(workspace.data_cache())
+        total = sum(len(rows) for _, rows in classes)
+        probes: dict[str, Probe] = {}
+        shares: dict[str, float] = {}
+        calibration = None
+        for i, (shape, rows) in enumerate(classes):
+            key = "x".join(map(str, (config.batch_size, *shape)))
+            # the preview phase is sampled once, after the largest shape's last probe step
+            previews = {"validation_every": warmup_steps + 2, "validation_steps": 1} \
+                if i == 0 and config.validation_every else {}
+            measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows, calibration=calibration,
+                             **previews)
+            calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
+            probes[key], shares[key] = measured, len(rows) / total
+    phases = training_phases(probes, shares, config.schedule, budget_bytes)
+    verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes)
+    validation = next(iter(probes.values())).validation_peak_bytes
+    if config.validation_every and validation:
+        phases.append(Phase("validation", "", 0.0, validation, _fits(validation, budget_bytes)))
+        if not phases[-1].fits:
+            verdict.notes.append("the preview phase alone does not fit (it runs without gradients: no schedule "
+                                 "changes it): fewer validation prompts, or validation_every 0")
+    if not all(p.fits for p in phases if p.kind == "train"):
+        verdict.suggestion, why = suggest(probes, shares, budget_bytes)
+        if verdict.suggestion is not None:
+            verdict.suggested = training_phases(probes, shares, verdict.suggestion, budget_bytes)
+        else:
+            verdict.notes.append(why)
+    return verdict

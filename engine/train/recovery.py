@@ -1,0 +1,115 @@
+"""Recovery from out-of-memory: the next cheaper checkpoint schedule, and what an OOM looks like.
+
+When a step runs out of memory and recovery is on (``on_oom=switch``), the run keeps the state of
+its last completed step, applies the next schedule of :func:`cheaper_schedules` (or the first a
+caller's policy picks, e.g. the planner's first one predicted to fit) and retries the step. The
+ladder follows the documents' decision rule (seeds/001 "How to decide"; SPEC.md "Backends"): the
+backends in their order ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth`` (more memory saved,
+more time spent, at each rung; those the family cannot run are skipped), then, with the last
+backend, a lower stride (every block checkpointed) and a lower interval (a smaller region
+recomputed at once), then attention offload. Checkpointing never changes the gradients, so a run
+that switched equals, step for step, a run that used the new schedule from that step on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Iterator
+
+import torch
+
+from ..core.backends import TABLE
+from ..core.memory import PeakMemory
+from ..core.plan import check_supported, count_blocks, effective_plan
+from ..core.runner import SegmentRunner
+from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..families import FamilyAdapter
+from .nonfinite import TrainingStopped
+
+ON_OOM = ("switch", "stop")
+"""``on_oom`` values: ``switch`` to the next cheaper schedule and retry the step, or ``stop`` (the
+last good step's LoRA and state are saved)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA,
+    MPS, XPU) or the CPU allocator's ``RuntimeError`` ("can't allocate memory")."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+def _rungs(schedule: CheckpointSchedule) -> Iterator[CheckpointSchedule]:
+    """Every schedule below ``schedule`` on the ladder, in order (unsupported ones included)."""
+    order = sorted(TABLE.values(), key=lambda b: b.preference)
+    current = schedule.replace(gradient_checkpointing=True)
+    if not schedule.gradient_checkpointing:
+        current = current.replace(gradient_checkpointing_backend=order[0].name)
+        yield current
+    for backend in order:
+        if backend.preference > current.backend.preference:
+            current = current.replace(gradient_checkpointing_backend=backend.name)
+            yield current
+    if current.gradient_checkpointing_segment_stride not in (None, current.interval):
+        current = current.replace(gradient_checkpointing_segment_stride=None)
+        yield current
+    for interval in range(current.interval - 1, 0, -1):
+        current = current.replace(gradient_checkpointing_interval=interval if interval > 1 else None,
+                                  gradient_checkpointing_segment_stride=None)
+        yield current
+    if not current.gradient_checkpointing_offload_attention:
+        yield current.replace(gradient_checkpointing_offload_attention=True)
+
+
+def cheaper_schedules(schedule: CheckpointSchedule, family: FamilyAdapter) -> list[CheckpointSchedule]:
+    """The schedules to try after ``schedule`` ran out of memory, most preferred first, each one
+    the family can run (:func:`~..core.plan.check_supported`). Empty when nothing cheaper exists.
+
+    Example: ``interval2-stride4`` (torch) on Flux gives ``interval2-stride4-unsloth-ffn``,
+    ``interval2-stride4-unsloth``, ``interval2-unsloth``, ``layer-unsloth``,
+    ``layer-unsloth-offload-attn``.
+    """
+    found = []
+    for candidate in _rungs(schedule):
+        try:
+            check_supported(family, candidate)
+        except ScheduleError:
+            continue
+        if candidate != schedule and candidate not in found:
+            found.append(candidate)
+    return found
+
+
+class OutOfMemoryStop(TrainingStopped):
+    """A step ran out of memory and the run could not go on (recovery off, no cheaper schedule left,
+    or the optimizer update itself ran out); the last good step is saved."""
+
+
+def restore_step_start(ctx, position: dict[str, int]) -> None:
+    """Undo what a failed step did before its update: gradients, the data position and the loss
+    scaler's per-step bookkeeping (the LoRA weights and the optimizer state are untouched until the
+    update). The caller restores the random generators. Frees what the failed step left behind."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.updating = False
+    for key, value in position.items():
+        setattr(ctx.sampler, key, value)
+    if ctx.scaler.is_enabled():  # an unscale_() of the failed step would refuse the retry's
+        fresh = torch.amp.GradScaler(ctx.device.type, enabled=True)
+        fresh.load_state_dict(ctx.scaler.state_dict())
+        ctx.scaler = fresh
+    gc.collect()  # the failed step's autograd graph and saved tensors
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def switch_schedule(ctx, schedule: CheckpointSchedule) -> None:
+    """Install ``schedule`` on the run's model in place of the current one: a new plan and segment
+    runner (the old runner's host pool is released) and a memory meter that excludes the new pool."""
+    ctx.runner.close()
+    model, family = ctx.model, ctx.family
+    runner = SegmentRunner(model, family, effective_plan(family, schedule, count_blocks(family, model))).install()
+    ctx.runner = runner
+    ctx.memory = PeakMemory(ctx.device, exclude=runner.offloader.pool.is_host if runner.offloader else None)
+    ctx.config = dataclasses.replace(ctx.config, schedule=schedule)
