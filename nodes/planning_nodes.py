@@ -46,7 +46,8 @@ def _supported(family, schedule) -> bool:
 
 def _config(model, dataset, batch_size, lora_config, output) -> TrainConfig:
     return TrainConfig(family=model.family.name, data=dataset["data"], resolution=dataset["resolution"],
-                       batch_size=batch_size, lora=lora_config or LoraSettings(), output=str(output),
+                       buckets=dataset.get("buckets", False), batch_size=batch_size,
+                       lora=lora_config or LoraSettings(), output=str(output),
                        base_model_precision=model.base_precision or "auto")
 
 

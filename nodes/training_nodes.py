@@ -23,6 +23,7 @@ from ..engine.train.attention_kernels import (
     AttentionBackendError,
     parse_attention_backend,
 )
+from ..engine.train.buckets import sample_latent_shape
 from ..engine.train.config import HELP, LR_SCHEDULERS, ConfigError, TrainConfig
 from ..engine.train.data import write_sample_dataset
 from ..engine.train.loop import load_bundle, train
@@ -107,6 +108,7 @@ class ImageCaptionDataset:
             "folder": ("STRING", _tip(f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs "
                                       "shipped with scikit-image.", default=BUILTIN_DATA)),
             "resolution": ("INT", _tip(HELP["resolution"], default=256, min=16, max=4096, step=16)),
+            "buckets": ("BOOLEAN", _tip(HELP["buckets"], default=False)),
         }}
 
     @classmethod
@@ -120,13 +122,13 @@ class ImageCaptionDataset:
         return True if path.is_dir() else f"folder={folder!r} is invalid: no such folder under the input folder"
 
     @public_errors
-    def build(self, folder, resolution):
+    def build(self, folder, resolution, buckets=False):
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
             path = str(write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
         else:
             path = str(contained(host.input_dir, folder, "folder"))
-        return ({"data": path, "resolution": resolution},)
+        return ({"data": path, "resolution": resolution, "buckets": buckets},)
 
 
 class GradientCheckpointingSchedule:
@@ -366,7 +368,8 @@ class TrainLoRA:
                                           conditioning)
             previews = _comfy_previews(model.family, prepared, vae) if preview_every and vae is not None else None
         else:
-            config = dataclasses.replace(config, data=dataset["data"], resolution=dataset["resolution"])
+            config = dataclasses.replace(config, data=dataset["data"], resolution=dataset["resolution"],
+                                         buckets=dataset.get("buckets", False))
         update = host.progress(unique_id, steps)
         run_folder = Path(config.output).resolve().relative_to(host.output_dir.resolve()).as_posix()
 
@@ -399,7 +402,7 @@ def _comfy_previews(family, prepared, vae) -> PreviewSource:
     def decode(latents: torch.Tensor) -> torch.Tensor:
         return vae.decode(fmt.process_out(latents)).movedim(-1, 1).float().clamp(0, 1).cpu()
 
-    return PreviewSource(text, decode, tuple(cache["latents"].shape[1:]), ["conditioning0"])
+    return PreviewSource(text, decode, sample_latent_shape(cache), ["conditioning0"])
 
 
 class AnyType(str):

@@ -139,3 +139,18 @@ def save_tiny_text_encoder(folder, kind: str, width: int = 32, projection: int |
                                         num_heads=2, pad_token_id=0, eos_token_id=len(WORDS) - 1))
     model.save_pretrained(folder)
     return folder
+
+
+def full_and_resumed(make_config, stop_after: int, **kwargs):
+    """One run to its end, and one stopped after ``stop_after`` steps then resumed: ``(full, resumed)``.
+
+    ``make_config(name, **changes)`` gives the config of output folder ``name`` (``full``, ``split``);
+    ``kwargs`` go to :func:`train` (``log=``).
+    """
+    from segmented_checkpointing.engine.train.loop import train
+
+    full = train(make_config("full"), **kwargs)
+    stops = iter(range(1, 1_000_000))
+    first = train(make_config("split"), should_stop=lambda: next(stops) == stop_after, **kwargs)
+    assert first.interrupted and len(first.history) == stop_after
+    return full, train(make_config("split", resume=True), **kwargs)

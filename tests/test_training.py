@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import full_and_resumed
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -37,11 +38,7 @@ def data_dir(tmp_path_factory):
 
 def test_four_plus_resume_plus_four_equals_eight(data_dir):
     """6 images in batches of 2: the stop falls inside the second epoch, the run ends in the third."""
-    full = train(_config(data_dir, "full", steps=8), **QUIET)
-    stop_after = iter(range(1, 100))
-    first = train(_config(data_dir, "split", steps=8), should_stop=lambda: next(stop_after) == 4, **QUIET)
-    assert first.interrupted and len(first.history) == 4
-    second = train(_config(data_dir, "split", steps=8, resume=True), **QUIET)
+    full, second = full_and_resumed(lambda name, **changes: _config(data_dir, name, steps=8, **changes), 4, **QUIET)
     assert not second.interrupted and second.report["totals"]["steps"] == 8
     a, b = load_file(full.lora_path), load_file(second.lora_path)
     assert a.keys() == b.keys()

@@ -69,6 +69,7 @@ ACESTEP = register_family(
             "encoder_hidden_size": 24,
         },
         latent_channels=64,
+        aspect_buckets=False,  # the latents are a 1-D audio sequence (H*W flattened): no aspect ratio
         segmented=False,
         notes=(
             "per-block only: the loop passes the sliding-window mask to sliding layers and None to "

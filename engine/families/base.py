@@ -99,6 +99,13 @@ class FamilyAdapter:
             ``None``: no ComfyUI mapping (Train LoRA refuses ComfyUI latents for it).
         text_encoders: the text encoders its pipeline uses (``segckpt --text-encoder``), or
             ``None``: one generic local encoder folder at most.
+        patch: latent cells per image-token side where the model config's ``patch_size`` does not
+            say it (families whose ``make_inputs`` packs the latents itself: Flux's 2x2 is 2);
+            ``None``: the config's spatial ``patch_size``, else 1.
+        latent_multiple: what each latent side must be a multiple of where more than ``patch``
+            (Qwen-Image 2.1's 2x2 image slots); ``None``: the patch.
+        aspect_buckets: the latents are an image grid, so aspect-ratio buckets apply (``False``:
+            ``buckets`` is refused, e.g. a 1-D audio sequence).
     """
 
     name: str
@@ -119,6 +126,9 @@ class FamilyAdapter:
     plan_notes: tuple[str, ...] = field(default=())
     comfy_latents: LatentFormat | None = None
     text_encoders: TextEncoders | None = None
+    patch: int | None = None
+    latent_multiple: int | None = None
+    aspect_buckets: bool = True
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

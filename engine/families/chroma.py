@@ -83,6 +83,7 @@ CHROMA = register_family(
             "approximator_layers": 2,
         },
         latent_channels=16,
+        patch=2,  # make_inputs packs 2x2 latents (config patch_size is 1)
         comfy_latents=FLUX,
         text_encoders=TextEncoders("t5", max_length=512),
         segmented=False,

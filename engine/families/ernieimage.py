@@ -77,6 +77,7 @@ ERNIEIMAGE = register_family(
             "rope_axes_dim": (4, 6, 6),
         },
         latent_channels=32,
+        patch=2,  # make_inputs patchifies 2x2 latents into channels (config patch_size is 1)
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "adaLN_modulation.1", "final_linear"),
         notes=(
             "latents are the 32-channel AutoencoderKLFlux2 latents, 2x2-patchified here to 128 channels; the "

@@ -54,6 +54,7 @@ FLUX = register_family(
             "axes_dims_rope": (4, 6, 6),
         },
         latent_channels=16,
+        patch=2,  # make_inputs packs 2x2 latents (config patch_size is 1)
         comfy_latents=FLUX_LATENTS,
         text_encoders=TextEncoders("t5", pooled=("clip",), max_length=512),  # CLIP-L pooled, T5-XXL
         notes=("single-stream blocks: the FFN region is the MLP branch act_mlp(proj_mlp(x)); the "

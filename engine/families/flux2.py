@@ -88,6 +88,7 @@ FLUX2 = register_family(
             "guidance_embeds": True,
         },
         latent_channels=32,
+        patch=2,  # make_inputs packs 2x2 latents (config patch_size is 1)
         # the single blocks' attention is Flux2ParallelSelfAttention: to_q/to_k/to_v/to_out.0 exist only
         # in the double blocks; to_qkv_mlp_proj reaches the single list (as in diffusers' Klein LoRA script)
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj"),

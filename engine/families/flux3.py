@@ -101,6 +101,7 @@ FLUX3 = register_family(
             "axes_dims_rope": (4, 4, 4, 4),  # sums to the head dim
         },
         latent_channels=32,
+        patch=2,  # make_inputs packs 2x2 latents
         lora_targets=_lora_targets(),
         notes=(
             "default LoRA targets: to_q/to_k/to_v/to_out.0 of the text, image and joint lists (full "

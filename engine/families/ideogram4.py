@@ -95,6 +95,7 @@ IDEOGRAM4 = register_family(
             "mrope_section": (2, 2, 2),
         },
         latent_channels=32,
+        patch=2,  # make_inputs patchifies 2x2 latents (_PATCH)
         notes=(
             "no attention/FFN boundary (documents): *-ffn backends and attention offload are refused",
             "latents are the 32-channel AutoencoderKLFlux2 latents, 2x2-patchified here to 128 channels; the "

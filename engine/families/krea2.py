@@ -81,6 +81,7 @@ KREA2 = register_family(
             "axes_dims_rope": (4, 6, 6),  # sums to the head dim
         },
         latent_channels=16,
+        patch=2,  # make_inputs packs 2x2 latents
         # the attention layer set diffusers' Krea 2 LoRA script recommends for long runs
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "to_gate"),
         notes=(

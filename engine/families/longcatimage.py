@@ -78,6 +78,7 @@ LONGCATIMAGE = register_family(
             "axes_dims_rope": (4, 6, 6),  # sums to the head dim
         },
         latent_channels=16,
+        patch=2,  # make_inputs packs 2x2 latents (config patch_size is 1)
         notes=(
             "single-stream blocks return (encoder, hidden) like the double ones; their FFN region is the "
             "MLP branch act_mlp(proj_mlp(x)); the fused output projection stays outside it",

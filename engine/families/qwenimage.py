@@ -54,6 +54,7 @@ QWENIMAGE = register_family(
             "axes_dims_rope": (4, 6, 6),
         },
         latent_channels=16,
+        patch=2,  # make_inputs packs 2x2 latents
         comfy_latents=WAN21.one_frame(),  # ComfyUI QwenImage: latent_formats.Wan21
         text_encoders=TextEncoders("qwen2_5_vl", max_length=1024, template=QWEN_IMAGE_TEMPLATE, drop=34),
         video_latents=True,

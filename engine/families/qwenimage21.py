@@ -66,6 +66,7 @@ QWENIMAGE21 = register_family(
             "axes_dims_rope": (4, 6, 6),  # sums to the head dim
         },
         latent_channels=64,
+        latent_multiple=2,  # one token per latent cell, but 2x2 image slots: even sides
         video_latents=True,
         notes=(
             "attention offload unsupported (documents): no attention boundary declared",

@@ -55,6 +55,7 @@ ZIMAGE = register_family(
             "axes_lens": (256, 64, 64),
         },
         latent_channels=16,
+        patch=2,  # the model's all_patch_size (2,): 2x2 latent patches
         notes=(
             "time runs backwards (t = 1 - sigma) and the raw output is x0 - noise; the adapter negates it",
             "omni mode (siglip_refiner, reference images) is not built here",

@@ -20,11 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from ..core.plan import check_supported
 from ..core.schedule import CheckpointSchedule, ScheduleError
 from ..families import get_family
+from ..train.buckets import shape_classes
 from ..train.config import TrainConfig
 from ..train.prepared import PreparedData
 from ..train.runs import RunWorkspace, StartRun
@@ -119,13 +118,6 @@ def _gib(n: int) -> str:
 def _phase_dict(p: Phase) -> dict[str, Any]:
     return {"phase": p.name, "kind": p.kind, "shape": p.shape, "share": p.share, "peak_bytes": p.peak_bytes,
             "fits": p.fits}
-
-
-def shape_classes(cache: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], list[int]]]:
-    """``(latent shape of one sample, cache rows)`` per distinct shape of the data, the largest
-    (most elements) first."""
-    latents = cache["latents"]
-    return [(tuple(latents.shape[1:]), list(range(latents.shape[0])))]
 
 
 def _fits(peak: int, budget: int) -> bool:

@@ -68,7 +68,7 @@ ALIASES = {
 
 
 RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
-               "resolution", "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
+               "resolution", "buckets", "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
                "lr_scheduler", "lr_warmup_steps", "weight_decay")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
 
@@ -165,8 +165,13 @@ class TrainConfig:
         "model: the run warns).", "--text-encoder")
     data: str | None = option(None, "Folder of images with same-name .txt captions; default: built-in sample "
                               "photographs.", "--data")
-    resolution: int = option(256, "Square training resolution in pixels (centre crop + resize); a multiple of 16.",
+    resolution: int = option(256, "Square training resolution in pixels (centre crop + resize); a multiple of 16. "
+                             "With buckets: the side of the square whose pixel area every bucket keeps.",
                              "--resolution")
+    buckets: bool = option(False, "Aspect-ratio buckets: each image is cropped to the bucket of its nearest aspect "
+                           "ratio (about resolution x resolution pixels, 1:4 to 4:1, sides in the multiples the "
+                           "model needs) instead of the square; a batch never mixes buckets. Image folders only "
+                           "(not ComfyUI latents).", "--buckets")
     steps: int = option(20, "Optimizer steps to train (total, including steps done before a resume).", "--steps",
                         long_run=True)
     batch_size: int = option(1, "Images per micro-batch.", "--batch-size")
@@ -241,11 +246,13 @@ class TrainConfig:
         _need(not (self.model_path and self.model_file), "model_file", self.model_file,
               f"unset when model_path is set ({self.model_path!r}): model_path and model_file both name the model, "
               "give one of them")
-        for key in ("resume", "overwrite"):
+        for key in ("resume", "overwrite", "buckets"):
             _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
         _need(self.family.lower() in family_names(), "family", self.family, ", ".join(family_names()))
         _need(self.preset in PRESETS, "preset", self.preset, ", ".join(PRESETS))
         check_supported(get_family(self.family), self.schedule)
+        _need(not self.buckets or get_family(self.family).aspect_buckets, "buckets", self.buckets,
+              f"false for family {self.family!r}: its latents are not an image grid, so aspect ratios do not apply")
         _need(_int(self.resolution) and self.resolution >= 16 and self.resolution % 16 == 0,
               "resolution", self.resolution, "a multiple of 16, >= 16")
         _need(_int(self.steps) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
@@ -340,10 +347,12 @@ class TrainConfig:
         _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
         header = read_state_header(self.output)
         saved, now = header["config"], json.loads(json.dumps(self.to_dict(), default=str))
+        defaults = {f.name: f.default for f in fields(self)}  # a state saved before a key existed ran with its default
         for key in RESUME_KEYS:
-            if saved.get(key) != now.get(key):
+            before = saved.get(key, defaults.get(key))
+            if before != now.get(key):
                 raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
-                                  f"{saved.get(key)!r}; allowed the saved value (or start a new run)")
+                                  f"{before!r}; allowed the saved value (or start a new run)")
         _need(self.steps >= header["step"], "steps", self.steps,
               f"at least the {header['step']} steps already done in {self.output}")
         saved_steps = saved.get("steps")

@@ -4,10 +4,11 @@ A dataset folder holds images directly, and/or kohya-style ``<repeats>_<name>`` 
 images count ``repeats`` times per epoch; hidden and system files (``._*`` macOS companions,
 ``.DS_Store``, ``Thumbs.db``, ``desktop.ini``, any dot-file) are skipped and counted. Images
 appear as a viewer shows them (:func:`to_rgb`), are centre-cropped and resized to a square
-resolution with Pillow (``ImageOps.fit``), scaled to [-1, 1] and encoded by the VAE once; latents
-and text embeddings are cached (in memory for the run, and on disk, keyed by the files' names,
-sizes and modification times, the captions, the resolution and the VAE's public config) so a
-resumed run does not re-encode. The built-in default writes real photographs from scikit-image.
+resolution, or with aspect-ratio buckets to their bucket (:mod:`.buckets`), with Pillow
+(``ImageOps.fit``), scaled to [-1, 1] and encoded by the VAE once; latents and text embeddings are
+cached (in memory for the run, and on disk, keyed by the files' names, sizes and modification
+times, the captions, the resolution, the buckets and the VAE's public config) so a resumed run
+does not re-encode. The built-in default writes real photographs from scikit-image.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 
 from ..families.base import TextBatch
 from .atomic import atomic_save_file, atomic_write_bytes, atomic_write_text
+from .buckets import Bucket, make_buckets, nearest_bucket, stack_latents
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -193,20 +195,57 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(path: Path, resolution: int) -> torch.Tensor:
-    """Read (as a viewer shows it), centre-crop and resize an image: ``(3, R, R)`` float in [-1, 1].
+def load_image(path: Path, size: int | tuple[int, int]) -> torch.Tensor:
+    """Read (as a viewer shows it), resize to cover and centre-crop an image: ``(3, H, W)`` float in [-1, 1].
+
+    Args:
+        path: the image file.
+        size: a square side ``R`` in pixels, or a bucket's ``(width, height)`` in pixels.
+
+    Raises:
+        DatasetError: the file cannot be read as an image (the message names the file).
+    """
+    width, height = (size, size) if isinstance(size, int) else size
+    try:
+        with Image.open(path) as image:
+            image = to_rgb(ImageOps.exif_transpose(image))
+            image = ImageOps.fit(image, (width, height), method=Image.Resampling.LANCZOS)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DatasetError(f"image {str(path)!r} could not be read: {exc}") from exc
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+_TRANSPOSING = (5, 6, 7, 8)
+"""EXIF orientations that swap width and height (transpose, rotate 90/270, transverse)."""
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """``(width, height)`` in pixels as a viewer shows the image (EXIF orientation applied); reads
+    the header only.
 
     Raises:
         DatasetError: the file cannot be read as an image (the message names the file).
     """
     try:
         with Image.open(path) as image:
-            image = to_rgb(ImageOps.exif_transpose(image))
-            image = ImageOps.fit(image, (resolution, resolution), method=Image.Resampling.LANCZOS)
+            width, height = image.size
+            if image.getexif().get(0x0112) in _TRANSPOSING:  # 0x0112: the EXIF Orientation tag
+                width, height = height, width
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"image {str(path)!r} could not be read: {exc}") from exc
-    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+    return width, height
+
+
+def assign_buckets(samples: list[Sample], resolution: int, multiple: int) -> list[Bucket]:
+    """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among
+    :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
+
+    Raises:
+        DatasetError: an image cannot be read.
+    """
+    candidates = make_buckets(resolution, multiple)
+    return [nearest_bucket(image_size(s.image), candidates) for s in samples]
 
 
 @torch.no_grad()
@@ -233,42 +272,51 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> t
     return z
 
 
-def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, extra: str) -> str:
+def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, extra: str,
+               buckets: list[Bucket] | None) -> str:
     """A stable function of what the cache depends on: the files (name, size, mtime), captions,
-    resolution, the VAE's class and public config, and ``extra``. diffusers' private config
-    entries (``_use_default_values`` is a list built from a set, so its order follows
-    ``PYTHONHASHSEED``) are left out."""
+    resolution, each sample's bucket (when bucketing), the VAE's class and public config, and
+    ``extra``. diffusers' private config entries (``_use_default_values`` is a list built from a
+    set, so its order follows ``PYTHONHASHSEED``) are left out."""
     h = hashlib.sha256()
     for s in samples:
         st = s.image.stat()
         h.update(f"{s.image.parent.name}/{s.image.name}|{st.st_size}|{st.st_mtime_ns}|{s.caption}\n".encode())
+    if buckets is not None:  # not hashed without buckets: the caches of earlier runs stay valid
+        h.update(("buckets:" + ",".join(b.key for b in buckets) + "\n").encode())
     public = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
     h.update(f"{resolution}|{type(vae).__name__}|{json.dumps(public, sort_keys=True, default=str)}|{extra}".encode())
     return h.hexdigest()[:16]
 
 
 def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, encode_text,
-                  video: bool, cache_dir: str | Path | None, extra: str = "") -> dict[str, torch.Tensor]:
+                  video: bool, cache_dir: str | Path | None, extra: str = "",
+                  buckets: list[Bucket] | None = None) -> dict[str, torch.Tensor]:
     """Latents and text embeddings of every sample, from the disk cache or freshly encoded.
 
     Returns a dict of stacked tensors: ``latents (N, C, ...)``, ``text_seq (N, L, D)``,
     ``text_mask (N, L)`` and ``text_pooled (N, P)`` when the family uses a pooled embedding.
+    With ``buckets`` (each sample's, :func:`assign_buckets`) the images are cropped to their
+    bucket instead of the ``resolution`` square, and samples of several shapes store their latents
+    per bucket (:func:`~.buckets.stack_latents`; read them with :func:`~.buckets.latents_for`).
 
     Raises:
         DatasetError: an image cannot be read.
     """
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra)}.safetensors"
+        path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra, buckets)}.safetensors"
         if path.is_file():
             try:
                 return load_file(str(path))
             except (OSError, SafetensorError, ValueError) as exc:  # truncated, or not a safetensors file
                 warnings.warn(f"the latent cache {path.name} is damaged ({exc}): encoding the data again",
                               DataWarning, stacklevel=2)
-    latents = torch.cat([encode_latents(vae, load_image(s.image, resolution)[None], video) for s in samples])
+    sizes = [resolution] * len(samples) if buckets is None else [(b.width, b.height) for b in buckets]
+    latents = [encode_latents(vae, load_image(s.image, size)[None], video).float() for s, size in zip(samples, sizes)]
     text: TextBatch = encode_text([s.caption for s in samples])
-    cache = {"latents": latents.float(), "text_seq": text.seq.float(), "text_mask": text.mask}
+    stacked = {"latents": torch.cat(latents)} if buckets is None else stack_latents(latents, [b.key for b in buckets])
+    cache = {**stacked, "text_seq": text.seq.float(), "text_mask": text.mask}
     if text.pooled is not None:
         cache["text_pooled"] = text.pooled.float()
     if path is not None:

@@ -32,8 +32,20 @@ from ..core.runner import SegmentRunner
 from ..core.schedule import CheckpointSchedule
 from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend, sdpa_context
+from .buckets import (
+    Bucket,
+    BucketSampler,
+    bucket_groups,
+    bucket_summary,
+    describe_buckets,
+    pixel_multiple,
+    sample_latent_shape,
+    shape_classes,
+    token_patch,
+    vae_downscale,
+)
 from .config import ConfigError, TrainConfig
-from .data import DatasetScan, EpochSampler, prepare_cache, scan_dataset, write_sample_dataset
+from .data import DatasetScan, EpochSampler, assign_buckets, prepare_cache, scan_dataset, write_sample_dataset
 from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
 from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
 from .nonfinite import TrainingDiverged, TrainingStopped
@@ -176,6 +188,9 @@ class TrainingRun:
                  rows: list[int] | None = None, announce: bool = True):
         if prepared is not None and config.data is not None:
             raise ConfigError(f"data={config.data!r} is invalid with prepared data: allowed unset (one data source)")
+        if prepared is not None and config.buckets:  # ComfyUI's LATENT is one batch of one shape
+            raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
+                              "one latent shape): allowed false; bucketing needs an image folder")
         config.check_paths()
         self.config, self.log, self.output = config, log, Path(config.output)
         self.device = resolve_device(config)
@@ -328,7 +343,7 @@ class TrainingRun:
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
         scaler = torch.amp.GradScaler(device.type, enabled=self.precision.loss_scaling)
         noise_gen = torch.Generator().manual_seed(config.seed + 1)
-        sampler = EpochSampler(len(epoch), config.batch_size, config.seed)
+        sampler = _sampler(cache, epoch, config, {})
         start = 0
         torch.manual_seed(config.seed)  # dropout and anything else drawing from the global RNG
         if config.resume:
@@ -338,7 +353,7 @@ class TrainingRun:
             if state.grad_scaler and scaler.is_enabled():
                 scaler.load_state_dict(state.grad_scaler)
             _set_rng_state(state.rng, noise_gen)
-            sampler = EpochSampler(len(epoch), config.batch_size, config.seed, **state.data_position)
+            sampler = _sampler(cache, epoch, config, state.data_position)
             self.history, start = state.history, state.step
             log(f"resumed at step {start} from {self.output}")
         offloader = runner.offloader
@@ -365,7 +380,7 @@ class TrainingRun:
         if self.preview_source is None and bundle.vae is not None:
             prompts = list(config.validation_prompts or [self._first_caption() or "a photo"])
             self.preview_source = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, self.device),
-                                                tuple(cache["latents"].shape[1:]),
+                                                sample_latent_shape(cache),
                                                 [f"prompt{i}" for i in range(len(prompts))])
         if self.preview_source is None:
             self.log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
@@ -424,12 +439,25 @@ class TrainingRun:
         data_dir = config.data or write_sample_dataset(self.output / "sample_data")
         dataset = self.dataset = scan_dataset(data_dir)
         samples, epoch = dataset.samples, dataset.epoch
-        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
-                              bundle.family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle))
-        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
-            f"latents {tuple(cache['latents'].shape[1:])}{_skipped_text(dataset)}")
         self.data_summary = dataset.summary()
+        buckets = self._buckets(bundle, dataset) if config.buckets else None
+        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
+                              bundle.family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle),
+                              buckets=buckets)
+        shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
+        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
+            f"latents {shapes}{_skipped_text(dataset)}")
         return cache, epoch
+
+    def _buckets(self, bundle: ModelBundle, dataset: DatasetScan) -> list[Bucket]:
+        """Each sample's aspect-ratio bucket; the buckets go to the log and ``report.json``."""
+        family, model_config = bundle.family, bundle.transformer.config
+        multiple = pixel_multiple(family, model_config, bundle.vae)
+        buckets = assign_buckets(dataset.samples, self.config.resolution, multiple)
+        summary = bucket_summary(buckets, dataset.epoch, vae_downscale(bundle.vae), token_patch(family, model_config))
+        self.data_summary["buckets"] = summary
+        self.log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px")
+        return buckets
 
     def _log_step(self, record: StepRecord) -> None:
         self.history.append(vars(record))
@@ -521,6 +549,15 @@ def _at_capacity(device: torch.device) -> Callable[[], bool]:
         free, total = torch.cuda.mem_get_info(device)
         return free < 0.05 * total
     return check
+
+
+def _sampler(cache: dict[str, torch.Tensor], epoch: list[int], config: TrainConfig,
+             position: dict[str, int]) -> EpochSampler | BucketSampler:
+    """The batches of a run: :class:`BucketSampler` when the cache holds several latent shapes
+    (buckets), else :class:`EpochSampler` (the order of runs without buckets is unchanged)."""
+    if len(shape_classes(cache)) == 1:
+        return EpochSampler(len(epoch), config.batch_size, config.seed, **position)
+    return BucketSampler(bucket_groups(cache, epoch), config.batch_size, config.seed, **position)
 
 
 def _precision_line(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:

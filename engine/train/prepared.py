@@ -52,7 +52,7 @@ class PreparedData:
     @property
     def count(self) -> int:
         """Samples N (one epoch: each once)."""
-        return self.cache["latents"].shape[0]
+        return self.cache["text_seq"].shape[0]  # one text row per latent
 
     def describe(self) -> str:
         """One log line: source, count, shapes, how the conditioning was paired."""

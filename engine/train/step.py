@@ -21,6 +21,7 @@ from ..core.memory import PeakMemory, StepTimer
 from ..core.runner import RecomputeMismatch, SegmentRunner
 from ..families import FamilyAdapter, TextBatch
 from .attention_kernels import sdpa_context
+from .buckets import BucketSampler, latents_for
 from .config import TrainConfig
 from .data import EpochSampler
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
@@ -103,7 +104,7 @@ class StepContext:
     runner: SegmentRunner
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    sampler: EpochSampler
+    sampler: EpochSampler | BucketSampler
     cache: dict[str, torch.Tensor]
     noise_gen: torch.Generator
     device: torch.device
@@ -148,7 +149,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         with sdpa_context(ctx.kernels):
             for _ in range(config.gradient_accumulation_steps):
                 index = [ctx.epoch[i] for i in ctx.sampler.next_batch()]
-                noisy, sigmas, target = noisy_latents(family.objective, ctx.cache["latents"][index],
+                noisy, sigmas, target = noisy_latents(family.objective, latents_for(ctx.cache, index),
                                                      ctx.noise_gen, family.shared_sigma)
                 text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
                                  ctx.cache["text_pooled"][index] if "text_pooled" in ctx.cache else None).to(device)
