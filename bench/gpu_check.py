@@ -15,6 +15,9 @@
     per-block run of the same row.
 (d) The planner: for three budgets between the smallest and the no-checkpoint predicted peak of a
     mid-size Flux at 512 px, its choice, the predicted and the measured peak of that choice.
+(e) The pre-flight (issue 15): a full-size Flux.1-dev architecture on aspect-ratio buckets of
+    three shapes at 1024 px (square, 3:2, 2:3); per bucket the pre-flight's predicted peak under
+    interval 2 stride 4 and the peak a run of that bucket measures (after warm-up), and the error.
 
 Every step runs under the trainer's own SDPA choice (``auto``: cuDNN attention left out).
 
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
+from segmented_checkpointing.engine.core.memory import device_budget  # noqa: E402
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan  # noqa: E402
 from segmented_checkpointing.engine.core.runner import SegmentRunner  # noqa: E402
 from segmented_checkpointing.engine.core.schedule import CheckpointSchedule  # noqa: E402
@@ -55,11 +59,13 @@ from segmented_checkpointing.engine.measure.planner import (  # noqa: E402
     plan_for_budget,
     predict,
 )
+from segmented_checkpointing.engine.measure.preflight import preflight  # noqa: E402
 from segmented_checkpointing.engine.measure.probe import probe  # noqa: E402
 from segmented_checkpointing.engine.measure.sweep import (  # noqa: E402
     sweep_schedules,
 )
 from segmented_checkpointing.engine.train.attention_kernels import AUTO, sdpa_context  # noqa: E402
+from segmented_checkpointing.engine.train.buckets import shape_classes  # noqa: E402
 from segmented_checkpointing.engine.train.config import TrainConfig  # noqa: E402
 from segmented_checkpointing.engine.train.loading import ModelBundle, tiny_vae_config  # noqa: E402
 from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora  # noqa: E402
@@ -68,7 +74,7 @@ from segmented_checkpointing.engine.train.precision import (  # noqa: E402
     apply_base_precision,
     resolve_precision,
 )
-from segmented_checkpointing.engine.train.runs import peak_after_warmup, short_run
+from segmented_checkpointing.engine.train.runs import RunWorkspace, peak_after_warmup, short_run
 from segmented_checkpointing.engine.train.text import DeterministicTextEmbedder  # noqa: E402
 
 FAMILY = get_family("flux")
@@ -95,13 +101,15 @@ class Sizes:
     full_latent: int
     text_tokens: int
     planner_resolution: int
+    preflight_resolution: int
     main_job: tuple[str, ...]
     warmup: int
     steps: int
 
 
-FULL = Sizes("", MID, 64, FLUX_DEV, 128, 512, 512, (), 2, 3)
-SMOKE = Sizes(" (smoke: tiny Flux stand-ins, CPU)", TINY, 8, TINY, 16, 8, 64, ("--steps", "2", "--resolution", "64", "--timing-warmup-steps", "1"), 1, 1)
+FULL = Sizes("", MID, 64, FLUX_DEV, 128, 512, 512, 1024, (), 2, 3)
+SMOKE = Sizes(" (smoke: tiny Flux stand-ins, CPU)", TINY, 8, TINY, 16, 8, 64, 64,
+              ("--steps", "2", "--resolution", "64", "--timing-warmup-steps", "1"), 1, 1)
 
 
 @contextlib.contextmanager
@@ -287,6 +295,44 @@ def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
     return rows
 
 
+def preflight_check(sizes: Sizes, device: torch.device) -> list[str]:
+    """Per bucket of three aspect ratios: the pre-flight's predicted peak under interval 2 stride 4
+    and the measured peak (after warm-up) of a run on that bucket."""
+    from PIL import Image
+
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(**{**sizes.full, "guidance_embeds": False})
+    vae = diffusers.AutoencoderKL(**tiny_vae_config(FAMILY.latent_channels))
+    bundle = ModelBundle(FAMILY, transformer.eval(), vae.eval(),
+                         DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init Flux")
+    schedule = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
+    r = sizes.preflight_resolution
+    with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
+        data = Path(folder) / "data"
+        data.mkdir()
+        for i, size in enumerate([(r, r), (r * 3 // 2, r), (r, r * 3 // 2)] * 2):
+            Image.new("RGB", size, (40 * i, 120, 200)).save(data / f"img{i}.png")
+        config = TrainConfig(data=str(data), resolution=r, buckets=True, device=device.type, schedule=schedule,
+                             output=str(Path(folder) / "out"))
+        budget = device_budget(device)
+        verdict = preflight(config, bundle, budget)
+        unit, scale = mem_unit(device)
+        rows = [f"| bucket (latent) | share | predicted peak {unit} | measured peak {unit} | error |",
+                "|---|---:|---:|---:|---:|"]
+        with RunWorkspace(config, bundle) as workspace:
+            classes = {"x".join(map(str, (config.batch_size, *shape))): rows_ for shape, rows_ in
+                       shape_classes(workspace.data_cache())}
+            for phase in (p for p in verdict.phases if p.kind == "train"):
+                run = workspace.start(schedule, 1, 2, rows=classes[phase.shape])
+                for _ in run:
+                    pass
+                measured = peak_after_warmup(run.result, 1)
+                error = (phase.peak_bytes - measured) / measured
+                rows.append(f"| {phase.shape} | {phase.share:.0%} | {phase.peak_bytes / scale:.3f} | "
+                            f"{measured / scale:.3f} | {error:+.1%} |")
+    return rows
+
+
 def environment(device: torch.device) -> str:
     """Date, device and versions, one line."""
     try:
@@ -328,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                  *matrix(sizes, device, args.budget_s, t0, notes, log)]
     log("(d) The planner ...")
     sections += ["", "## (d) The planner's choice under three budgets", "", *planner_check(sizes, device)]
+    log("(e) The pre-flight ...")
+    sections += ["", "## (e) The pre-flight per bucket, Flux.1-dev architecture, interval 2 stride 4", "",
+                 *preflight_check(sizes, device)]
     sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
                  "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
     text = "\n".join(sections) + "\n"

@@ -1,5 +1,6 @@
 """ComfyUI node classes: thin adapters over ``engine/`` (see ``training_nodes.py``)."""
 
+from .guardrail_nodes import FitGuardrails
 from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
 from .training_nodes import (
@@ -18,6 +19,7 @@ _NODES = {
     "SegCkptSchedule": (GradientCheckpointingSchedule, "Gradient Checkpointing Schedule"),
     "SegCkptOffloadOptions": (ActivationOffloadOptions, "Activation Offload Options"),
     "SegCkptLoRAConfig": (LoRAConfig, "LoRA Config"),
+    "SegCkptFitGuardrails": (FitGuardrails, "Fit Guardrails (pre-flight, OOM recovery, watchdog)"),
     "SegCkptTrainLoRA": (TrainLoRA, "Train LoRA (gradient checkpointing)"),
     "SegCkptSaveLoRA": (SaveLoRA, "Save LoRA"),
     "SegCkptLossGraph": (LossGraph, "Loss Graph"),

@@ -7,6 +7,8 @@ from their inputs, call the engine on a copy of the model, and wrap the results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 
 import numpy as np
 import torch
@@ -15,7 +17,9 @@ from PIL import Image
 from ..engine.core.plan import check_supported
 from ..engine.core.schedule import ScheduleError
 from ..engine.measure.planner import parse_budget, plan_for_budget, write_choice
+from ..engine.measure.preflight import preflight
 from ..engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
+from ..engine.train.atomic import atomic_write_text
 from ..engine.train.config import HELP, TrainConfig
 from ..engine.train.loop import resolve_device
 from ..engine.train.lora_io import LoraSettings
@@ -169,11 +173,21 @@ class SchedulePlanner:
         with _measuring(host, unique_id, total) as (on_step, stop):
             choice = plan_for_budget(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
                                      on_step=on_step, should_stop=stop)
+            verdict = None
+            if config.buckets:  # the probe mixed the buckets: judge the choice per bucket (pre-flight)
+                verdict = preflight(dataclasses.replace(config, schedule=choice.chosen.schedule), model, budget,
+                                    warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
         write_choice(choice, folder)
         report = choice.render()
-        chosen = choice.chosen
-        summary = (f"chosen: {chosen.schedule.mode} — predicted {chosen.peak_bytes / 2**30:.3g} GiB"
+        chosen = choice.chosen.schedule
+        summary = (f"chosen: {chosen.mode} — predicted {choice.chosen.peak_bytes / 2**30:.3g} GiB"
                    + (f", measured {choice.measured_peak_bytes / 2**30:.3g} GiB" if choice.measured_peak_bytes else "")
                    + f" (budget {budget / 2**30:.3g} GiB)")
+        if verdict is not None:
+            if not verdict.fits and verdict.suggestion is not None:
+                chosen = verdict.suggestion
+                summary += f"\nper bucket it does not fit: chosen instead {chosen.mode}"
+            summary += "\n" + verdict.render()
+            atomic_write_text(folder / "schedule.json", json.dumps(chosen.to_dict(), indent=2) + "\n")
         return {"ui": {"text": [summary + "\n\n" + report]},
-                "result": ({"family": model.family.name, "schedule": choice.chosen.schedule}, report)}
+                "result": ({"family": model.family.name, "schedule": chosen}, summary + "\n\n" + report)}

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from ..engine.measure.plots import loss_curve_rgb
+from ..engine.measure.receipt import render_receipt
 from ..engine.train.atomic import atomic_write_bytes
 from .environment import current_host
 from .training_nodes import CATEGORY, RUN
@@ -55,13 +56,24 @@ class RunReport:
         result = run["result"]
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
+        report = result.report
         lines = [
             f"{totals['steps']} steps{' (interrupted, resumable)' if result.interrupted else ''}, "
             f"final loss {totals['final_loss']:.4f}",
             f"{sec:.3f} sec/step (median after warm-up)" if sec is not None else "sec/step: too few steps",
             f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})",
             result.plan.render(),
-            f"report: {current_host().public(str(result.report_path))}",
         ]
+        if report.get("preflight"):
+            verdict = report["preflight"]
+            lines.append(f"pre-flight: {verdict['schedule']} {'fits' if verdict['fits'] else 'did NOT fit'} "
+                         f"{verdict['budget_bytes'] / 2**30:.4g} GiB: " + ", ".join(
+                             f"{p['phase']} {'ok' if p['fits'] else 'NO'}" for p in verdict["phases"]))
+        lines += [f"step {s['step']}: out of memory under {s['from']}: switched to {s['to']}"
+                  for s in report.get("schedule_switches", [])]
+        lines += [f"watchdog: {w['message']}" for w in report.get("watchdog", [])]
+        if report.get("receipt"):
+            lines.append(render_receipt(report["receipt"]))
+        lines.append(f"report: {current_host().public(str(result.report_path))}")
         text = "\n".join(lines)
         return {"ui": {"text": [text], "plan": [json.dumps(result.plan.to_dict())]}, "result": (text,)}

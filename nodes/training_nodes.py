@@ -19,6 +19,7 @@ from ..engine.core.plan import check_supported
 from ..engine.core.schedule import HELP as SCHEDULE_HELP
 from ..engine.core.schedule import CheckpointSchedule, ScheduleError
 from ..engine.families import TextBatch, family_names, get_family
+from ..engine.measure.guarded import guarded_train
 from ..engine.train.attention_kernels import (
     AttentionBackendError,
     parse_attention_backend,
@@ -26,7 +27,7 @@ from ..engine.train.attention_kernels import (
 from ..engine.train.buckets import sample_latent_shape
 from ..engine.train.config import HELP, LR_SCHEDULERS, ConfigError, TrainConfig
 from ..engine.train.data import write_sample_dataset
-from ..engine.train.loop import load_bundle, train
+from ..engine.train.loop import load_bundle
 from ..engine.train.lora_io import LoraSettings, save_lora
 from ..engine.train.nonfinite import POLICIES as NONFINITE_POLICIES
 from ..engine.train.precision import BASE_PRECISIONS
@@ -47,6 +48,7 @@ from .environment import (
     public_errors,
     resolve_model,
 )
+from .guardrail_nodes import GUARDRAILS
 
 CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
@@ -288,6 +290,8 @@ class TrainLoRA:
                     "mapping are refused when the run starts.")),
                 "offload": (OFFLOAD, _tip("Optional: overrides the schedule's backend and offload keys.")),
                 "lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16.")),
+                "guardrails": (GUARDRAILS, _tip("Optional, from Fit Guardrails: a pre-flight memory verdict before "
+                                                "step 1, out-of-memory recovery, the slowdown watchdog.")),
                 "attention_backend": ("STRING", _tip(HELP["attention_backend"], default="auto")),
                 "on_nonfinite": (list(NONFINITE_POLICIES), _tip(HELP["on_nonfinite"], default="stop")),
                 "preview_every": ("INT", _tip(HELP["validation_every"] + " Shown on this node while it trains; with "
@@ -346,7 +350,7 @@ class TrainLoRA:
     def train(self, model, dataset=None, schedule=None, steps=20, learning_rate=1e-3, lr_scheduler="constant",
               batch_size=1, gradient_accumulation_steps=1, seed=0, run_name="lora_run", resume=False, offload=None,
               lora_config=None, attention_backend="auto", on_nonfinite="stop", unique_id=None, latent=None,
-              conditioning=None, preview_every=0, vae=None):
+              conditioning=None, preview_every=0, vae=None, guardrails=None):
         host = current_host()
         comfy_data = data_source(dataset is not None, latent is not None, conditioning is not None) == "latent"
         family = model.family.name
@@ -361,7 +365,7 @@ class TrainLoRA:
             self.check_inputs(steps, learning_rate, lr_scheduler, batch_size, gradient_accumulation_steps, seed,
                               run_name, resume, attention_backend, on_nonfinite, preview_every),
             family=family, schedule=schedule, lora=lora_config or LoraSettings(),
-            base_model_precision=model.base_precision or "auto")
+            base_model_precision=model.base_precision or "auto", **(guardrails or {}))
         prepared = previews = None
         if comfy_data:  # the engine maps them (a family without a ComfyUI latent mapping stops here)
             prepared = prepare_comfy_data(model.family, model.family.text(model.transformer.config), latent,
@@ -373,8 +377,16 @@ class TrainLoRA:
         update = host.progress(unique_id, steps)
         run_folder = Path(config.output).resolve().relative_to(host.output_dir.resolve()).as_posix()
 
+        notes: list[str] = []
+
+        def note(lines: list[str]) -> None:  # the verdict, switches and watchdog, drawn on this node
+            notes.extend(host.public(line) for line in lines)
+            host.send("segckpt.notes", {"node": unique_id, "lines": list(notes)})
+
         def on_step(record, total):
             update(record.step)
+            note([f"step {s['step']}: out of memory under {s['from']}: switched to {s['to']}"
+                  for s in record.schedule_switches] + [found["message"] for found in record.watchdog])
             host.send("segckpt.loss", {"node": unique_id, "step": record.step, "total": total,
                                        "loss": record.loss})
             if record.previews:  # drawn on this node while it trains (web/train_loss_curve.js)
@@ -386,8 +398,9 @@ class TrainLoRA:
             bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
         # one latent cache for every run of this server: its keys are the data, the model and the
         # resolution, so queueing again (or changing a training setting) does not encode again
-        result = train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted,
-                       cache_dir=host.output_dir / "segckpt" / "cache", prepared=prepared, preview_source=previews)
+        result = guarded_train(config, bundle=bundle, on_step=on_step, should_stop=host.interrupted,
+                               cache_dir=host.output_dir / "segckpt" / "cache", prepared=prepared,
+                               preview_source=previews, on_verdict=lambda v: note(v.render().splitlines()))
         return ({"result": result, "lora": result.config.lora},)
 
 

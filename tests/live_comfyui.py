@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACK_FOLDER = "comfyui-segmented-checkpointing"
 NODE_TYPES = ("SegCkptLoadDiffusionModel", "SegCkptImageCaptionDataset", "SegCkptSchedule", "SegCkptOffloadOptions",
               "SegCkptLoRAConfig", "SegCkptTrainLoRA", "SegCkptSaveLoRA", "SegCkptLossGraph", "SegCkptRunReport",
-              "SegCkptSweep", "SegCkptSchedulePlanner")
+              "SegCkptSweep", "SegCkptSchedulePlanner", "SegCkptFitGuardrails")
 
 
 def comfyui_path() -> Path:

@@ -113,16 +113,21 @@ CHROME = (60, 60)  # the canvas under frontend 1.58's sidebar and graph breadcru
 PREVIEWS = 112  # Train LoRA's preview row (web/train_loss_curve.js), when previews are on
 
 
-def _extra(node: dict) -> float:
+NOTES = 6 * 14  # Train LoRA's guardrail lines (a verdict of two buckets, a switch), with Fit Guardrails
+
+
+def _extra(node: dict, guarded: bool) -> float:
     extra = RUNTIME_EXTRA.get(node["type"], 0)
-    if node["type"] == "SegCkptTrainLoRA" and node["widgets_values"][-1]:  # preview_every, its last widget
-        extra += PREVIEWS
+    if node["type"] == "SegCkptTrainLoRA":
+        extra += PREVIEWS if node["widgets_values"][-1] else 0  # preview_every, its last widget
+        extra += NOTES if guarded else 0
     return extra
 
 
 def _boxes(ui: dict) -> list[tuple[str, float, float, float, float]]:
+    guarded = any(n["type"] == "SegCkptFitGuardrails" for n in ui["nodes"])
     return [(n["type"], n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0],
-             n["pos"][1] + n["size"][1] + _extra(n)) for n in ui["nodes"]]
+             n["pos"][1] + n["size"][1] + _extra(n, guarded)) for n in ui["nodes"]]
 
 
 @pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)

@@ -1,13 +1,19 @@
 // Train LoRA node: a live loss curve from the `segckpt.loss` websocket events the node sends once
-// per optimizer step ({node, step, total, loss}), and the validation previews from
-// `segckpt.preview` events ({node, step, images: [{filename, subfolder, type}]}) under it.
+// per optimizer step ({node, step, total, loss}), the validation previews from `segckpt.preview`
+// events ({node, step, images: [{filename, subfolder, type}]}) under it, and the guardrails' lines
+// (the pre-flight verdict, schedule switches, watchdog reports) from `segckpt.notes` ({node, lines}).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
-import { lossPoints, previewUrl, recordLoss } from "./segckpt_common.js";
+import { lossPoints, previewUrl, recordLoss, textLines } from "./segckpt_common.js";
 
 const HEIGHT = 96;
 const PREVIEW = 112;
+const NOTE = 14;
+
+function panelHeight(node) {
+  return HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0) + (node.segckptNotes?.length ?? 0) * NOTE;
+}
 
 function draw(node, ctx, area) {
   const state = node.segckptLoss;
@@ -30,9 +36,13 @@ function draw(node, ctx, area) {
     points.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
     ctx.stroke();
   }
+  const notes = node.segckptNotes ?? [];
+  ctx.fillStyle = "#fbbf24";
+  notes.forEach((line, i) => fillText(ctx, line, area.x, area.y + HEIGHT + 4 + i * NOTE, area.w));
   const previews = node.segckptPreviews;
   if (previews?.images.length) {
-    const y = area.y + HEIGHT;
+    const y = area.y + HEIGHT + notes.length * NOTE;
+    ctx.fillStyle = "#a1a1aa";
     fillText(ctx, `previews after step ${previews.step}`, area.x, y + 6, area.w);
     const side = PREVIEW - 20;
     previews.images.forEach((image, i) => {
@@ -75,10 +85,17 @@ app.registerExtension({
       fitHeight(node);
       redraw(node);
     });
+    api.addEventListener("segckpt.notes", ({ detail }) => {
+      const node = nodeById(detail.node);
+      if (!node) return;
+      node.segckptNotes = textLines(detail.lines);
+      fitHeight(node);
+      redraw(node);
+    });
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "SegCkptTrainLoRA") return;
-    addBottomPanel(nodeType, (node) => HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0), draw);
+    addBottomPanel(nodeType, panelHeight, draw);
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.backends import DEFAULT
 from ..core.schedule import CheckpointSchedule
 from ..train.loop import TrainResult
 from .planner import predict
@@ -38,8 +39,8 @@ def neighbours(schedule: CheckpointSchedule) -> dict[str, CheckpointSchedule]:
                 gradient_checkpointing_interval=1 if stride else None)
         if schedule.stride != schedule.interval:
             out["gradient_checkpointing_segment_stride"] = schedule.replace(gradient_checkpointing_segment_stride=None)
-        if schedule.gradient_checkpointing_backend != "torch":
-            out["gradient_checkpointing_backend"] = schedule.replace(gradient_checkpointing_backend="torch")
+        if schedule.backend != DEFAULT:
+            out["gradient_checkpointing_backend"] = schedule.replace(gradient_checkpointing_backend=DEFAULT.name)
     if schedule.gradient_checkpointing_offload_attention:
         out["gradient_checkpointing_offload_attention"] = schedule.replace(
             gradient_checkpointing_offload_attention=False)

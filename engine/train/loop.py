@@ -307,10 +307,10 @@ class TrainingRun:
     def _watch(self, record: StepRecord) -> None:
         """Feed the watchdog; its reports (each once per run) are logged and kept in the step."""
         shape = "x".join(map(str, self.context.batch_shape))
-        self.history[-1]["shape"] = shape  # the receipt's peak per phase
-        for found in self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape):
+        self.history[-1]["shape"] = shape  # the receipt's peak per phase (the record's own dict)
+        record.watchdog = self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape)
+        for found in record.watchdog:  # the history entry is the record's own dict: it has them too
             self.log(f"segckpt: warning: {found['message']}")
-            self.history[-1].setdefault("watchdog", []).append(found["kind"])
 
     def _set_up(self) -> int:
         """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""

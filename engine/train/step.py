@@ -54,6 +54,7 @@ class StepRecord:
         previews: preview images sampled after this step (paths relative to the output folder).
         schedule_switches: out-of-memory recoveries of this step (``{"step", "from", "to", "error",
             ...}``): it ran again under the schedule ``to``.
+        watchdog: the watchdog's reports made after this step (``{"kind", "step", "message", ...}``).
     """
 
     step: int
@@ -72,6 +73,7 @@ class StepRecord:
     skipped: str | None = None
     previews: list[str] = field(default_factory=list)
     schedule_switches: list[dict] = field(default_factory=list)
+    watchdog: list[dict] = field(default_factory=list)
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:

@@ -6,8 +6,9 @@ whose memory creeps up until an out-of-memory error at step N. The watchdog keep
 (a bucket), the median seconds and the largest peak of the first ``baseline_steps`` steps after
 the timing warm-up, then:
 
-* a **slowdown**: ``window`` consecutive steps of that shape each at least ``factor`` times the
-  baseline's median (default 1.5x for 5 steps) is reported once, naming the step it began;
+* a **slowdown**: ``window`` consecutive steps each at least ``factor`` times the baseline median
+  of its own shape (default 1.5x for 5 steps; a step of a shape still without a baseline neither
+  counts nor breaks the run) is reported once, naming the step it began;
 * a **memory growth**: a step's peak above the largest baseline peak of its shape by more than
   :data:`GROWTH` (and :data:`GROWTH_BYTES`) is reported once.
 
@@ -33,7 +34,6 @@ GROWTH_BYTES = 1 << 20
 class _Shape:
     seconds: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
-    slow: list[tuple[int, float]] = field(default_factory=list)  # the current run of slow (step, seconds)
 
     def baseline(self, size: int) -> tuple[float, int] | None:
         if len(self.seconds) < size:
@@ -64,6 +64,7 @@ class Watchdog:
     _seen: int = 0
     _reported: set = field(default_factory=set)
     _previews_at: int | None = None
+    _slow: list[tuple[int, float]] = field(default_factory=list)  # the current run of (step, ratio)
 
     def previews_ran(self, step: int) -> None:
         """Validation previews ran after ``step`` (their allocations and time follow it)."""
@@ -83,13 +84,14 @@ class Watchdog:
             return []
         median, peak = base
         found = []
+        # consecutive steps of the run, each against its own shape's baseline (buckets alternate)
         if seconds >= self.factor * median:
-            entry.slow.append((step, seconds))
-            if len(entry.slow) >= self.window and "slowdown" not in self._reported:
-                ratio = statistics.median(s for _, s in entry.slow) / median
-                found.append(self._slowdown(entry.slow[0][0], step, ratio, median, shape))
+            self._slow.append((step, seconds / median))
+            if len(self._slow) >= self.window and "slowdown" not in self._reported:
+                ratio = statistics.median(r for _, r in self._slow)
+                found.append(self._slowdown(self._slow[0][0], step, ratio, median, shape))
         else:
-            entry.slow.clear()
+            self._slow.clear()
         if peak_bytes > peak * (1 + GROWTH) and peak_bytes - peak > GROWTH_BYTES and "memory" not in self._reported:
             found.append(self._growth(step, peak_bytes, peak, shape))
         self.reports += found
@@ -112,8 +114,8 @@ class Watchdog:
         cause, helps = self._cause(began)
         return {"kind": "slowdown", "step": began, "detected_at": step, "ratio": round(ratio, 2),
                 "baseline_seconds": median, "shape": shape, "cause": cause, "helps": helps,
-                "message": f"slowdown from step {began}: {ratio:.2f}x the first steps' {median:.3f} s/step "
-                           f"(median of {step - began + 1} steps in a row); likely cause: {cause}; what helps: {helps}"}
+                "message": f"slowdown from step {began}: {ratio:.2f}x the first steps' time (median of "
+                           f"{len(self._slow)} slow steps in a row; {median:.3f} s/step for {shape}); likely cause: {cause}; what helps: {helps}"}
 
     def _growth(self, step: int, peak: int, baseline: int, shape: str) -> dict[str, Any]:
         self._reported.add("memory")
