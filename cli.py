@@ -38,6 +38,7 @@ from .engine.measure.preflight import preflight
 from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
 from .engine.train.atomic import atomic_write_text
 from .engine.train.config import ConfigError, TrainConfig, read_config_file
+from .engine.train.distributed import close_distributed
 from .engine.train.loading import detect_family
 from .engine.train.loop import load_bundle, resolve_device
 from .engine.train.lora_io import LoraSettings
@@ -204,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
             print(f"segckpt: error: {exc}", file=sys.stderr)
             return 2
+        finally:
+            close_distributed()  # --fsdp under torchrun
+        if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
+            return 130 if result.interrupted else 0
         if result.interrupted:
             print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
                   f"continue with the same options and --resume", file=sys.stderr)

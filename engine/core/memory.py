@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 MIB = 1 << 20
@@ -86,7 +86,7 @@ class LiveTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         input_storages: set[int] | None = None
-        for tensor in tree_flatten(out)[0]:
+        for tensor in _dense_parts(tree_flatten(out)[0]):
             storage = _storage_of(tensor)
             if storage is None:
                 continue
@@ -98,7 +98,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             if func not in _FRESH_OPS:
                 if input_storages is None:
-                    input_storages = {id(s) for s in map(_storage_of, tree_flatten((args, kwargs))[0])
+                    input_storages = {id(s) for s in map(_storage_of, _dense_parts(tree_flatten((args, kwargs))[0]))
                                       if s is not None}
                 if key in input_storages:  # a view / in-place result of a storage made before us
                     continue
@@ -117,6 +117,19 @@ class LiveTensorTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current_bytes -= entry[1]
+
+
+def _dense_parts(values: list[Any]) -> list[Any]:
+    """``values`` with every wrapper tensor subclass (FSDP's DTensor, torchao's quantized
+    tensors) replaced by the dense tensors holding its data (the ops on those run below this
+    mode, so they are counted here, through the wrapper's result)."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+            out.extend(_dense_parts([getattr(value, name) for name in value.__tensor_flatten__()[0]]))
+        else:
+            out.append(value)
+    return out
 
 
 def _storage_of(value: Any) -> torch.UntypedStorage | None:

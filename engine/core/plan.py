@@ -22,6 +22,13 @@ class ScheduleWarning(UserWarning):
     """A schedule key was ignored or changed for a family or block list; the plan's notes say why."""
 
 
+RUNNER = "segment runner"
+FSDP_WRAPPER = "fsdp checkpoint_wrapper"
+"""Who applies a plan (:attr:`ModelPlan.applied_by`): the engine's :class:`~.runner.SegmentRunner`
+through diffusers' checkpoint hook, or FSDP-style ``checkpoint_wrapper`` around every block
+(``fsdp_activation_checkpointing``; the runner then checkpoints nothing)."""
+
+
 LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
           "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
           "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
@@ -37,12 +44,20 @@ class ModelPlan:
         schedule: the schedule that was asked for.
         lists: one plan per block list, in forward order.
         notes: model-level notes (keys ignored, fallbacks).
+        applied_by: :data:`RUNNER` or :data:`FSDP_WRAPPER`.
     """
 
     family: str
     schedule: CheckpointSchedule
     lists: tuple[ListPlan, ...]
     notes: tuple[str, ...] = ()
+    applied_by: str = RUNNER
+
+    @property
+    def mode(self) -> str:
+        """The schedule's short name (``interval 2 stride 4``, ...), or ``fsdp-layer`` when
+        FSDP's ``checkpoint_wrapper`` applies the plan."""
+        return "fsdp-layer" if self.applied_by == FSDP_WRAPPER else self.schedule.mode
 
     def list_plan(self, name: str) -> ListPlan:
         """The plan of the block list called ``name``.
@@ -83,7 +98,8 @@ class ModelPlan:
         """Per-list block map, e.g. ``double  CC..CC..  segments: 0-1 4-5``, plus the legend."""
         maps = self.block_maps()
         width = max([len(p.name) for p in self.lists] + [4])
-        lines = [f"plan ({self.family}, {self.schedule.mode}):"]
+        by = f", applied by {self.applied_by}" if self.applied_by != RUNNER else ""
+        lines = [f"plan ({self.family}, {self.mode}{by}):"]
         for plan in self.lists:
             segs = " ".join(f"{s}-{e - 1}" if e - s > 1 else f"{s}" for s, e in plan.segments) or "none"
             lines.append(f"  {plan.name:<{width}}  {maps[plan.name]}  segments: {segs}")
@@ -96,7 +112,8 @@ class ModelPlan:
         """JSON-ready form: family, schedule keys, lists (segments, checkpointed, plain), notes."""
         return {
             "family": self.family,
-            "mode": self.schedule.mode,
+            "mode": self.mode,
+            "applied_by": self.applied_by,
             "schedule": self.schedule.to_dict(),
             "lists": [p.to_dict() for p in self.lists],
             "block_map": self.block_maps(),
@@ -133,7 +150,7 @@ def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None
 
 
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
-                   num_blocks: Mapping[str, int], warn: bool = True) -> ModelPlan:
+                   num_blocks: Mapping[str, int], warn: bool = True, fsdp_checkpointing: bool = False) -> ModelPlan:
     """The plan the engine will actually apply to a model of ``family``.
 
     Args:
@@ -141,6 +158,8 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
         schedule: the requested schedule.
         num_blocks: number of blocks of each of the family's block lists, by list name.
         warn: emit a :class:`ScheduleWarning` for every key that is ignored.
+        fsdp_checkpointing: FSDP-style activation checkpointing applies instead
+            (:func:`fsdp_plan`).
 
     Returns:
         The :class:`ModelPlan`; every ignored key is named in its notes.
@@ -149,6 +168,8 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
         KeyError: ``num_blocks`` lacks one of the family's lists.
         ScheduleError: see :func:`check_supported`.
     """
+    if fsdp_checkpointing:
+        return fsdp_plan(family, schedule, num_blocks, warn)
     check_supported(family, schedule)
     interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
     notes: list[str] = []
@@ -182,6 +203,27 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
         for note in notes:
             warnings.warn(note, ScheduleWarning, stacklevel=2)
     return ModelPlan(family.name, schedule, tuple(lists), plan_notes + tuple(notes))
+
+
+def fsdp_plan(family: FamilyAdapter, schedule: CheckpointSchedule, num_blocks: Mapping[str, int],
+              warn: bool = True) -> ModelPlan:
+    """The plan of FSDP-style activation checkpointing: ``checkpoint_wrapper`` around every block
+    of every list (each block its own checkpoint, recomputed once in backward).
+
+    The documents' rule (SPEC.md "Family rules": when FSDP activation checkpointing is on,
+    model-level checkpointing is disabled to avoid applying both): the requested model-level
+    schedule is switched off; when it asked for checkpointing, a :class:`ScheduleWarning` says so
+    and the plan's notes keep it.
+    """
+    notes = []
+    if schedule.gradient_checkpointing:
+        notes.append(f"fsdp_activation_checkpointing=True: FSDP-style per-block activation checkpointing "
+                     f"(checkpoint_wrapper on every block) applies, so the model-level schedule ({schedule.mode}, "
+                     f"backend {schedule.backend.name}) is switched off rather than applied as well")
+        if warn:
+            warnings.warn(notes[0], ScheduleWarning, stacklevel=3)
+    lists = tuple(plan_block_list(bl.name, num_blocks[bl.name], 1, None, True, (), True) for bl in family.block_lists)
+    return ModelPlan(family.name, CheckpointSchedule(), lists, tuple(notes), FSDP_WRAPPER)
 
 
 def count_blocks(family: FamilyAdapter, model: Any) -> dict[str, int]:

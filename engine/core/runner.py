@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..families.base import BlockList, Carry, FamilyAdapter
 from .offload import HostPool, Offloader, resident_storages
-from .plan import ModelPlan, ScheduleWarning
+from .plan import RUNNER, ModelPlan, ScheduleWarning
 
 
 class CarryMismatch(RuntimeError):
@@ -260,8 +260,8 @@ class SegmentRunner:
 
     def install(self) -> "SegmentRunner":
         """Route the model's block calls through this runner (or disable checkpointing when
-        nothing is checkpointed or offloaded)."""
-        if self.plan.checkpointed_blocks == 0 and not self.offload_attention:
+        nothing is checkpointed or offloaded, or when FSDP's ``checkpoint_wrapper`` applies the plan)."""
+        if self.plan.applied_by != RUNNER or (self.plan.checkpointed_blocks == 0 and not self.offload_attention):
             self.model.disable_gradient_checkpointing()
         else:
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self)

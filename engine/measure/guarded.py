@@ -65,6 +65,8 @@ def guarded_train(config: TrainConfig, *, bundle=None, log: Callable[[str], None
                                    "(--start-anyway, the node's start_anyway)")
         train_kwargs["next_schedule"] = guided_next_schedule(verdict)
     result = train(config, bundle=bundle, log=log, **train_kwargs)
+    if not result.writer:  # a rank other than 0 of a sharded run: rank 0 writes and prints
+        return result
     receipt = build_receipt(result, verdict)
     result.report["receipt"] = receipt
     if verdict is not None:

@@ -84,7 +84,7 @@ def build_receipt(result: TrainResult, verdict: Verdict | None) -> dict[str, Any
         "sec_per_step": report["totals"]["sec_per_step"],
         "peak_bytes_by_phase": {**{f"train {k}": v for k, v in sorted(peaks.items())},
                                 "validation previews": report["memory"].get("validation_peak_bytes", 0)},
-        "schedule": result.config.schedule.mode,
+        "schedule": result.plan.mode,
         "schedule_switches": [f"step {s['step']}: {s['from']} -> {s['to']}"
                               for s in report.get("schedule_switches", [])],
         "options": [],

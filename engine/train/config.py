@@ -224,6 +224,15 @@ class TrainConfig:
                                       "with the likely cause (0 = off).", "--watchdog-slowdown", long_run=True)
     watchdog_window: int = option(5, "Consecutive slow steps that make a slowdown.", "--watchdog-window",
                                   long_run=True)
+    fsdp: bool = option(False, "Shard the model with PyTorch FSDP2 (fully_shard on every block and the root; frozen "
+                        "base and LoRA) over the processes torchrun starts: NCCL on CUDA, gloo on the CPU. batch_size "
+                        "is the global batch, split evenly over the processes; only rank 0 logs and writes, and the "
+                        "LoRA and resumable state are saved whole (a single process can load them).", "--fsdp",
+                        long_run=True)
+    fsdp_activation_checkpointing: bool = option(
+        False, "With fsdp: FSDP-style activation checkpointing (checkpoint_wrapper around every block) instead of "
+        "the segmented schedule; the model-level schedule is then switched off, with a warning.",
+        "--fsdp-activation-checkpointing", long_run=True)
     save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
                              "interruption).", "--save-every", long_run=True)
     validation_every: int = option(0, "Every N steps (and at the last), sample one small image per validation "
@@ -287,6 +296,7 @@ class TrainConfig:
               "watchdog_slowdown", self.watchdog_slowdown, "a number > 1, or 0 (off)")
         _need(_int(self.watchdog_window) and self.watchdog_window >= 1, "watchdog_window", self.watchdog_window,
               "an integer >= 1")
+        self._check_fsdp()
         _need(_int(self.save_every) and self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         _need(_int(self.timing_warmup_steps) and self.timing_warmup_steps >= 0, "timing_warmup_steps",
               self.timing_warmup_steps, "an integer >= 0")
@@ -301,6 +311,24 @@ class TrainConfig:
                                   and all(isinstance(p, str) for p in prompts)),
               "validation_prompts", self.validation_prompts, "up to 16 prompts (strings), or unset")
         object.__setattr__(self, "validation_prompts", tuple(prompts) if prompts is not None else None)
+
+    def _check_fsdp(self) -> None:
+        """What runs sharded (README "Several GPUs"): refused here, before any process group."""
+        for key in ("fsdp", "fsdp_activation_checkpointing"):
+            _need(isinstance(getattr(self, key), bool), key, getattr(self, key), "true or false")
+        _need(self.fsdp or not self.fsdp_activation_checkpointing, "fsdp_activation_checkpointing", True,
+              "false without fsdp (it is FSDP's own checkpointing; set fsdp too)")
+        if not self.fsdp:
+            return
+        _need(not self.base_model_precision.endswith("-torchao"), "base_model_precision", self.base_model_precision,
+              "bf16, fp16, fp32, no_change or auto with fsdp (torchao's quantized weights are not sharded here)")
+        _need(not self.schedule.gradient_checkpointing_offload_attention, "gradient_checkpointing_offload_attention",
+              True, "false with fsdp (it would copy the blocks' all-gathered weights to host memory); the unsloth "
+              "backends, which offload only the hidden states between blocks, run sharded")
+        _need(not self.buckets, "buckets", True, "false with fsdp (a bucket's short batch would not split evenly "
+              "over the processes)")
+        _need(self.memory_budget is None, "memory_budget", self.memory_budget, "unset with fsdp (the pre-flight "
+              "probes one process; run segckpt plan --check on one device first)")
 
     def check_input_paths(self) -> None:
         """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any

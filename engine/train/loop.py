@@ -46,6 +46,15 @@ from .buckets import (
 )
 from .config import ConfigError, TrainConfig
 from .data import DatasetScan, EpochSampler, assign_buckets, prepare_cache, scan_dataset, write_sample_dataset
+from .distributed import (
+    Distributed,
+    DistributedError,
+    full_optimizer_state,
+    init_distributed,
+    plain_name,
+    shard_model,
+    shard_optimizer_state,
+)
 from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
 from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
 from .nonfinite import TrainingDiverged, TrainingStopped
@@ -85,6 +94,8 @@ class TrainResult:
     report: dict[str, Any]
     interrupted: bool = False
     model: Any = field(default=None, repr=False)
+    writer: bool = True
+    """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
 
 
 def resolve_device(config: TrainConfig) -> torch.device:
@@ -194,7 +205,18 @@ class TrainingRun:
         config.check_paths()
         self.config, self.log, self.output = config, log, Path(config.output)
         self.device = resolve_device(config)
+        self.dist: Distributed | None = None
+        if config.fsdp:  # joins the torchrun process group; ranks other than 0 stay quiet
+            self.dist = init_distributed(self.device.type)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.dist.local_rank)
+            if not self.dist.main:
+                self.log = log = _quiet
+            self.dist.local_rows(config.batch_size)  # refuses a batch that does not split evenly
         self.precision = run_precision(config, self.device)
+        if self.dist is not None and self.precision.loss_scaling:
+            raise DistributedError(f"base_model_precision={config.base_model_precision!r} trains with fp16 loss "
+                                   "scaling, which is not wired for sharded gradients: allowed bf16 or fp32 with fsdp")
         check_torchao(self.precision.base)
         self.kernels = check_attention_backend(config.attention_backend, self.device)
         self.cache_dir = Path(cache_dir) if cache_dir else self.output / "cache"
@@ -224,6 +246,12 @@ class TrainingRun:
         """The run's own state, entered for each piece of work and left before every ``yield``."""
         # Autograd must be on even when the caller runs under torch.inference_mode() (ComfyUI does).
         with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+            if self.dist is not None and not self.dist.main:  # rank 0 says it once
+                warnings.simplefilter("ignore")
+            # FSDP2 warns for every block returning a view, in case the caller changes it in place
+            # (dropping the block's pre-backward hook); diffusers' loops do not, and
+            # tests/test_fsdp.py checks that sharded gradients equal single-process ones
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             # torch's layer/RMS norms warn that bf16 input meets fp32 weights (autocast keeps
             # norms in fp32 by design); that is expected here, not a fault of the run
             warnings.filterwarnings("ignore", message=".*Mismatch dtype between input and weight")
@@ -263,8 +291,11 @@ class TrainingRun:
             interrupted = self._stop and len(self.history) < self.config.steps
             lora_path, report = self._write_outputs(interrupted, None)
             self.log(f"wrote {lora_path}, {self.output / REPORT_FILE}, {self.output / STATE_FILE}")
+            if self.dist is not None:
+                self.dist.barrier()  # the files are complete before any rank returns
         self.result = TrainResult(self.config, self.plan, self.history, lora_path, self.output / STATE_FILE,
-                                  self.output / REPORT_FILE, report, interrupted, ctx.model)
+                                  self.output / REPORT_FILE, report, interrupted, ctx.model,
+                                  self.dist is None or self.dist.main)
 
     def _step(self, step: int, position: dict[str, int], rng: dict[str, torch.Tensor]) -> StepRecord:
         """One optimizer step; when it runs out of memory and ``on_oom=switch``, the next cheaper
@@ -287,10 +318,12 @@ class TrainingRun:
             restore_step_start(ctx, position)
             _set_rng_state(rng, ctx.noise_gen)
             old = ctx.config.schedule
-            new = None if updating or self.config.on_oom != "switch" else self.next_schedule(old, ctx.family)
+            switch = self.config.on_oom == "switch" and self.dist is None  # ranks cannot retry in step
+            new = None if updating or not switch else self.next_schedule(old, ctx.family)
             if new is None:
-                why = ("during the optimizer update" if updating else "with on_oom=stop"
-                       if self.config.on_oom != "switch" else f"and no schedule saves more memory than {old.mode}")
+                why = ("during the optimizer update" if updating else "under fsdp (one rank cannot retry alone)"
+                       if self.dist is not None else "with on_oom=stop" if not switch
+                       else f"and no schedule saves more memory than {old.mode}")
                 raise OutOfMemoryStop(f"step {step + 1} ran out of memory ({error}) {why}; the last good step is "
                                       "saved: resume with a cheaper schedule, smaller images or batch")
             switch_schedule(ctx, new)
@@ -315,12 +348,15 @@ class TrainingRun:
     def _set_up(self) -> int:
         """Load, encode, cast, add the LoRA, install the plan, resume; the first step's index."""
         config, device, log = self.config, self.device, self.log
-        remove_stale_temporaries(self.output)  # left by a process killed while writing
+        if self.dist is None or self.dist.main:
+            remove_stale_temporaries(self.output)  # left by a process killed while writing
         bundle = self.bundle = self.bundle or load_bundle(config, self.precision, log)
         family = bundle.family
         # Data: encode every image once with the VAE (excluded from timing), then free the VAE;
-        # or take the latents and text a caller prepared (ComfyUI's encoders).
-        cache, epoch = self.prepare_data()
+        # or take the latents and text a caller prepared (ComfyUI's encoders). Sharded: rank 0
+        # writes the cache, the others read it.
+        with self.dist.main_first() if self.dist is not None else contextlib.nullcontext():
+            cache, epoch = self.prepare_data()
         if self.rows is not None:
             epoch = [row for row in epoch if row in self.rows]
             if not epoch:
@@ -335,9 +371,20 @@ class TrainingRun:
         params = add_lora(model, config.lora, family.lora_targets)
         if config.init_lora and not config.resume:
             log(f"init_lora: {load_lora_file(model, config.init_lora, config.lora)} modules from {config.init_lora}")
+        state = load_state(self.output) if config.resume else None
+        if state is not None:  # before sharding: the saved LoRA is whole
+            load_lora_state_dict(model, state.lora)
         model.to(device).train()
-        plan = effective_plan(family, config.schedule, count_blocks(family, model))
+        plan = effective_plan(family, config.schedule, count_blocks(family, model),
+                              fsdp_checkpointing=config.fsdp_activation_checkpointing)
         runner = SegmentRunner(model, family, plan).install()
+        if self.dist is not None:  # the runner routes block calls; FSDP's hooks sit on the blocks
+            blocks = [block for bl in family.block_lists for block in family.blocks(model, bl)]
+            units = shard_model(model, blocks, config.fsdp_activation_checkpointing)
+            params = [p for p in model.parameters() if p.requires_grad]  # now DTensor shards
+            log(f"fsdp: {units} blocks and the root sharded over {self.dist.world_size} processes "
+                f"({self.dist.backend}), {config.batch_size // self.dist.world_size} of the "
+                f"{config.batch_size} images of each batch per process")
         log(plan.render())
         log(_precision_line(self.precision, self.base, self.kernels))
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -346,10 +393,9 @@ class TrainingRun:
         sampler = _sampler(cache, epoch, config, {})
         start = 0
         torch.manual_seed(config.seed)  # dropout and anything else drawing from the global RNG
-        if config.resume:
-            state = load_state(self.output)
-            load_lora_state_dict(model, state.lora)
-            optimizer.load_state_dict(state.optimizer)
+        if state is not None:
+            optimizer.load_state_dict(shard_optimizer_state(state.optimizer, params) if self.dist is not None
+                                      else state.optimizer)
             if state.grad_scaler and scaler.is_enabled():
                 scaler.load_state_dict(state.grad_scaler)
             _set_rng_state(state.rng, noise_gen)
@@ -361,7 +407,8 @@ class TrainingRun:
             config, model, family, runner, optimizer, scaler, sampler, cache, noise_gen, device, self.precision,
             self.kernels, PeakMemory(device, exclude=offloader.pool.is_host if offloader else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
-            [(n, p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch)
+            [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], lr_factor(config), epoch,
+            dist=self.dist)
         self._set_up_previews(bundle, cache)
         self.watchdog = Watchdog(config.timing_warmup_steps, config.watchdog_slowdown, config.watchdog_window,
                                  at_capacity=_at_capacity(device))
@@ -402,7 +449,7 @@ class TrainingRun:
 
         paths, peak = run_previews(ctx.model, ctx.family, self.preview_source, self.config.validation_steps,
                                    self.config.seed, self.device, kernels_and_autocast, self.output / PREVIEW_FOLDER,
-                                   record.step)
+                                   record.step, write=self.dist is None or self.dist.main)
         self.validation_peak = max(self.validation_peak, peak)
         self.watchdog.previews_ran(record.step)
         record.previews = [p.relative_to(self.output).as_posix() for p in paths]
@@ -472,6 +519,8 @@ class TrainingRun:
         """Save the resumable state when due; True when the run stops here."""
         last = step + 1 == self.config.steps
         every = self.config.save_every and (step + 1) % self.config.save_every == 0
+        if self.dist is not None:  # a signal may reach the ranks at different steps: stop together
+            self._stop = not bool(self.dist.all_true(torch.tensor([0.0 if self._stop else 1.0])).item())
         if self._stop or last or every:
             self._save_state(_rng_state(self.context.noise_gen), self.context.sampler.state(), step + 1)
         if self._stop and not last:
@@ -480,16 +529,31 @@ class TrainingRun:
         return False
 
     def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
+        """Write the resumable state (sharded: gathered whole by every rank, written by rank 0)."""
         ctx = self.context
-        save_state(TrainingState(step, position, lora_state_dict(ctx.model), ctx.optimizer.state_dict(), rng,
-                                 self.history, self.config.to_dict(), ctx.scaler.state_dict()), self.output)
+        lora, optimizer = lora_state_dict(ctx.model), ctx.optimizer.state_dict()
+        if self.dist is not None:
+            optimizer = full_optimizer_state(optimizer)
+            if not self.dist.main:
+                return
+        save_state(TrainingState(step, position, lora, optimizer, rng, self.history, self.config.to_dict(),
+                                 ctx.scaler.state_dict()), self.output)
+
+    def _distributed_summary(self) -> dict[str, Any] | None:
+        """``report.json``'s ``distributed``: processes, backend, who checkpoints (None: one process)."""
+        if self.dist is None:
+            return None
+        return {**self.dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
+                "images_per_process": self.config.batch_size // self.dist.world_size,
+                "memory_scope": "rank 0 (each process holds its shard of the weights)"}
 
     def _write_outputs(self, interrupted: bool, stopped: str | None) -> tuple[Path, dict[str, Any]]:
         """Save the LoRA and ``report.json`` (atomic)."""
         ctx, config, bundle = self.context, self.config, self.bundle
         meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(self.history),
                 "base_model": bundle.source}
-        lora_path = save_lora(ctx.model, self.output / LORA_FILE, config.lora, meta)
+        writer = self.dist is None or self.dist.main
+        lora_path = save_lora(ctx.model, self.output / LORA_FILE, config.lora, meta, write=writer)
         memory = {"frozen_weight_bytes": self.base.frozen_bytes,
                   "lora_bytes": sum(tensor_bytes(p) for _, p in ctx.named_params),
                   "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
@@ -499,10 +563,12 @@ class TrainingRun:
                  "precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                "quantized_linear_layers": self.base.quantized_linear_layers},
                  "attention_backend": list(self.kernels), "memory": memory, "stopped": stopped,
-                 "dataset": self.data_summary, "text_encoder": self.text_encoder}
+                 "dataset": self.data_summary, "text_encoder": self.text_encoder,
+                 "distributed": self._distributed_summary()}
         report = build_report(config, self.plan, self.history, ctx.timer, self.device, bundle.source,
                               interrupted, setup)
-        write_report(report, self.output)
+        if writer:
+            write_report(report, self.output)
         return lora_path, report
 
 
@@ -532,6 +598,10 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
         if should_stop is not None and should_stop():
             run.stop()
     return run.result
+
+
+def _quiet(line: str) -> None:
+    """The log of ranks other than 0 of a sharded run."""
 
 
 def _first_cheaper(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:

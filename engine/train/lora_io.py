@@ -38,6 +38,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from .atomic import atomic_save_file
+from .distributed import full_tensor, plain_name
 from .file_checks import check_safetensors
 from .precision import quiet_torchao
 
@@ -128,8 +129,16 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tu
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's weights in peft's key format without the adapter name (no ``.default.``)."""
-    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    """The adapter's weights in peft's key format without the adapter name (no ``.default.``).
+
+    Of a model sharded with FSDP (:mod:`.distributed`) the full tensors, named as in the unsharded
+    model: gathering them is a collective, so every rank must call this.
+    """
+    # named like the modules peft matches them against (checkpoint_wrapper's state_dict hook would
+    # strip its prefix from the keys but not from the module names)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {plain_name(k): full_tensor(v).detach().clone().contiguous()
+            for k, v in get_peft_model_state_dict(model, state_dict=params).items()}
 
 
 def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -147,7 +156,7 @@ def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tenso
 def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
     """peft's scaling of each adapted module, by module name: ``alpha / rank`` (``alpha / sqrt(rank)``
     with rsLoRA), the factor peft multiplies ``lora_B(lora_A(x))`` by in the forward."""
-    return {name: float(module.scaling[ADAPTER]) for name, module in model.named_modules()
+    return {plain_name(name): float(module.scaling[ADAPTER]) for name, module in model.named_modules()
             if isinstance(module, LoraLayer) and ADAPTER in module.scaling}
 
 
@@ -191,7 +200,7 @@ def diffusers_metadata(model: torch.nn.Module) -> str:
 
 
 def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
-              metadata: Mapping[str, Any] | None = None) -> Path:
+              metadata: Mapping[str, Any] | None = None, write: bool = True) -> Path:
     """Save the model's LoRA as a ComfyUI/diffusers-loadable ``.safetensors`` file (atomic).
 
     Both loaders change the base exactly as the trained adapter did (scale folded into ``lora_B``,
@@ -205,11 +214,16 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
         metadata: more header fields (family, schedule, ...); values are JSON-encoded. They cannot
             replace ``format`` (``"pt"``, safetensors' framework tag, as diffusers writes it),
             ``lora_adapter_metadata`` or ``lora_settings``.
+        write: False on the ranks of a sharded run other than 0: they take part in gathering
+            the weights and write nothing.
     """
+    tensors = to_file_keys(lora_state_dict(model), adapter_scales(model))
+    if not write:
+        return Path(path)
     header = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
     header.update({"format": "pt", LORA_ADAPTER_METADATA_KEY: diffusers_metadata(model),
                    "lora_settings": json.dumps(asdict(settings))})
-    return atomic_save_file(to_file_keys(lora_state_dict(model), adapter_scales(model)), path, header)
+    return atomic_save_file(tensors, path, header)
 
 
 def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSettings) -> int:

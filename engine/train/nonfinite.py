@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from .distributed import local_tensor
 
 POLICIES = ("stop", "skip")
 
@@ -54,14 +57,20 @@ def lora_module_name(parameter_name: str) -> str:
     return parameter_name
 
 
-def check_finite(loss: torch.Tensor, named_params: list[tuple[str, torch.nn.Parameter]]) -> FiniteCheck:
+def check_finite(loss: torch.Tensor, named_params: list[tuple[str, torch.nn.Parameter]],
+                 all_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FiniteCheck:
     """Check ``loss`` (0-d) and the ``.grad`` of every parameter with one synchronisation.
 
-    Parameters without a gradient count as finite.
+    Parameters without a gradient count as finite. Sharded gradients (FSDP's DTensors) are checked
+    shard by shard; ``all_ranks`` (:meth:`~.distributed.Distributed.all_true`) then combines the
+    flags of every rank, so that all ranks take the same decision (``loss`` must already be the
+    mean over ranks).
     """
-    graded = [(n, p.grad) for n, p in named_params if p.grad is not None]
-    flags = [loss.detach().float().reshape(())] + [g.isfinite().all().float() for _, g in graded]
-    loss_value, *finite = torch.stack(flags).tolist()  # the one synchronisation
+    graded = [(n, local_tensor(p.grad)) for n, p in named_params if p.grad is not None]
+    flags = torch.stack([loss.detach().float().reshape(())] + [g.isfinite().all().float() for _, g in graded])
+    if all_ranks is not None and len(flags) > 1:
+        flags = torch.cat([flags[:1], all_ranks(flags[1:])])
+    loss_value, *finite = flags.tolist()  # the one synchronisation
     bad = next((graded[i][0] for i, v in enumerate(finite) if v == 0.0), None)
     return FiniteCheck(loss_value, math.isfinite(loss_value), lora_module_name(bad) if bad else None)
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .distributed import local_tensor
+
 BASE_PRECISIONS = ("auto", "bf16", "fp16", "fp32", "int8-torchao", "fp8-torchao", "no_change")
 QUANTIZED = ("int8-torchao", "fp8-torchao")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -172,7 +174,9 @@ class BaseWeights:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds; for a wrapper subclass (torchao) the sum of its inner tensors."""
+    """Bytes a tensor holds; for a wrapper subclass (torchao) the sum of its inner tensors; for a
+    DTensor (FSDP) this process's shard."""
+    tensor = local_tensor(tensor)
     if is_traceable_wrapper_subclass(tensor):
         return sum(tensor_bytes(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
     return tensor.numel() * tensor.element_size()

@@ -24,6 +24,7 @@ from .attention_kernels import sdpa_context
 from .buckets import BucketSampler, latents_for
 from .config import TrainConfig
 from .data import EpochSampler
+from .distributed import Distributed
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import noisy_latents
 from .precision import Precision
@@ -122,6 +123,8 @@ class StepContext:
     """True while the optimizer updates the LoRA (an out-of-memory error then cannot be retried)."""
     batch_shape: tuple[int, ...] = ()
     """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
+    dist: Distributed | None = None
+    """The process group of a sharded run (FSDP): each rank trains its rows of every batch."""
 
     def guard_context(self) -> dict[str, Any]:
         """What the non-finite advice needs to know about this run."""
@@ -153,6 +156,9 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                 index = [ctx.epoch[i] for i in ctx.sampler.next_batch()]
                 noisy, sigmas, target = noisy_latents(family.objective, latents_for(ctx.cache, index),
                                                      ctx.noise_gen, family.shared_sigma)
+                if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
+                    rows = ctx.dist.local_rows(len(index))
+                    index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
                 text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
                                  ctx.cache["text_pooled"][index] if "text_pooled" in ctx.cache else None).to(device)
                 noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
@@ -169,7 +175,10 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                                                                     step + 1)) from exc
                 loss_sum += loss.detach()
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
-        check = check_finite(loss_sum, ctx.named_params)  # the step's one synchronisation
+        if ctx.dist is not None:  # the global batch's loss; every rank judges the gradients alike
+            loss_sum = ctx.dist.mean(loss_sum)
+        check = check_finite(loss_sum, ctx.named_params,
+                             ctx.dist.all_true if ctx.dist is not None else None)  # the step's one synchronisation
         skipped = None
         if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
             ctx.updating = True  # from here an out-of-memory error leaves the LoRA half-updated

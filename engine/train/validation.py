@@ -121,9 +121,13 @@ def previews_at(step: int, every: int, last: int) -> bool:
 
 
 def run_previews(model, family, source: PreviewSource, steps: int, seed: int, device, autocast, folder: Path,
-                 step: int) -> tuple[list[Path], int]:
-    """Sample, save and measure one preview round: ``(paths, peak bytes of the phase)``."""
+                 step: int, write: bool = True) -> tuple[list[Path], int]:
+    """Sample, save and measure one preview round: ``(paths, peak bytes of the phase)``.
+
+    ``write=False`` (ranks other than 0 of a sharded run): sample alongside rank 0, whose forward
+    passes need every rank's shards, and save nothing (no paths).
+    """
     meter = PeakMemory(device)
     with meter.measure() as reading:
         images = sample(model, family, source, steps, seed, device, autocast)
-    return write_previews(images, source.names, folder, step), reading.peak_bytes
+    return (write_previews(images, source.names, folder, step) if write else []), reading.peak_bytes

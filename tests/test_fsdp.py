@@ -1,0 +1,215 @@
+"""Sharded training (FSDP2 under torchrun, 2 CPU processes, gloo) equals the single-process run.
+
+Two families (Flux: two block lists; SD3: one), four schedules (none, layer, interval 2 with the
+unsloth offload backend, interval 2 stride 4),
+3 steps: per-step losses and the LoRA rank 0 saves equal the single-process run's within 1e-5; a
+sharded run resumed after step 2 continues exactly (bit-equal to the uninterrupted sharded run);
+``segckpt train --fsdp --fsdp-activation-checkpointing`` with a model-level schedule warns once
+and reports only the FSDP-style plan. The option checks run without a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from segmented_checkpointing.engine.core.plan import FSDP_WRAPPER, ScheduleWarning, effective_plan
+from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
+from segmented_checkpointing.engine.train.distributed import Distributed, DistributedError, check_launch
+from segmented_checkpointing.engine.train.loop import TrainingRun, train
+
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
+              pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.train.text.TextEncoderWarning")]
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+COMMON = {"resolution": 64, "batch_size": 2, "steps": 3, "timing_warmup_steps": 0, "watchdog_slowdown": 0,
+          "seed": 3}
+SCHEDULES = {
+    "none": {"gradient_checkpointing": False},
+    "layer": {"gradient_checkpointing_interval": 1},
+    "interval2-unsloth": {"gradient_checkpointing_interval": 2, "gradient_checkpointing_backend": "unsloth"},
+    "interval2-stride4": {"gradient_checkpointing_interval": 2, "gradient_checkpointing_segment_stride": 4},
+}
+FAMILIES = ("flux", "sd3")
+
+
+def _torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 ARGS`` (a free rendezvous port of its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _losses(folder: Path) -> list[float]:
+    return [step["loss"] for step in json.loads((folder / "report.json").read_text())["steps"]]
+
+
+def _lora(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "lora.safetensors"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def runs(request, tmp_path_factory):
+    """One torchrun job per family (every schedule, then a 2-step run and its resume to 3) and the
+    single-process runs of the same configs."""
+    family, root = request.param, tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    sharded = [{**COMMON, **keys, "family": family, "output": str(root / f"fsdp-{name}")}
+               for name, keys in SCHEDULES.items()]
+    resumed = {**sharded[-1], "output": str(root / "fsdp-resumed")}
+    sharded += [{**resumed, "steps": 2}, {**resumed, "resume": True}]
+    spec = root / "runs.json"
+    spec.write_text(json.dumps(sharded))
+    _torchrun(str(WORKER), str(spec))
+    for name, keys in SCHEDULES.items():
+        config = TrainConfig.from_dict({**COMMON, **keys, "family": family, "output": str(root / f"one-{name}")})[0]
+        train(config, log=lambda line: None)
+    return family, root
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_sharded_losses_and_lora_equal_single_process(runs, schedule):
+    family, root = runs
+    one, two = root / f"one-{schedule}", root / f"fsdp-{schedule}"
+    assert _losses(two) == pytest.approx(_losses(one), abs=1e-5, rel=0)
+    assert len(_losses(two)) == 3
+    single, sharded = _lora(one), _lora(two)
+    assert sharded.keys() == single.keys() and len(single) > 0
+    assert max((single[k] - sharded[k]).abs().max().item() for k in single) <= 1e-5
+    assert any(v.abs().max() > 0 for v in sharded.values())
+    report = json.loads((two / "report.json").read_text())
+    assert report["distributed"] == {"world_size": 2, "backend": "gloo", "fsdp": True,
+                                     "checkpointing": "segment runner", "images_per_process": 1,
+                                     "memory_scope": "rank 0 (each process holds its shard of the weights)"}
+    # the segmented schedule is the one applied, block by block as in the single-process run
+    assert report["plan"] == json.loads((one / "report.json").read_text())["plan"]
+    assert report["plan"]["applied_by"] == "segment runner" and report["plan"]["mode"] == schedule
+    # each process trained its own half of every batch
+    assert {step["shape"].split("x")[0] for step in report["steps"]} == {"1"}
+    assert {step["shape"].split("x")[0] for step in json.loads((one / "report.json").read_text())["steps"]} == {"2"}
+    checkpoint_calls = [step["checkpoint_calls"] for step in report["steps"]]
+    assert (checkpoint_calls[0] == 0) == (schedule == "none")
+
+
+def test_sharded_run_resumes_exactly(runs):
+    _, root = runs
+    resumed, whole = root / "fsdp-resumed", root / "fsdp-interval2-stride4"
+    assert _losses(resumed) == _losses(whole)
+    a, b = _lora(resumed), _lora(whole)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_sharded_state_resumes_in_one_process(runs, tmp_path):
+    """The resumable state a sharded run saved is whole: one process continues it to the
+    single-process result."""
+    family, root = runs
+    import shutil
+
+    shutil.copytree(root / "fsdp-resumed", tmp_path / "run")
+    keys = {**COMMON, **SCHEDULES["interval2-stride4"], "family": family, "output": str(tmp_path / "run")}
+    # the sharded run stopped after 3 steps; one process continues it to 4
+    config = TrainConfig.from_dict({**keys, "steps": 4, "resume": True})[0]
+    result = train(config, log=lambda line: None)
+    reference = train(TrainConfig.from_dict({**keys, "steps": 4, "output": str(tmp_path / "one")})[0],
+                      log=lambda line: None)
+    assert [h["loss"] for h in result.history] == pytest.approx([h["loss"] for h in reference.history],
+                                                                  abs=1e-5, rel=0)
+    a, b = _lora(tmp_path / "run"), _lora(tmp_path / "one")
+    assert max((a[k] - b[k]).abs().max().item() for k in b) <= 1e-5
+
+
+def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
+    out = tmp_path / "run"
+    proc = _torchrun("--no-python", "segckpt", "train", "--fsdp", "--fsdp-activation-checkpointing",
+                     "--interval", "2", "--stride", "4", "--steps", "2", "--resolution", "64", "--batch-size", "2",
+                     "--output", str(out))
+    text = proc.stdout + proc.stderr
+    warning = "fsdp_activation_checkpointing=True: FSDP-style per-block activation checkpointing"
+    assert text.count(f"segckpt: warning: {warning}") == 1, text[-4000:]
+    assert text.count("step    2/2") == 1  # rank 0 alone prints the steps
+    report = json.loads((out / "report.json").read_text())
+    plan = report["plan"]
+    assert plan["applied_by"] == FSDP_WRAPPER and plan["mode"] == "fsdp-layer"
+    assert set(plan["block_map"]) == {"double", "single"} and set("".join(plan["block_map"].values())) == {"C"}
+    assert "interval2-stride4" not in json.dumps(plan["lists"]) and plan["notes"][0].startswith(warning)
+    assert report["distributed"]["checkpointing"] == FSDP_WRAPPER
+    assert report["receipt"]["schedule"] == "fsdp-layer"
+    # the runner checkpointed nothing: checkpoint_wrapper did
+    assert all(step["checkpoint_calls"] == 0 for step in report["steps"])
+    assert sorted(p.name for p in out.iterdir()) == ["cache", "lora.safetensors", "report.json", "sample_data",
+                                                    "training_state.safetensors"]
+
+
+# --- the options, without a process group -------------------------------------------------------------------
+
+
+def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    config = TrainConfig(fsdp=True, output=str(tmp_path / "o"))
+    with pytest.raises(DistributedError, match=r"fsdp=True needs the process group torchrun sets up \(RANK, "
+                                               r"WORLD_SIZE.*torchrun --nproc-per-node N --no-python segckpt"):
+        TrainingRun(config)
+    with pytest.raises(DistributedError):
+        check_launch()
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("values, key, allowed", [
+    ({"fsdp_activation_checkpointing": True}, "fsdp_activation_checkpointing", "false without fsdp"),
+    ({"fsdp": True, "base_model_precision": "int8-torchao"}, "base_model_precision", "bf16, fp16, fp32"),
+    ({"fsdp": True, "gradient_checkpointing_offload_attention": True}, "gradient_checkpointing_offload_attention",
+     "false with fsdp"),
+    ({"fsdp": True, "buckets": True}, "buckets", "false with fsdp"),
+    ({"fsdp": True, "memory_budget": "20"}, "memory_budget", "unset with fsdp"),
+    ({"fsdp": "yes"}, "fsdp", "true or false"),
+])
+def test_options_fsdp_cannot_run_are_refused(values, key, allowed):
+    with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid: allowed {allowed}"):
+        TrainConfig.from_dict(values)
+
+
+def test_unsloth_backends_are_allowed_sharded():
+    config = TrainConfig.from_dict({"fsdp": True, "gradient_checkpointing_backend": "unsloth"})[0]
+    assert config.fsdp and config.schedule.backend.name == "unsloth"
+
+
+def test_batch_splits_evenly_over_ranks():
+    ranks = [Distributed(r, 2, r, "gloo") for r in range(2)]
+    assert [d.local_rows(4) for d in ranks] == [slice(0, 2), slice(2, 4)]
+    with pytest.raises(DistributedError, match=r"batch_size=3 is invalid with fsdp on 2 processes: allowed a "
+                                               r"multiple of 2"):
+        ranks[1].local_rows(3)
+
+
+def test_fsdp_plan_is_per_block_and_warns_only_when_a_schedule_was_asked():
+    family = get_family("flux")
+    counts = {"double": 2, "single": 3}
+    asked = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
+    with pytest.warns(ScheduleWarning, match="model-level schedule \\(interval2-stride4, backend torch\\) is "
+                                             "switched off") as caught:
+        plan = effective_plan(family, asked, counts, fsdp_checkpointing=True)
+    assert len(caught) == 1
+    assert plan.applied_by == FSDP_WRAPPER and plan.mode == "fsdp-layer"
+    assert plan.block_maps() == {"double": "CC", "single": "CCC"}
+    assert [lp.segments for lp in plan.lists] == [((0, 1), (1, 2)), ((0, 1), (1, 2), (2, 3))]
+    assert plan.render().startswith("plan (flux, fsdp-layer, applied by fsdp checkpoint_wrapper):")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        off = effective_plan(family, CheckpointSchedule(gradient_checkpointing=False), counts,
+                             fsdp_checkpointing=True)
+    assert off.notes == () and off.block_maps() == plan.block_maps()
+    assert effective_plan(family, asked, counts).applied_by == "segment runner"
