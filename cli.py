@@ -196,15 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             config.check_paths()
             _check_vae(config)
         except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
-            print(f"segckpt: error: {exc}", file=sys.stderr)
-            return 2
+            return _error(exc)
         stop = _StopOnSignal()
         try:
             with stop:
                 result = guarded_train(config, should_stop=stop)
         except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
-            print(f"segckpt: error: {exc}", file=sys.stderr)
-            return 2
+            return _error(exc)
         finally:
             close_distributed()  # --fsdp under torchrun
         if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
@@ -316,8 +314,12 @@ class _StopOnSignal:
 
     def _handle(self, signum, _frame) -> None:
         self.signal_name = signal.Signals(signum).name
-        print(f"\n{self.signal_name}: stopping after this step (again to abort)", file=sys.stderr)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        rank = _torchrun_rank()
+        if rank is None:
+            print(f"\n{self.signal_name}: stopping after this step (again to abort)", file=sys.stderr)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        elif rank == 0:  # torchrun passes a second Ctrl-C on as SIGTERM: every process stops at the same step
+            print(f"\n{self.signal_name}: every process stops after this step and the state is saved", file=sys.stderr)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -328,6 +330,19 @@ class _StopOnSignal:
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when ``torchrun`` started it, else None."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+def _error(exc: BaseException) -> int:
+    """Print ``segckpt: error: ...`` (under torchrun from rank 0 only: the set-up checks are the same
+    on every process) and return exit status 2."""
+    if (_torchrun_rank() or 0) == 0:
+        print(f"segckpt: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def _run_workflow(args: argparse.Namespace) -> int:

@@ -170,7 +170,8 @@ def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("values, key, allowed", [
     ({"fsdp_activation_checkpointing": True}, "fsdp_activation_checkpointing", "false without fsdp"),
-    ({"fsdp": True, "base_model_precision": "int8-torchao"}, "base_model_precision", "bf16, fp16, fp32"),
+    ({"fsdp": True, "base_model_precision": "int8-torchao"}, "base_model_precision", "bf16, fp32, no_change"),
+    ({"fsdp": True, "base_model_precision": "fp16"}, "base_model_precision", "bf16, fp32, no_change"),
     ({"fsdp": True, "gradient_checkpointing_offload_attention": True}, "gradient_checkpointing_offload_attention",
      "false with fsdp"),
     ({"fsdp": True, "buckets": True}, "buckets", "false with fsdp"),

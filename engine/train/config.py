@@ -320,8 +320,10 @@ class TrainConfig:
               "false without fsdp (it is FSDP's own checkpointing; set fsdp too)")
         if not self.fsdp:
             return
-        _need(not self.base_model_precision.endswith("-torchao"), "base_model_precision", self.base_model_precision,
-              "bf16, fp16, fp32, no_change or auto with fsdp (torchao's quantized weights are not sharded here)")
+        _need(not self.base_model_precision.endswith("-torchao") and self.base_model_precision != "fp16",
+              "base_model_precision", self.base_model_precision, "bf16, fp32, no_change or auto with fsdp "
+              "(torchao's quantized weights are not sharded here, and fp16's loss scaling is not wired for "
+              "sharded gradients)")
         _need(not self.schedule.gradient_checkpointing_offload_attention, "gradient_checkpointing_offload_attention",
               True, "false with fsdp (it would copy the blocks' all-gathered weights to host memory); the unsloth "
               "backends, which offload only the hidden states between blocks, run sharded")

@@ -214,9 +214,10 @@ class TrainingRun:
                 self.log = log = _quiet
             self.dist.local_rows(config.batch_size)  # refuses a batch that does not split evenly
         self.precision = run_precision(config, self.device)
-        if self.dist is not None and self.precision.loss_scaling:
+        if self.dist is not None and self.precision.loss_scaling:  # no_change of fp16 weight files
             raise DistributedError(f"base_model_precision={config.base_model_precision!r} trains with fp16 loss "
-                                   "scaling, which is not wired for sharded gradients: allowed bf16 or fp32 with fsdp")
+                                   "scaling here, which is not wired for sharded gradients: allowed bf16 or fp32 "
+                                   "with fsdp")
         check_torchao(self.precision.base)
         self.kernels = check_attention_backend(config.attention_backend, self.device)
         self.cache_dir = Path(cache_dir) if cache_dir else self.output / "cache"
@@ -384,7 +385,10 @@ class TrainingRun:
             params = [p for p in model.parameters() if p.requires_grad]  # now DTensor shards
             log(f"fsdp: {units} blocks and the root sharded over {self.dist.world_size} processes "
                 f"({self.dist.backend}), {config.batch_size // self.dist.world_size} of the "
-                f"{config.batch_size} images of each batch per process")
+                f"{config.batch_size} images of each batch per process"
+                + ("; on_oom=switch is not applied under fsdp (the processes cannot retry a step together): a "
+                   "step that runs out of memory stops the run, its last good step saved"
+                   if config.on_oom == "switch" else ""))
         log(plan.render())
         log(_precision_line(self.precision, self.base, self.kernels))
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
