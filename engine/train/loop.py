@@ -17,8 +17,6 @@ interleaved in one thread cannot see each other's state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,26 +24,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..core.memory import PeakMemory, StepTimer, format_mib
+from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..core.runner import SegmentRunner
 from ..core.schedule import CheckpointSchedule
 from .atomic import remove_stale_temporaries
 from .attention_kernels import check_attention_backend, sdpa_context
-from .buckets import (
-    Bucket,
-    BucketSampler,
-    bucket_groups,
-    bucket_summary,
-    describe_buckets,
-    pixel_multiple,
-    sample_latent_shape,
-    shape_classes,
-    token_patch,
-    vae_downscale,
-)
+from .buckets import sample_latent_shape
+from .bundle import load_bundle, resolve_device, run_precision
 from .config import ConfigError, TrainConfig
-from .data import DatasetScan, EpochSampler, assign_buckets, prepare_cache, scan_dataset, write_sample_dataset
 from .distributed import (
     Distributed,
     DistributedError,
@@ -55,26 +42,18 @@ from .distributed import (
     shard_model,
     shard_optimizer_state,
 )
-from .loading import ModelBundle, ModelLoadError, build_preset, load_model_folder, stored_dtype
+from .loading import ModelBundle
 from .lora_io import add_lora, load_lora_file, load_lora_state_dict, lora_state_dict, save_lora
 from .nonfinite import TrainingDiverged, TrainingStopped
-from .precision import (
-    BaseWeights,
-    Precision,
-    apply_base_precision,
-    check_torchao,
-    resolve_precision,
-    tensor_bytes,
-)
-from .prepared import ComfyDataError, PreparedData
-from .recovery import OutOfMemoryStop, cheaper_schedules, is_out_of_memory, restore_step_start, switch_schedule
+from .precision import apply_base_precision, check_torchao, describe_precision, tensor_bytes
+from .prepared import PreparedData
+from .recovery import OutOfMemoryStop, first_cheaper, is_out_of_memory, restore_step_start, switch_schedule
 from .report import REPORT_FILE, build_report, write_report
-from .single_file import load_model_file, stored_file_dtype
-from .state import STATE_FILE, TrainingState, load_state, save_state
+from .run_data import make_sampler, prepare_run_data
+from .state import STATE_FILE, TrainingState, load_state, rng_state, save_state, set_rng_state
 from .step import StepContext, StepRecord, learning_rate_at, lr_factor, train_step
-from .text import TextEncoderWarning, describe_text_encoder, stand_in_warning
-from .validation import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews, vae_decoder
-from .watchdog import Watchdog
+from .validation import PREVIEW_FOLDER, PreviewSource, preview_source_for, previews_at, run_previews
+from .watchdog import Watchdog, device_at_capacity
 
 LORA_FILE = "lora.safetensors"
 __all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "learning_rate_at",
@@ -96,48 +75,6 @@ class TrainResult:
     model: Any = field(default=None, repr=False)
     writer: bool = True
     """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
-
-
-def resolve_device(config: TrainConfig) -> torch.device:
-    """``cuda`` when asked or (``auto``) available, else ``cpu`` (``TrainConfig.check_paths``
-    already refused ``cuda`` without CUDA)."""
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if use_cuda else "cpu")
-
-
-def run_precision(config: TrainConfig, device: torch.device) -> Precision:
-    """The :class:`Precision` of ``config`` on ``device`` (reads weight headers for ``no_change``).
-
-    Raises:
-        PrecisionError: see :func:`~.precision.resolve_precision`.
-    """
-    stored = torch.float32
-    if config.base_model_precision == "no_change" and config.model_path:
-        stored = stored_dtype(config.model_path)
-    elif config.base_model_precision == "no_change" and config.model_file:
-        stored = stored_file_dtype(config.model_file)
-    return resolve_precision(config.base_model_precision, config.mixed_precision, device, stored)
-
-
-def load_bundle(config: TrainConfig, precision: Precision | None = None,
-                log: Callable[[str], None] = print) -> ModelBundle:
-    """The model of ``config``: a local folder when ``model_path`` is set, one ``.safetensors`` file
-    when ``model_file`` is (both loaded straight into the run's storage dtype; a file's family,
-    layout and variant go to ``log``), else the preset (random init in fp32; training casts it).
-
-    Raises:
-        ModelLoadError: the folder or file cannot be used (named, with what was found).
-    """
-    precision = precision or run_precision(config, resolve_device(config))
-    if config.model_path:
-        bundle = load_model_folder(config.model_path, config.family, config.vae_path,
-                                   config.text_encoder_path, seed=config.seed, dtype=precision.storage_dtype)
-    elif config.model_file:
-        bundle = load_model_file(config.model_file, config.family, config.vae_path, config.text_encoder_path,
-                                 seed=config.seed, dtype=precision.storage_dtype, log=log)
-    else:
-        bundle = build_preset(config.family, config.preset, seed=config.seed, text_encoders=config.text_encoder_path)
-    return dataclasses.replace(bundle, base_precision=config.base_model_precision)
 
 
 class TrainingRun:
@@ -226,7 +163,7 @@ class TrainingRun:
         self.result: TrainResult | None = None
         self.bundle, self.prepared, self.preview_source = bundle, prepared, preview_source
         self.validation_peak, self.dataset = 0, None
-        self.next_schedule = next_schedule or _first_cheaper
+        self.next_schedule = next_schedule or first_cheaper
         self.rows = None if rows is None else set(rows)
         self.announce = announce
         self.switches: list[dict[str, Any]] = []
@@ -269,7 +206,7 @@ class TrainingRun:
             for step in range(start, self.config.steps):
                 # where this step starts: what a stop saves as the last good step, and where a
                 # step that ran out of memory starts again
-                position, rng = ctx.sampler.state(), _rng_state(ctx.noise_gen)
+                position, rng = ctx.sampler.state(), rng_state(ctx.noise_gen)
                 with self._work():
                     try:
                         record = self._step(step, position, rng)
@@ -317,7 +254,7 @@ class TrainingRun:
                 error, updating = str(exc).strip().splitlines()[0][:300], ctx.updating
             # the failed step's tensors are referenced by the exception's frames until here
             restore_step_start(ctx, position)
-            _set_rng_state(rng, ctx.noise_gen)
+            set_rng_state(rng, ctx.noise_gen)
             old = ctx.config.schedule
             switch = self.config.on_oom == "switch" and self.dist is None  # ranks cannot retry in step
             new = None if updating or not switch else self.next_schedule(old, ctx.family)
@@ -390,11 +327,11 @@ class TrainingRun:
                    "step that runs out of memory stops the run, its last good step saved"
                    if config.on_oom == "switch" else ""))
         log(plan.render())
-        log(_precision_line(self.precision, self.base, self.kernels))
+        log(describe_precision(self.precision, self.base, self.kernels))
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
         scaler = torch.amp.GradScaler(device.type, enabled=self.precision.loss_scaling)
         noise_gen = torch.Generator().manual_seed(config.seed + 1)
-        sampler = _sampler(cache, epoch, config, {})
+        sampler = make_sampler(cache, epoch, config, {})
         start = 0
         torch.manual_seed(config.seed)  # dropout and anything else drawing from the global RNG
         if state is not None:
@@ -402,8 +339,8 @@ class TrainingRun:
                                       else state.optimizer)
             if state.grad_scaler and scaler.is_enabled():
                 scaler.load_state_dict(state.grad_scaler)
-            _set_rng_state(state.rng, noise_gen)
-            sampler = _sampler(cache, epoch, config, state.data_position)
+            set_rng_state(state.rng, noise_gen)
+            sampler = make_sampler(cache, epoch, config, state.data_position)
             self.history, start = state.history, state.step
             log(f"resumed at step {start} from {self.output}")
         offloader = runner.offloader
@@ -415,29 +352,15 @@ class TrainingRun:
             dist=self.dist)
         self._set_up_previews(bundle, cache)
         self.watchdog = Watchdog(config.timing_warmup_steps, config.watchdog_slowdown, config.watchdog_window,
-                                 at_capacity=_at_capacity(device))
+                                 at_capacity=device_at_capacity(device))
         return start
 
     def _set_up_previews(self, bundle: ModelBundle, cache: dict[str, torch.Tensor]) -> None:
         """The source of validation previews, or none (off, an epsilon family, nothing to decode)."""
-        config, family = self.config, bundle.family
-        if not config.validation_every:
-            return
-        if family.objective != "flow":
-            self.preview_source = None
-            self.log(f"previews: off ({family.name} trains on the {family.objective} objective; previews sample "
-                     "flow-matching families)")
-            return
-        if self.preview_source is None and bundle.vae is not None:
-            prompts = list(config.validation_prompts or [self._first_caption() or "a photo"])
-            self.preview_source = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, self.device),
-                                                sample_latent_shape(cache),
-                                                [f"prompt{i}" for i in range(len(prompts))])
-        if self.preview_source is None:
-            self.log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
-
-    def _first_caption(self) -> str:
-        return self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
+        if self.config.validation_every:
+            caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
+            self.preview_source = preview_source_for(self.config, bundle, sample_latent_shape(cache), self.device,
+                                                     self.preview_source, caption, self.log)
 
     def _previews(self, record: StepRecord) -> None:
         """Sample and save the previews due after ``record``'s step; their paths go in the record."""
@@ -462,53 +385,18 @@ class TrainingRun:
 
     def prepare_data(self) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The run's cache (latents, text; encoded once, or read from the latent cache) and the
-        cache row of each position of an epoch; sets :attr:`data_summary` and :attr:`text_encoder`
-        for the report. Loads the model when the run was given none (its VAE and text encoders
-        encode the data).
+        cache row of each position of an epoch (:func:`~.run_data.prepare_run_data`); keeps the
+        data summary and text encoder description for the report. Loads the model when the run
+        was given none (its VAE and text encoders encode the data).
 
         Raises:
             ModelLoadError, DatasetError, ComfyDataError: see the class.
         """
-        config, log, prepared = self.config, self.log, self.prepared
-        bundle = self.bundle = self.bundle or load_bundle(config, self.precision, log)
-        if prepared is not None:
-            if prepared.family != bundle.family.name:
-                raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
-                                     f"{bundle.family.name!r}")
-            self.data_summary, self.text_encoder = prepared.summary, {"kind": "comfyui conditioning"}
-            log(f"data: {prepared.describe()}")
-            return prepared.cache, list(range(prepared.count))
-        self.text_encoder = describe_text_encoder(bundle.encode_text)
-        if self.text_encoder["kind"] == "stand-in":  # loud: a demo's captions carry no meaning
-            self.text_encoder["warning"] = stand_in_warning(bundle.family)
-            if self.announce:
-                warnings.warn(self.text_encoder["warning"], TextEncoderWarning, stacklevel=2)
-        if bundle.vae is None:
-            raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
-                                 "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
-                                 "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
-        data_dir = config.data or write_sample_dataset(self.output / "sample_data")
-        dataset = self.dataset = scan_dataset(data_dir)
-        samples, epoch = dataset.samples, dataset.epoch
-        self.data_summary = dataset.summary()
-        buckets = self._buckets(bundle, dataset) if config.buckets else None
-        cache = prepare_cache(samples, config.resolution, bundle.vae, bundle.encode_text,
-                              bundle.family.video_latents, self.cache_dir, extra=_cache_identity(config, bundle),
-                              buckets=buckets)
-        shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
-        log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {config.resolution}px, "
-            f"latents {shapes}{_skipped_text(dataset)}")
-        return cache, epoch
-
-    def _buckets(self, bundle: ModelBundle, dataset: DatasetScan) -> list[Bucket]:
-        """Each sample's aspect-ratio bucket; the buckets go to the log and ``report.json``."""
-        family, model_config = bundle.family, bundle.transformer.config
-        multiple = pixel_multiple(family, model_config, bundle.vae)
-        buckets = assign_buckets(dataset.samples, self.config.resolution, multiple)
-        summary = bucket_summary(buckets, dataset.epoch, vae_downscale(bundle.vae), token_patch(family, model_config))
-        self.data_summary["buckets"] = summary
-        self.log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px")
-        return buckets
+        bundle = self.bundle = self.bundle or load_bundle(self.config, self.precision, self.log)
+        data = prepare_run_data(self.config, bundle, self.prepared, self.cache_dir, self.output, self.log,
+                                self.announce)
+        self.data_summary, self.text_encoder, self.dataset = data.summary, data.text_encoder, data.dataset
+        return data.cache, data.epoch
 
     def _log_step(self, record: StepRecord) -> None:
         self.history.append(vars(record))
@@ -526,7 +414,7 @@ class TrainingRun:
         if self.dist is not None:  # a signal may reach the ranks at different steps: stop together
             self._stop = not bool(self.dist.all_true(torch.tensor([0.0 if self._stop else 1.0])).item())
         if self._stop or last or every:
-            self._save_state(_rng_state(self.context.noise_gen), self.context.sampler.state(), step + 1)
+            self._save_state(rng_state(self.context.noise_gen), self.context.sampler.state(), step + 1)
         if self._stop and not last:
             self.log(f"interrupted after step {step + 1}: state saved, resume with --resume")
             return True
@@ -606,73 +494,3 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None,
 
 def _quiet(line: str) -> None:
     """The log of ranks other than 0 of a sharded run."""
-
-
-def _first_cheaper(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
-    """The default recovery policy: the next rung of :func:`~.recovery.cheaper_schedules`."""
-    ladder = cheaper_schedules(schedule, family)
-    return ladder[0] if ladder else None
-
-
-def _at_capacity(device: torch.device) -> Callable[[], bool]:
-    """Whether the device's memory is nearly full (CUDA: under 5% free); never on the CPU."""
-    if device.type != "cuda":
-        return lambda: False
-
-    def check() -> bool:
-        free, total = torch.cuda.mem_get_info(device)
-        return free < 0.05 * total
-    return check
-
-
-def _sampler(cache: dict[str, torch.Tensor], epoch: list[int], config: TrainConfig,
-             position: dict[str, int]) -> EpochSampler | BucketSampler:
-    """The batches of a run: :class:`BucketSampler` when the cache holds several latent shapes
-    (buckets), else :class:`EpochSampler` (the order of runs without buckets is unchanged)."""
-    if len(shape_classes(cache)) == 1:
-        return EpochSampler(len(epoch), config.batch_size, config.seed, **position)
-    return BucketSampler(bucket_groups(cache, epoch), config.batch_size, config.seed, **position)
-
-
-def _precision_line(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:
-    quantized = (f", {base.quantized_linear_layers}/{base.linear_layers} Linear layers quantized"
-                 if precision.quantized else "")
-    return (f"base: {precision.base} ({format_mib(base.frozen_bytes, 1)} frozen weights{quantized}), compute "
-            f"{precision.to_dict()['compute']}, LoRA fp32; attention kernels {','.join(kernels)}")
-
-
-def _skipped_text(dataset: DatasetScan) -> str:
-    """``; skipped 2 hidden or system files, 1 other folders (raw)`` or nothing."""
-    parts = [f"{n} {reason}" for reason, n in dataset.skipped.items() if n]
-    folders = f" ({', '.join(dataset.ignored_folders)})" if dataset.ignored_folders else ""
-    return f"; skipped {', '.join(parts)}{folders}" if parts else ""
-
-
-def _rng_state(noise_gen: torch.Generator) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.random.get_rng_state(), "noise": noise_gen.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor], noise_gen: torch.Generator) -> None:
-    torch.random.set_rng_state(state["cpu"])
-    noise_gen.set_state(state["noise"])
-    cuda = [state[k] for k in sorted(state) if k.startswith("cuda.")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-
-
-def _cache_identity(config: TrainConfig, bundle: ModelBundle) -> str:
-    """What the cached latents and text embeddings depend on besides the images: the family, the
-    model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
-    and the deterministic embedder are seeded)."""
-    parts = [bundle.family.name, bundle.source, f"seed={config.seed}",
-             f"text={json.dumps(describe_text_encoder(bundle.encode_text), sort_keys=True, default=str)}"]
-    for folder in (config.model_path, config.model_file, config.vae_path, *(config.text_encoder_path or ())):
-        if folder:
-            for path in [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).rglob("*")):
-                if path.is_file():
-                    stat = path.stat()
-                    parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
-    return "\n".join(parts)

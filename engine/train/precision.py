@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..core.memory import format_mib
 from .distributed import local_tensor
 
 BASE_PRECISIONS = ("auto", "bf16", "fp16", "fp32", "int8-torchao", "fp8-torchao", "no_change")
@@ -283,3 +284,11 @@ def check_torchao(base_model_precision: str) -> None:
     """
     if base_model_precision in QUANTIZED:
         _torchao(base_model_precision)
+
+
+def describe_precision(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:
+    """The run's one log line on its base precision, frozen bytes, compute dtype and SDPA kernels."""
+    quantized = (f", {base.quantized_linear_layers}/{base.linear_layers} Linear layers quantized"
+                 if precision.quantized else "")
+    return (f"base: {precision.base} ({format_mib(base.frozen_bytes, 1)} frozen weights{quantized}), compute "
+            f"{precision.to_dict()['compute']}, LoRA fp32; attention kernels {','.join(kernels)}")

@@ -113,3 +113,9 @@ def switch_schedule(ctx, schedule: CheckpointSchedule) -> None:
     ctx.runner = runner
     ctx.memory = PeakMemory(ctx.device, exclude=runner.offloader.pool.is_host if runner.offloader else None)
     ctx.config = dataclasses.replace(ctx.config, schedule=schedule)
+
+
+def first_cheaper(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
+    """The default recovery policy: the next rung of :func:`~.recovery.cheaper_schedules`."""
+    ladder = cheaper_schedules(schedule, family)
+    return ladder[0] if ladder else None

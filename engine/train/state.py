@@ -112,3 +112,20 @@ def load_state(folder: str | Path) -> TrainingState:
     return TrainingState(int(header["step"]), json.loads(header["data_position"]), lora, optimizer,
                          rng, json.loads(header["history"]), json.loads(header["config"]),
                          json.loads(header.get("grad_scaler", "{}")))
+
+
+def rng_state(noise_gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The RNG states a resume restores: global CPU, the trainer's noise generator, CUDA (when in use)."""
+    state = {"cpu": torch.random.get_rng_state(), "noise": noise_gen.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], noise_gen: torch.Generator) -> None:
+    """Restore what :func:`rng_state` captured."""
+    torch.random.set_rng_state(state["cpu"])
+    noise_gen.set_state(state["noise"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

@@ -131,3 +131,29 @@ def run_previews(model, family, source: PreviewSource, steps: int, seed: int, de
     with meter.measure() as reading:
         images = sample(model, family, source, steps, seed, device, autocast)
     return (write_previews(images, source.names, folder, step) if write else []), reading.peak_bytes
+
+
+def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: torch.device,
+                       given: PreviewSource | None, first_caption: str,
+                       log: Callable[[str], None]) -> PreviewSource | None:
+    """What a run's previews sample from: ``given`` (ComfyUI's conditioning and VAE), else the
+    validation prompts (default: the data's first caption) through the bundle's text encoder,
+    decoded by its VAE; None when previews cannot run (an epsilon-objective family, no VAE), said
+    in ``log``.
+
+    Args:
+        config: the run's TrainConfig. bundle: its ModelBundle. latent_shape: one sample's latent
+            shape ``(C, h, w)`` (:func:`~.buckets.sample_latent_shape`).
+    """
+    family = bundle.family
+    if family.objective != "flow":
+        log(f"previews: off ({family.name} trains on the {family.objective} objective; previews sample "
+            "flow-matching families)")
+        return None
+    if given is None and bundle.vae is not None:
+        prompts = list(config.validation_prompts or [first_caption or "a photo"])
+        given = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, device), latent_shape,
+                              [f"prompt{i}" for i in range(len(prompts))])
+    if given is None:
+        log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
+    return given

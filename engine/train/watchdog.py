@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 GROWTH = 0.05
 """Relative peak growth (over the baseline of the same shape) that counts as memory growth."""
 GROWTH_BYTES = 1 << 20
@@ -132,3 +134,14 @@ class Watchdog:
                 "message": f"peak memory grew at step {step}: {peak / 2**20:.1f} MiB against "
                            f"{baseline / 2**20:.1f} MiB in the first steps of the same shape; likely cause: {cause}; "
                            f"what helps: {helps}"}
+
+
+def device_at_capacity(device: torch.device) -> Callable[[], bool]:
+    """Whether the device's memory is nearly full (CUDA: under 5% free); never on the CPU."""
+    if device.type != "cuda":
+        return lambda: False
+
+    def check() -> bool:
+        free, total = torch.cuda.mem_get_info(device)
+        return free < 0.05 * total
+    return check
