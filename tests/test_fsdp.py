@@ -25,7 +25,7 @@ from segmented_checkpointing.engine.core.plan import FSDP_WRAPPER, ScheduleWarni
 from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.distributed import Distributed, DistributedError, check_launch
+from segmented_checkpointing.engine.train.distributed import ENV_KEYS, Distributed, DistributedError, check_launch
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
@@ -46,7 +46,7 @@ FAMILIES = ("flux", "sd3")
 def _torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 ARGS`` (a free rendezvous port of its own)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ENV_KEYS:
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -157,7 +157,7 @@ def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
 
 
 def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)
     config = TrainConfig(fsdp=True, output=str(tmp_path / "o"))
     with pytest.raises(DistributedError, match=r"fsdp=True needs the process group torchrun sets up \(RANK, "

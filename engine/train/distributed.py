@@ -15,9 +15,10 @@ it to a :class:`~.loop.TrainingRun`:
   rank draws the same batch, noise and timesteps (same seeds) and trains on its own rows
   (:meth:`Distributed.local_rows`); FSDP averages the gradients over ranks, so with equal rows per
   rank the update is the single-process one up to summation order.
-- :func:`full_tensors` gathers DTensors (sharded parameters, gradients, optimizer slots) into full
-  tensors, so that the LoRA file and the resumable state a sharded run writes are those of a
-  single-process run; :func:`shard_optimizer_state` turns such a state back into shards.
+- :func:`full_tensor` and :func:`full_optimizer_state` gather DTensors (sharded LoRA weights,
+  optimizer slots) into full tensors, so that the LoRA file and the resumable state a sharded run
+  writes are those of a single-process run; :func:`shard_optimizer_state` turns such a state back
+  into shards.
 """
 
 from __future__ import annotations
@@ -112,11 +113,6 @@ class Distributed:
         return {"world_size": self.world_size, "backend": self.backend}
 
 
-def torchrun_env() -> dict[str, str]:
-    """The ``torchrun`` variables of this process (empty when it was not started by ``torchrun``)."""
-    return {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
-
-
 def check_launch() -> None:
     """Refuse ``fsdp`` outside ``torchrun``, before any model is built.
 
@@ -200,11 +196,6 @@ def full_tensor(value: Any) -> Any:
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor unchanged."""
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def full_tensors(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every DTensor of ``values`` gathered (names without the wrapper prefix); collective."""
-    return {plain_name(k): full_tensor(v) for k, v in values.items()}
 
 
 def full_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
