@@ -10,18 +10,14 @@ allowed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-import types
-import typing
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 # What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
 # built for other torch builds, torchao-serialized checkpoints) concerns nothing this command does;
@@ -29,27 +25,10 @@ from typing import Any, Sequence
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from .engine.core.backends import BACKENDS
-from .engine.core.schedule import HELP as SCHEDULE_HELP
-from .engine.core.support import support_table
-from .engine.measure.guarded import guarded_train
-from .engine.measure.planner import parse_budget, plan_for_budget, write_choice
-from .engine.measure.preflight import preflight
-from .engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
-from .engine.train.atomic import atomic_write_text
-from .engine.train.config import ConfigError, TrainConfig, read_config_file
-from .engine.train.distributed import close_distributed
-from .engine.train.loading import detect_family
-from .engine.train.loop import load_bundle, resolve_device
-from .engine.train.lora_io import LoraSettings
-from .engine.train.single_file import identify_file
+from .engine import api
 
-_SCHEDULE_OPTIONS = [
-    ("--interval", "gradient_checkpointing_interval"),
-    ("--stride", "gradient_checkpointing_segment_stride"),
-    ("--backend", "gradient_checkpointing_backend"),
-    ("--pin-buckets", "gradient_checkpointing_offload_pin_memory_max_buckets"),
-]
+SCHEDULE_GROUP = "schedule"
+"""The options of ``CheckpointSchedule``: ``train`` and ``plan --check`` take them, ``sweep`` runs every mode."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,21 +37,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
-    _add_run_options(train)
-    _add_schedule_options(train)
+    _add_options(train)
     sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
+    sub.add_parser("options", help="Print README's options table (generated from the options' metadata).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
                                        "and attention offload the family supports) for a few steps after warm-up "
                                        "and write sweep.md, sweep.csv, sweep.json and sweep.png into --output.")
-    _add_run_options(sweep, "Folder for sweep.md, sweep.csv, sweep.json and sweep.png (default output/sweep).")
+    _add_options(sweep, "Folder for sweep.md, sweep.csv, sweep.json and sweep.png (default output/sweep).",
+                 schedule=False)
     plan = sub.add_parser("plan", help="Pick the fastest schedule predicted to fit a memory budget.",
                           description="Probe one step without checkpointing (per-block activation bytes and "
                                       "time), predict every candidate schedule's peak and sec/step, and print "
                                       "the fastest one that fits --budget; with --measure N, time it and up to two "
                                       "other fitting candidates head to head (lockstep) and keep the fastest "
                                       "measured one that fits.")
-    _add_run_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
+    _add_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
     plan.add_argument("--budget", dest="plan_budget", required=True,
                       help="Memory budget in GiB, or 'device' (fit this device's memory).")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
@@ -82,7 +62,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="Pre-flight instead: judge the given schedule (the options below, or --config) against "
                            "--budget in every phase (each batch shape, the previews) and name the schedule that "
                            "would fit; exit status 0 when it fits, 1 when it does not.")
-    _add_schedule_options(plan)
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
                        help="Measured steps per mode after warm-up (default 3).")
@@ -100,90 +79,78 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
-    """The six schedule keys as options (``train``, and ``plan --check``'s schedule)."""
-    for option, key in _SCHEDULE_OPTIONS:
-        extra = f" One of: {', '.join(BACKENDS)}." if key.endswith("backend") else " 'none' = unset."
-        parser.add_argument(option, dest=key, default=None, help=SCHEDULE_HELP[key] + extra)
-    parser.add_argument("--no-checkpointing", dest="gradient_checkpointing", action="store_const",
-                        const=False, default=None, help="Turn gradient checkpointing off (fastest, highest peak).")
-    parser.add_argument("--offload-attention", dest="gradient_checkpointing_offload_attention",
-                        action="store_const", const=True, default=None,
-                        help=SCHEDULE_HELP["gradient_checkpointing_offload_attention"])
-
-
-def _add_run_options(parser: argparse.ArgumentParser, output_help: str | None = None) -> None:
-    """The options generated from the config's field metadata (:func:`~.engine.train.config.option`):
-    all of them for ``train``; ``sweep`` and ``plan`` (``output_help`` given) leave out those of a
-    long run (steps, saving, resuming, timing warm-up). Given values override the config file."""
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        option = f.metadata.get("cli")
-        if option is None or (output_help is not None and f.metadata["long_run"]):
+def _add_options(parser: argparse.ArgumentParser, output_help: str | None = None, schedule: bool = True,
+                 options: tuple[api.Option, ...] = api.OPTIONS) -> None:
+    """The flags of ``options``, generated from their metadata (``engine/config/options.py``): all
+    of them for ``train``; ``sweep`` and ``plan`` (``output_help`` given) leave out those of a long
+    run (steps, saving, resuming, timing warm-up), and ``sweep`` the schedule's. Given values
+    override the config file; a flag's destination is the option's config key."""
+    for opt in options:
+        if opt.cli is None or output_help is not None and opt.meta["long_run"]:
             continue
-        text = output_help if f.name == "output" and output_help else _with_default(f)
-        if hints[f.name] is bool:
-            parser.add_argument(option, dest=f.name, action="store_const", const=True, default=None, help=text)
-        elif typing.get_origin(_scalar(hints[f.name])) is tuple:  # --text-encoder DIR [DIR ...]
-            parser.add_argument(option, dest=f.name, nargs="+", default=None, help=text)
-        else:
-            parser.add_argument(option, dest=f.name, type=_scalar(hints[f.name]), default=None, help=text)
-    lora_hints = typing.get_type_hints(LoraSettings)
-    for f in dataclasses.fields(LoraSettings):
-        if "cli" in f.metadata:
-            many = {"nargs": "+"} if typing.get_origin(_scalar(lora_hints[f.name])) is tuple else {
-                "type": _scalar(lora_hints[f.name])}
-            parser.add_argument(f.metadata["cli"], dest=f.metadata["key"], default=None, help=_with_default(f), **many)
+        in_schedule = opt.path[0] == SCHEDULE_GROUP
+        if in_schedule and not schedule:
+            continue
+        text = output_help if opt.key == "output" and output_help else _help(opt)
+        if opt.type is bool:  # a flag that sets the opposite of the default
+            parser.add_argument(opt.cli, dest=opt.key, action="store_const", const=not opt.default, default=None,
+                                help=text)
+        elif opt.type is tuple:  # --text-encoder DIR [DIR ...]
+            parser.add_argument(opt.cli, dest=opt.key, nargs="+", default=None, help=text)
+        else:  # the schedule's keys take 'none' and are read by CheckpointSchedule.from_config
+            kind = str if in_schedule else opt.type
+            parser.add_argument(opt.cli, dest=opt.key, type=kind, default=None, help=text)
     parser.add_argument("--config", dest="config_file", default=None,
                         help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
 
 
-def _scalar(kind: Any) -> Any:
-    """``int | None`` -> ``int``: the type an option's text converts to."""
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    return args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) and args else kind
+def _help(opt: api.Option) -> str:
+    """An option's help with what it takes and its default."""
+    text = opt.help
+    if opt.choices is not None and not callable(opt.meta["choices"]):
+        text += f" One of: {', '.join(map(str, opt.choices))}."
+    elif opt.optional and opt.path[0] == SCHEDULE_GROUP:
+        text += " 'none' = unset."
+    if opt.default is not None and opt.default is not False and opt.type is not bool:
+        text += f" Default: {opt.default}."
+    return text
 
 
-def _with_default(f: dataclasses.Field) -> str:
-    default = f.default if f.default is not dataclasses.MISSING else None
-    return f.metadata["help"] + ("" if default is None or default is False else f" Default: {default}.")
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed ``train`` arguments (defaults < config file < options);
-    without a family, that of the ``model_path`` folder or the ``model_file`` file.
+def config_from_args(args: argparse.Namespace) -> api.TrainConfig:
+    """The :class:`~.engine.config.TrainConfig` of parsed arguments (defaults < config file <
+    options); without a family, that of the ``model_path`` folder or the ``model_file`` file.
 
     Raises:
         ConfigError, ScheduleError, LoraConfigError: an invalid value, named with its key.
         ModelLoadError: the model's family cannot be read from it.
     """
-    config, from_file = TrainConfig(), {}
+    config, from_file = api.TrainConfig(), {}
     if args.config_file:
-        from_file = read_config_file(args.config_file)
-        config, ignored = TrainConfig.from_dict(from_file, config)
+        from_file = api.read_config_file(args.config_file)
+        config, ignored = api.TrainConfig.from_dict(from_file, config)
         if ignored:
             print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
     given = {k: v for k, v in vars(args).items()
              if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
-    config = TrainConfig.from_dict(given, config)[0]
+    config = api.TrainConfig.from_dict(given, config)[0]
     if not {"family", "model_family"} & (set(given) | set(from_file)):
-        if config.model_path and Path(config.model_path).is_dir():  # else check_paths names the missing folder
-            config = TrainConfig.from_dict({"family": detect_family(config.model_path)}, config)[0]
-        elif config.model_file and config.model_file.endswith(".safetensors") and Path(config.model_file).is_file():
-            config = TrainConfig.from_dict({"family": identify_file(config.model_file).family.name}, config)[0]
+        # a folder that does not exist is named by the run's checks
+        family = api.model_family(config.model.model_path, config.model.model_file)
+        if family is not None:
+            config = config.replace(family=family)
     return config
 
 
-def _check_vae(config: TrainConfig) -> None:
+def _check_vae(config: api.TrainConfig) -> None:
     """The CLI trains on images (train, sweep, plan): a single file needs a VAE folder to encode them.
 
     Raises:
         ConfigError: ``model_file`` without ``vae_path``.
     """
-    if config.model_file and not config.vae_path:
-        raise ConfigError(f"vae_path=None is invalid with model_file={config.model_file!r}: allowed a "
-                          "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
-                          "encode the images with")
+    if config.model.model_file and not config.model.vae_path:
+        raise api.ConfigError(f"vae_path=None is invalid with model_file={config.model.model_file!r}: allowed a "
+                              "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
+                              "encode the images with")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -193,18 +160,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         try:
             config = config_from_args(args)
-            config.check_paths()
+            api.check_run(config)
             _check_vae(config)
         except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
             return _error(exc)
         stop = _StopOnSignal()
         try:
             with stop:
-                result = guarded_train(config, should_stop=stop)
+                result = api.train(config, should_stop=stop)
         except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
             return _error(exc)
         finally:
-            close_distributed()  # --fsdp under torchrun
+            api.close_distributed()  # --fsdp under torchrun
         if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
             return 130 if result.interrupted else 0
         if result.interrupted:
@@ -224,7 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command == "families":
-        print(support_table(), end="")
+        print(api.families(), end="")
+        return 0
+    if args.command == "options":
+        print(api.options_table(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
 
@@ -240,15 +210,16 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--measure={args.sweep_measure} is invalid: allowed an integer >= 1")
         if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
-        config.check_input_paths()
+        api.check_input_paths(config)
         _check_vae(config)
-        bundle = load_bundle(config)
+        bundle = api.load_model(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
-    cells = run_sweep(config, bundle, sweep_schedules(args.sweep_attention), args.sweep_warmup, args.sweep_measure)
+    cells = api.sweep(config, bundle, api.sweep_schedules(args.sweep_attention), args.sweep_warmup,
+                      args.sweep_measure)
     budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
-    paths = write_outputs(cells, Path(config.output), bundle.family.name, budget)
+    paths = api.write_sweep(cells, Path(config.outputs.output), bundle.family.name, budget)
     print(Path(paths["markdown"]).read_text(), end="")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -259,35 +230,33 @@ def _plan(args: argparse.Namespace) -> int:
         if args.output is None:
             args.output = "output/plan"
         config = config_from_args(args)
-        budget = parse_budget(args.plan_budget, resolve_device(config), key="--budget")
+        budget = api.budget(args.plan_budget, config, key="--budget")
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
-        config.check_input_paths()
+        api.check_input_paths(config)
         _check_vae(config)
-        bundle = load_bundle(config)
+        bundle = api.load_model(config)
         if args.plan_check:
             return _preflight(config, bundle, budget)
-        choice = plan_for_budget(config, bundle, budget, measure_steps=args.plan_measure)
+        choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
     print(choice.render())
-    path = write_choice(choice, Path(config.output))["schedule"]
+    path = api.write_plan(choice, Path(config.outputs.output))["schedule"]
     print(f"chosen: {choice.chosen.schedule.mode}; its keys are in {path} (segckpt train --config {path})")
     return 0
 
 
-def _preflight(config: TrainConfig, bundle, budget: int) -> int:
+def _preflight(config: api.TrainConfig, bundle, budget: int) -> int:
     """``segckpt plan --check``: print the verdict, write ``preflight.json`` (and the schedule that
     would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not."""
-    verdict = preflight(config, bundle, budget)
+    verdict = api.check_fit(config, bundle, budget)
     print(verdict.render())
-    out = Path(config.output)
-    atomic_write_text(out / "preflight.json", json.dumps(verdict.to_dict(), indent=2) + "\n")
+    paths = api.write_fit(verdict, Path(config.outputs.output))
     if verdict.suggestion is not None:
-        path = atomic_write_text(out / "schedule.json", json.dumps(verdict.suggestion.to_dict(), indent=2) + "\n")
-        print(f"the schedule that would fit: {verdict.suggestion.mode}; its keys are in {path} "
-              f"(segckpt train --config {path})")
+        print(f"the schedule that would fit: {verdict.suggestion.mode}; its keys are in {paths['schedule']} "
+              f"(segckpt train --config {paths['schedule']})")
     return 0 if verdict.fits else 1
 
 

@@ -49,10 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.memory import device_budget  # noqa: E402
-from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan  # noqa: E402
+from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner  # noqa: E402
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule  # noqa: E402
+from segmented_checkpointing.engine.data.buckets import shape_classes
 from segmented_checkpointing.engine.families import TextBatch, get_family  # noqa: E402
 from segmented_checkpointing.engine.measure.planner import (  # noqa: E402
     PlannerError,
@@ -61,21 +63,16 @@ from segmented_checkpointing.engine.measure.planner import (  # noqa: E402
 )
 from segmented_checkpointing.engine.measure.preflight import preflight  # noqa: E402
 from segmented_checkpointing.engine.measure.probe import probe  # noqa: E402
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup, short_run
 from segmented_checkpointing.engine.measure.sweep import (  # noqa: E402
     sweep_schedules,
 )
-from segmented_checkpointing.engine.train.attention_kernels import AUTO, sdpa_context  # noqa: E402
-from segmented_checkpointing.engine.train.buckets import shape_classes  # noqa: E402
-from segmented_checkpointing.engine.train.config import TrainConfig  # noqa: E402
-from segmented_checkpointing.engine.train.loading import ModelBundle, tiny_vae_config  # noqa: E402
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora  # noqa: E402
-from segmented_checkpointing.engine.train.precision import (  # noqa: E402
-    Precision,
-    apply_base_precision,
-    resolve_precision,
-)
-from segmented_checkpointing.engine.train.runs import RunWorkspace, peak_after_warmup, short_run
-from segmented_checkpointing.engine.train.text import DeterministicTextEmbedder  # noqa: E402
+from segmented_checkpointing.engine.config.model import AUTO_KERNELS as AUTO  # noqa: E402
+from segmented_checkpointing.engine.model.attention_kernels import sdpa_context
+from segmented_checkpointing.engine.model.bundle import ModelBundle, tiny_vae_config
+from segmented_checkpointing.engine.model.lora_files import add_lora
+from segmented_checkpointing.engine.model.precision import Precision, apply_base_precision, resolve_precision
+from segmented_checkpointing.engine.model.text_encoders import DeterministicTextEmbedder
 
 FAMILY = get_family("flux")
 FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
@@ -275,7 +272,7 @@ def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
     bundle = ModelBundle(FAMILY, transformer.eval(), vae.eval(),
                          DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init mid-size Flux")
     with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
-        config = TrainConfig(resolution=sizes.planner_resolution, device=device.type, output=folder)
+        config = TrainConfig.create(resolution=sizes.planner_resolution, device=device.type, output=folder)
         measured_probe = probe(config, bundle)
         peaks = sorted(predict(measured_probe, s).peak_bytes for s in sweep_schedules(True))
         unit, scale = mem_unit(device)
@@ -312,7 +309,7 @@ def preflight_check(sizes: Sizes, device: torch.device) -> list[str]:
         data.mkdir()
         for i, size in enumerate([(r, r), (r * 3 // 2, r), (r, r * 3 // 2)] * 2):
             Image.new("RGB", size, (40 * i, 120, 200)).save(data / f"img{i}.png")
-        config = TrainConfig(data=str(data), resolution=r, buckets=True, device=device.type, schedule=schedule,
+        config = TrainConfig.create(data=str(data), resolution=r, buckets=True, device=device.type, schedule=schedule,
                              output=str(Path(folder) / "out"))
         budget = device_budget(device)
         verdict = preflight(config, bundle, budget)
@@ -320,7 +317,7 @@ def preflight_check(sizes: Sizes, device: torch.device) -> list[str]:
         rows = [f"| bucket (latent) | share | predicted peak {unit} | measured peak {unit} | error |",
                 "|---|---:|---:|---:|---:|"]
         with RunWorkspace(config, bundle) as workspace:
-            classes = {"x".join(map(str, (config.batch_size, *shape))): rows_ for shape, rows_ in
+            classes = {"x".join(map(str, (config.data.batch_size, *shape))): rows_ for shape, rows_ in
                        shape_classes(workspace.data_cache())}
             for phase in (p for p in verdict.phases if p.kind == "train"):
                 run = workspace.start(schedule, 1, 2, rows=classes[phase.shape])

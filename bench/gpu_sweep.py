@@ -53,13 +53,11 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
 from segmented_checkpointing.engine.core.memory import GIB, MIB, PeakMemory, StepTimer
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import (
-    CheckpointSchedule,
-    ScheduleError,
-)
 from segmented_checkpointing.engine.families.base import (
     SINGLE,
     BlockList,
@@ -67,7 +65,7 @@ from segmented_checkpointing.engine.families.base import (
     TextSpec,
 )
 from segmented_checkpointing.engine.families.packing import pack_2x2, unpack_2x2
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.model.lora_files import add_lora
 
 
 class Block(nn.Module):

@@ -30,16 +30,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.memory import StepTimer
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.families import (
-    TextBatch,
-    get_family,
-    sd3,  # noqa: F401 (registers sd3 if not yet)
-)
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.families import TextBatch, get_family
+from segmented_checkpointing.engine.model.lora_files import add_lora
 
 # Family -> (config overrides on top of the tiny preset, latent side in pixels of the latent grid).
 # Sized so that a step takes roughly 50-200 ms on 2 CPU cores.

@@ -19,12 +19,12 @@ import warnings
 
 import torch
 
+from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.measure.lockstep import lockstep_runs, paired_ratio
 from segmented_checkpointing.engine.measure.planner import PlannerError, plan_for_budget, predict
 from segmented_checkpointing.engine.measure.probe import probe
 from segmented_checkpointing.engine.measure.sweep import run_sweep, sweep_schedules
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    config = TrainConfig(family=args.family, resolution=args.resolution, device=args.device,
+    config = TrainConfig.create(family=args.family, resolution=args.resolution, device=args.device,
                          output="output/bench-planner")
     bundle = build_preset(args.family)
     measured_probe = probe(config, bundle)

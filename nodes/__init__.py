@@ -1,17 +1,11 @@
-"""ComfyUI node classes: thin adapters over ``engine/`` (see ``training_nodes.py``)."""
+"""ComfyUI node classes: thin adapters over the engine's facade (``engine/api.py``)."""
 
 from .guardrail_nodes import FitGuardrails
+from .model_nodes import ImageCaptionDataset, LoadDiffusionModel, LoRAConfig
 from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
-from .training_nodes import (
-    ActivationOffloadOptions,
-    GradientCheckpointingSchedule,
-    ImageCaptionDataset,
-    LoadDiffusionModel,
-    LoRAConfig,
-    SaveLoRA,
-    TrainLoRA,
-)
+from .schedule_nodes import ActivationOffloadOptions, GradientCheckpointingSchedule
+from .training_nodes import SaveLoRA, TrainLoRA
 
 _NODES = {
     "SegCkptLoadDiffusionModel": (LoadDiffusionModel, "Load Diffusion Model (gradient checkpointing)"),

@@ -1,21 +1,14 @@
 """The Fit Guardrails node: the pre-flight budget, out-of-memory recovery and the slowdown watchdog
-of a Train LoRA run (engine/measure/guarded.py, engine/train/recovery.py, engine/train/watchdog.py)."""
+of a Train LoRA run (``engine/config/guardrails.py``; the facade's ``train`` applies them)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..engine.core.memory import check_budget
-from ..engine.train.config import HELP
-from ..engine.train.recovery import ON_OOM
+from ..engine import api
 from .environment import NodeError
+from .payloads import CATEGORY, GUARDRAILS
+from .widgets import NodeOptions, widget
 
-CATEGORY = "training/gradient checkpointing"
-GUARDRAILS = "SEGCKPT_GUARDRAILS"
-
-
-def _tip(text: str, **spec: Any) -> dict:
-    return {"tooltip": text, **spec}
+NO_PREFLIGHT = " Unset: no pre-flight."
 
 
 class FitGuardrails:
@@ -24,34 +17,40 @@ class FitGuardrails:
     watchdog 1.5x)."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (GUARDRAILS,), ("guardrails",)
+    OPTIONS = NodeOptions({name: name for name in ("memory_budget", "start_anyway", "on_oom", "watchdog_slowdown")})
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "memory_budget": ("STRING", _tip(HELP["memory_budget"].replace(" Unset: no pre-flight.", "") +
-                                             " Empty: no pre-flight.", default="free")),
-            "start_anyway": ("BOOLEAN", _tip(HELP["start_anyway"], default=False)),
-            "on_oom": (list(ON_OOM), _tip(HELP["on_oom"], default="switch")),
-            "watchdog_slowdown": ("FLOAT", _tip(HELP["watchdog_slowdown"], default=1.5, min=0.0, max=100.0,
-                                                step=0.1)),
+            "memory_budget": widget("memory_budget", default="free", extra=" Empty: no pre-flight.",
+                                    tooltip=api.option_named("memory_budget").help.replace(NO_PREFLIGHT, "")),
+            "start_anyway": widget("start_anyway"),
+            "on_oom": widget("on_oom"),
+            "watchdog_slowdown": widget("watchdog_slowdown"),
         }}
 
+    @staticmethod
+    def guardrails(**inputs) -> api.GuardrailsConfig:
+        """The engine's guardrails of the node's values (an empty budget: no pre-flight).
+
+        Raises:
+            ConfigError: a value the engine refuses, named (the config's own validator).
+        """
+        budget = inputs.get("memory_budget")
+        values = {**inputs, "memory_budget": budget.strip() or None if isinstance(budget, str) else budget}
+        return FitGuardrails.OPTIONS.config(values).guards
+
     @classmethod
-    def VALIDATE_INPUTS(cls, memory_budget, watchdog_slowdown):
-        if memory_budget.strip():
-            try:
-                check_budget(memory_budget, "memory_budget")
-            except ValueError as exc:
-                return str(exc)
-        if watchdog_slowdown and watchdog_slowdown <= 1:
-            return f"watchdog_slowdown={watchdog_slowdown!r} is invalid: allowed a number > 1, or 0 (off)"
+    def VALIDATE_INPUTS(cls, **inputs):
+        try:
+            cls.guardrails(**inputs)
+        except ValueError as exc:
+            raise NodeError(str(exc)) from None
         return True
 
     def build(self, memory_budget, start_anyway, on_oom, watchdog_slowdown):
-        if memory_budget.strip():
-            try:
-                check_budget(memory_budget, "memory_budget")
-            except ValueError as exc:
-                raise NodeError(str(exc)) from None
-        return ({"memory_budget": memory_budget.strip() or None, "start_anyway": start_anyway, "on_oom": on_oom,
-                 "watchdog_slowdown": watchdog_slowdown},)
+        try:
+            return (self.guardrails(memory_budget=memory_budget, start_anyway=start_anyway, on_oom=on_oom,
+                                    watchdog_slowdown=watchdog_slowdown),)
+        except ValueError as exc:
+            raise NodeError(str(exc)) from None

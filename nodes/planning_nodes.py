@@ -1,65 +1,60 @@
 """Nodes that measure and choose schedules: Checkpointing Sweep and Schedule Planner.
 
-Thin adapters over ``engine/sweep.py`` and ``engine/planner.py``: they build the run settings
-from their inputs, call the engine on a copy of the model, and wrap the results.
+Thin adapters over the facade's ``sweep`` and ``plan``: they build the run settings from their
+inputs, call the engine on a copy of the model, and wrap the results.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..engine.core.plan import check_supported
-from ..engine.core.schedule import ScheduleError
-from ..engine.measure.planner import parse_budget, plan_for_budget, write_choice
-from ..engine.measure.preflight import preflight
-from ..engine.measure.sweep import run_sweep, sweep_schedules, write_outputs
-from ..engine.train.atomic import atomic_write_text
-from ..engine.train.config import HELP, TrainConfig
-from ..engine.train.loop import resolve_device
-from ..engine.train.lora_io import LoraSettings
-from ..engine.train.runs import MeasurementInterrupted
-from .environment import PathError, contained, current_host, numbered_run, public_errors
-from .training_nodes import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, _tip
+from ..engine import api
+from .environment import NodeError, PathError, contained, current_host, numbered_run, public_errors
+from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, FamilySchedule
+from .widgets import NodeOptions, tip, widget
+
+OPTIONS = NodeOptions({"batch_size": "batch_size"})
 
 
 def _run_inputs() -> dict:
     return {
-        "model": (MODEL, _tip("From Load Diffusion Model.")),
-        "dataset": (DATASET, _tip("From Image+Caption Dataset (sets the image size).")),
-        "batch_size": ("INT", _tip(HELP["batch_size"], default=1, min=1, max=1024)),
-        "warmup_steps": ("INT", _tip("Steps per mode excluded from the figures.", default=1, min=1, max=100)),
-        "measured_steps": ("INT", _tip("Steps per mode measured after the warm-up.", default=3, min=1, max=1000)),
-        "run_name": ("STRING", _tip("Name of the results: each queue writes output/segckpt/<run_name>_00001, "
-                                     "_00002, ...", default="sweep")),
+        "model": (MODEL, tip("From Load Diffusion Model.")),
+        "dataset": (DATASET, tip("From Image+Caption Dataset (sets the image size).")),
+        "batch_size": widget("batch_size"),
+        "warmup_steps": ("INT", tip("Steps per mode excluded from the figures.", default=1, min=1, max=100)),
+        "measured_steps": ("INT", tip("Steps per mode measured after the warm-up.", default=3, min=1, max=1000)),
+        "run_name": ("STRING", tip("Name of the results: each queue writes output/segckpt/<run_name>_00001, "
+                                   "_00002, ...", default="sweep")),
     }
+
+
+def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> api.TrainConfig:
+    return api.TrainConfig.create(family=model.family.name, data=dataset.folder, resolution=dataset.resolution,
+                                  buckets=dataset.buckets, batch_size=batch_size, lora=lora_config or api.LoraSettings(),
+                                  output=str(output), base_model_precision=model.base_precision or "auto")
+
+
+def _validate(run_name, inputs) -> bool:
+    """The measurement nodes' VALIDATE_INPUTS: the run name stays under output/segckpt, the batch
+    size is one the engine takes. Raised, so that ComfyUI lists the message once."""
+    try:
+        if run_name is not None:
+            contained(current_host().output_dir / "segckpt", run_name, "run_name")
+        OPTIONS.config(inputs)
+    except (PathError, ValueError) as exc:
+        raise NodeError(current_host().public(str(exc))) from None
+    return True
 
 
 def _supported(family, schedule) -> bool:
     try:
-        check_supported(family, schedule)
-    except ScheduleError:
+        api.check_supported(family, schedule)
+    except api.ScheduleError:
         return False
-    return True
-
-
-def _config(model, dataset, batch_size, lora_config, output) -> TrainConfig:
-    return TrainConfig(family=model.family.name, data=dataset["data"], resolution=dataset["resolution"],
-                       buckets=dataset.get("buckets", False), batch_size=batch_size,
-                       lora=lora_config or LoraSettings(), output=str(output),
-                       base_model_precision=model.base_precision or "auto")
-
-
-def _validate_run_name(run_name):
-    try:
-        contained(current_host().output_dir / "segckpt", run_name, "run_name")
-    except PathError as exc:
-        return current_host().public(str(exc))
     return True
 
 
@@ -76,7 +71,7 @@ def _measuring(host, unique_id, total_steps: int):
 
     try:
         yield on_step, host.interrupted
-    except MeasurementInterrupted:
+    except api.MeasurementInterrupted:
         host.raise_interrupt()
         raise
 
@@ -91,17 +86,17 @@ class CheckpointingSweep:
     def INPUT_TYPES(cls):
         return {
             "required": {**_run_inputs(),
-                         "attention_offload_modes": ("BOOLEAN", _tip("Also measure every mode with attention "
-                                                                     "offload (doubles the sweep).", default=False)),
-                         "budget_gib": ("FLOAT", _tip("Memory budget drawn on the plot, GiB (0 = none).",
-                                                      default=0.0, min=0.0, max=4096.0, step=0.0001))},
-            "optional": {"lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16."))},
+                         "attention_offload_modes": ("BOOLEAN", tip("Also measure every mode with attention "
+                                                                    "offload (doubles the sweep).", default=False)),
+                         "budget_gib": ("FLOAT", tip("Memory budget drawn on the plot, GiB (0 = none).",
+                                                     default=0.0, min=0.0, max=4096.0, step=0.0001))},
+            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name):
-        return _validate_run_name(run_name)
+    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
+        return _validate(run_name, {"batch_size": batch_size})
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
@@ -114,13 +109,13 @@ class CheckpointingSweep:
         host = current_host()
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
-        schedules = sweep_schedules(attention_offload_modes)
+        schedules = api.sweep_schedules(attention_offload_modes)
         supported = [s for s in schedules if _supported(model.family, s)]
         with _measuring(host, unique_id, len(supported) * (warmup_steps + measured_steps)) as (on_step, stop):
-            cells = run_sweep(config, model, schedules, warmup_steps, measured_steps, on_step=on_step,
+            cells = api.sweep(config, model, schedules, warmup_steps, measured_steps, on_step=on_step,
                               should_stop=stop)
         budget = int(budget_gib * 2**30) if budget_gib > 0 else None
-        paths = write_outputs(cells, folder, model.family.name, budget)
+        paths = api.write_sweep(cells, folder, model.family.name, budget)
         rgb = torch.from_numpy(np.asarray(Image.open(paths["png"]).convert("RGB")).copy())
         image = rgb.float().div(255.0).unsqueeze(0)
         table = paths["markdown"].read_text()
@@ -138,22 +133,22 @@ class SchedulePlanner:
     @classmethod
     def INPUT_TYPES(cls):
         inputs = _run_inputs()
-        inputs["run_name"] = ("STRING", _tip("Name of the planner's files: each queue writes output/segckpt/"
-                                             "<run_name>_00001, _00002, ...", default="plan"))
-        inputs["measured_steps"] = ("INT", _tip("Steps to time the chosen prediction and up to 2 other fitting "
-                                                "ones head to head (one step of each in turn) before deciding; "
-                                                "0 = predict only.", default=2, min=0, max=1000))
+        inputs["run_name"] = ("STRING", tip("Name of the planner's files: each queue writes output/segckpt/"
+                                            "<run_name>_00001, _00002, ...", default="plan"))
+        inputs["measured_steps"] = ("INT", tip("Steps to time the chosen prediction and up to 2 other fitting "
+                                               "ones head to head (one step of each in turn) before deciding; "
+                                               "0 = predict only.", default=2, min=0, max=1000))
         return {
-            "required": {**inputs, "budget_gib": ("FLOAT", _tip(
+            "required": {**inputs, "budget_gib": ("FLOAT", tip(
                 "Memory budget in GiB; 0 = fit this device (its total memory).", default=0.0, min=0.0,
                 max=4096.0, step=0.0001))},
-            "optional": {"lora_config": (LORA_CONFIG, _tip("Optional: default rank 16, alpha 16."))},
+            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name):
-        return _validate_run_name(run_name)
+    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
+        return _validate(run_name, {"batch_size": batch_size})
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
@@ -166,18 +161,18 @@ class SchedulePlanner:
         host = current_host()
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
-        budget = parse_budget("device" if budget_gib == 0 else budget_gib, resolve_device(config), key="budget_gib")
+        budget = api.budget("device" if budget_gib == 0 else budget_gib, config, key="budget_gib")
         # the probe (warm-up + 2), the offload calibration (2 runs of warm-up + 3) and up to 3
         # contenders timed head to head (warm-up + measured each)
         total = (warmup_steps + 2) + 2 * (warmup_steps + 3) + (3 * (warmup_steps + measured_steps) if measured_steps else 0)
         with _measuring(host, unique_id, total) as (on_step, stop):
-            choice = plan_for_budget(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
-                                     on_step=on_step, should_stop=stop)
+            choice = api.plan(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
+                              on_step=on_step, should_stop=stop)
             verdict = None
-            if config.buckets:  # the probe mixed the buckets: judge the choice per bucket (pre-flight)
-                verdict = preflight(dataclasses.replace(config, schedule=choice.chosen.schedule), model, budget,
-                                    warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
-        write_choice(choice, folder)
+            if config.data.buckets:  # the probe mixed the buckets: judge the choice per bucket (pre-flight)
+                verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), model, budget,
+                                        warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
+        api.write_plan(choice, folder)
         report = choice.render()
         chosen = choice.chosen.schedule
         summary = (f"chosen: {chosen.mode} — predicted {choice.chosen.peak_bytes / 2**30:.3g} GiB"
@@ -188,6 +183,6 @@ class SchedulePlanner:
                 chosen = verdict.suggestion
                 summary += f"\nper bucket it does not fit: chosen instead {chosen.mode}"
             summary += "\n" + verdict.render()
-            atomic_write_text(folder / "schedule.json", json.dumps(chosen.to_dict(), indent=2) + "\n")
+            api.write_schedule(chosen, folder)
         return {"ui": {"text": [summary + "\n\n" + report]},
-                "result": ({"family": model.family.name, "schedule": chosen}, summary + "\n\n" + report)}
+                "result": (FamilySchedule(model.family.name, chosen), summary + "\n\n" + report)}

@@ -9,11 +9,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..engine.measure.plots import loss_curve_rgb
-from ..engine.measure.receipt import render_receipt
-from ..engine.train.atomic import atomic_write_bytes
+from ..engine import api
 from .environment import current_host
-from .training_nodes import CATEGORY, RUN
+from .payloads import CATEGORY, RUN
 
 
 class LossGraph:
@@ -28,12 +26,12 @@ class LossGraph:
         return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
 
     def plot(self, run):
-        result = run["result"]
-        rgb = loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
-        run_dir = Path(result.config.output)
+        result = run
+        rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
+        run_dir = Path(result.config.outputs.output)
         png = io.BytesIO()
         Image.fromarray(rgb).save(png, format="PNG")
-        atomic_write_bytes(run_dir / "loss.png", png.getvalue())
+        api.atomic_write_bytes(run_dir / "loss.png", png.getvalue())
         output_dir = current_host().output_dir.resolve()
         shown = []
         if output_dir in run_dir.resolve().parents:
@@ -53,7 +51,7 @@ class RunReport:
         return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
 
     def report(self, run):
-        result = run["result"]
+        result = run
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
         report = result.report
@@ -73,7 +71,7 @@ class RunReport:
                   for s in report.get("schedule_switches", [])]
         lines += [f"watchdog: {w['message']}" for w in report.get("watchdog", [])]
         if report.get("receipt"):
-            lines.append(render_receipt(report["receipt"]))
+            lines.append(api.render_receipt(report["receipt"]))
         lines.append(f"report: {current_host().public(str(result.report_path))}")
         text = "\n".join(lines)
         return {"ui": {"text": [text], "plan": [json.dumps(result.plan.to_dict())]}, "result": (text,)}

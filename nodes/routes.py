@@ -1,7 +1,7 @@
 """HTTP route the frontend reads the schedule node's plan from: ``GET /segckpt/plan``.
 
 Registered on ComfyUI's server (``PromptServer.instance.routes``; ComfyUI also serves it under
-``/api``). It computes the engine's plan preview (:func:`~..engine.core.preview.preview_plan`) from
+``/api``). It computes the engine's plan of the query (:func:`~..engine.core.plan_query.plan_for_query`) from
 query parameters only: every parameter is validated, unknown ones are refused, and nothing on the
 file system is read or listed.
 
@@ -15,7 +15,7 @@ import asyncio
 
 from aiohttp import web
 
-from ..engine.core.preview import PreviewError, preview_plan
+from ..engine.api import PlanQueryError, plan_for_query
 
 PLAN_ROUTE = "/segckpt/plan"
 
@@ -29,8 +29,8 @@ async def plan_handler(request: web.Request) -> web.Response:
                                  status=400)
     try:
         # building the reference model on the meta device can take a second: keep the loop free
-        plan = await asyncio.to_thread(preview_plan, dict(query))
-    except PreviewError as exc:
+        plan = await asyncio.to_thread(plan_for_query, dict(query))
+    except PlanQueryError as exc:
         return web.json_response({"error": str(exc)}, status=400)
     return web.json_response(plan)
 

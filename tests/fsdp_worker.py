@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.distributed import close_distributed
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.model.distributed import close_distributed
 from segmented_checkpointing.engine.train.loop import train
 
 

@@ -6,11 +6,12 @@ import copy
 
 import torch
 
+from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import TextBatch, get_family
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.model.lora_files import add_lora
 
 MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),

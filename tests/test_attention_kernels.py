@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from segmented_checkpointing.engine.train.attention_kernels import (
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.model.attention_kernels import (
     AttentionBackendError,
     enabled_kernels,
     parse_attention_backend,
 )
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import train
 
 ALL = ("flash", "efficient", "math", "cudnn")
@@ -19,7 +19,7 @@ ALL = ("flash", "efficient", "math", "cudnn")
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("kernels") / "data")
 
@@ -32,7 +32,7 @@ def test_the_choice_holds_in_the_forward_and_in_the_recompute(tmp_path, data_dir
     seen: list[tuple[bool, tuple[str, ...]]] = []
     checkpointed = bundle.transformer.transformer_blocks[0]  # segment 0-1 of interval 2 stride 4
     checkpointed.register_forward_pre_hook(lambda module, args: seen.append((torch.is_grad_enabled(), enabled_kernels())))
-    config = TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), resolution=64, steps=2,
+    config = TrainConfig.create(output=str(tmp_path / "run"), data=str(data_dir), resolution=64, steps=2,
                          attention_backend=choice)
     result = train(config, bundle=bundle, log=lambda line: None)
     assert len(seen) == 2 * 2  # per step: the forward, then its recompute inside backward
@@ -52,4 +52,4 @@ def test_invalid_values_name_what_is_allowed(value, message):
 
 def test_a_json_list_is_kept_as_its_canonical_string():
     config, _ = TrainConfig.from_dict({"attention_backend": ["flash", "math"]})
-    assert config.attention_backend == "flash,math"
+    assert config.model.attention_backend == "flash,math"

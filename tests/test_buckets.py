@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -13,11 +12,9 @@ from helpers import full_and_resumed
 from PIL import Image
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.families import family_names, get_family
-from segmented_checkpointing.engine.train import step as step_module
-from segmented_checkpointing.engine.train.buckets import (
+from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
+from segmented_checkpointing.engine.data.buckets import (
     Bucket,
-    BucketSampler,
     latent_multiple,
     latents_for,
     make_buckets,
@@ -29,12 +26,16 @@ from segmented_checkpointing.engine.train.buckets import (
     token_patch,
     vae_downscale,
 )
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.data import assign_buckets, image_size, load_image, scan_folder
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.data.cache import assign_buckets
+from segmented_checkpointing.engine.data.comfy_data import PreparedData
+from segmented_checkpointing.engine.data.folder import scan_folder
+from segmented_checkpointing.engine.data.images import image_size, load_image
+from segmented_checkpointing.engine.data.samplers import BucketSampler
+from segmented_checkpointing.engine.families import family_names, get_family
+from segmented_checkpointing.engine.model.bundle import build_preset
+from segmented_checkpointing.engine.train import step as step_module
+from segmented_checkpointing.engine.train.checks import check_run
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
-from segmented_checkpointing.engine.train.prepared import PreparedData
 from segmented_checkpointing.engine.train.state import load_state, save_state
 
 QUIET = {"log": lambda line: None}
@@ -57,9 +58,9 @@ def data_dir(tmp_path_factory):
 
 
 def _config(root, name, **changes):
-    base = TrainConfig(output=str(root / name), data=str(root / "data"), resolution=64, steps=8, batch_size=2,
+    base = TrainConfig.create(output=str(root / name), data=str(root / "data"), resolution=64, steps=8, batch_size=2,
                        buckets=True, lora=LoraSettings(rank=4, alpha=4.0), timing_warmup_steps=0)
-    return dataclasses.replace(base, **changes)
+    return base.replace(**changes)
 
 
 def _recorded_run(monkeypatch, config):
@@ -204,12 +205,12 @@ def test_the_report_and_the_log_list_the_buckets(data_dir):
 
 def test_buckets_are_refused_where_they_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="buckets=True is invalid: allowed false for family 'acestep'"):
-        TrainConfig(family="acestep", buckets=True)
+        TrainConfig.create(family="acestep", buckets=True)
     with pytest.raises(ConfigError, match="buckets='yes' is invalid: allowed true or false"):
-        TrainConfig(buckets="yes")
+        TrainConfig.create(buckets="yes")
     prepared = PreparedData("flux", {}, {})  # refused before the data is looked at
     with pytest.raises(ConfigError, match="buckets=True is invalid with prepared data"):
-        TrainingRun(TrainConfig(output=str(tmp_path / "out"), buckets=True), prepared=prepared)
+        TrainingRun(TrainConfig.create(output=str(tmp_path / "out"), buckets=True), prepared=prepared)
 
 
 def test_resume_keeps_buckets_and_a_state_from_before_the_option_ran_without(data_dir):
@@ -219,9 +220,9 @@ def test_resume_keeps_buckets_and_a_state_from_before_the_option_ran_without(dat
     state = load_state(output)
     del state.config["buckets"]
     save_state(state, output)
-    _config(data_dir, "old", steps=2, buckets=False, resume=True).check_paths()
+    check_run(_config(data_dir, "old", steps=2, buckets=False, resume=True))
     with pytest.raises(ConfigError, match="resume: buckets=True differs from the saved run's False"):
-        _config(data_dir, "old", steps=2, resume=True).check_paths()
+        check_run(_config(data_dir, "old", steps=2, resume=True))
 
 
 # ---- every family -----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def wide_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("family", [f for f in family_names() if get_family(f).aspect_buckets])
 def test_every_family_trains_a_step_on_a_non_square_bucket(family, wide_dir):
-    result = train(TrainConfig(family=family, output=str(wide_dir.parent / family), data=str(wide_dir), steps=1,
+    result = train(TrainConfig.create(family=family, output=str(wide_dir.parent / family), data=str(wide_dir), steps=1,
                                resolution=48, buckets=True, lora=LoraSettings(rank=2, alpha=2.0),
                                timing_warmup_steps=0), **QUIET)
     (bucket,) = result.report["dataset"]["buckets"]

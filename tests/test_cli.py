@@ -8,7 +8,8 @@ import pytest
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.train import loop as training
+from segmented_checkpointing.engine import api
+from segmented_checkpointing.engine.train import setup
 from segmented_checkpointing.engine.train.state import load_state
 
 
@@ -16,7 +17,8 @@ from segmented_checkpointing.engine.train.state import load_state
 def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the options were validated")
-    monkeypatch.setattr(training, "load_bundle", refuse)
+    monkeypatch.setattr(setup, "load_bundle", refuse)
+    monkeypatch.setattr(api, "load_bundle", refuse)
 
 
 @pytest.mark.parametrize("argv, key", [
@@ -54,7 +56,7 @@ def test_precedence_defaults_config_options(tmp_path):
     assert (result.steps, result.lora.rank, result.schedule.interval) == (7, 4, 3)
     assert result.schedule.gradient_checkpointing_segment_stride is None  # --interval alone unsets the stride
     default = cli.config_from_args(cli._parser().parse_args(["train"]))
-    assert default.schedule.mode == "interval2-stride4" and default.family == "flux" and default.steps == 20
+    assert default.schedule.mode == "interval2-stride4" and default.model.family == "flux" and default.steps == 20
 
 
 def test_short_real_run(tmp_path, capsys):
@@ -139,14 +141,14 @@ def test_divergence_stops_with_an_error_and_keeps_no_nan_lora(tmp_path, capsys):
 
 
 def test_family_is_detected_from_the_model_folder(tmp_path):
-    from segmented_checkpointing.engine.train.loading import build_preset
+    from segmented_checkpointing.engine.model.bundle import build_preset
 
     bundle = build_preset("sd3")
     bundle.transformer.save_pretrained(tmp_path / "m" / "transformer")
     bundle.vae.save_pretrained(tmp_path / "m" / "vae")
     (tmp_path / "m" / "model_index.json").write_text("{}")
     args = cli._parser().parse_args(["train", "--model-path", str(tmp_path / "m")])
-    assert cli.config_from_args(args).family == "sd3"
+    assert cli.config_from_args(args).model.family == "sd3"
 
 
 def test_ctrl_c_saves_the_state_and_resume_continues(tmp_path):

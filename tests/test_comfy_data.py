@@ -21,20 +21,19 @@ from diffusers.configuration_utils import FrozenDict
 from helpers import save_tiny_text_encoder, verdict
 
 from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.data.cache import encode_latents
+from segmented_checkpointing.engine.data.comfy_data import ComfyDataError, comfy_mapped_families, prepare_comfy_data
 from segmented_checkpointing.engine.families import TextSpec, get_family
 from segmented_checkpointing.engine.families.conditioning import FLUX, WAN21
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.data import encode_latents
-from segmented_checkpointing.engine.train.loading import build_preset
-from segmented_checkpointing.engine.train.loop import TrainingRun, train
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
-from segmented_checkpointing.engine.train.prepared import ComfyDataError, comfy_mapped_families, prepare_comfy_data
-from segmented_checkpointing.engine.train.text import (
+from segmented_checkpointing.engine.model.bundle import build_preset
+from segmented_checkpointing.engine.model.text_encoders import (
     TextEncoderError,
     TextEncoderWarning,
     encoder_kind,
     load_text_encoders,
 )
+from segmented_checkpointing.engine.train.loop import TrainingRun, train
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
@@ -43,9 +42,9 @@ WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "train_se
 
 
 def _config(tmp_path, name, family="flux", **changes):
-    base = TrainConfig(family=family, output=str(tmp_path / name), resolution=32, steps=3, batch_size=2,
+    base = TrainConfig.create(family=family, output=str(tmp_path / name), resolution=32, steps=3, batch_size=2,
                        lora=LoraSettings(rank=4, alpha=4.0), timing_warmup_steps=0)
-    return dataclasses.replace(base, **changes)
+    return base.replace(**changes)
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +243,9 @@ def test_train_lora_node_takes_latent_and_conditioning(base, image_runs):
     with torch.inference_mode():  # as ComfyUI runs nodes
         (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("flux"), steps=2, run_name="comfy",
                                                     latent=latent, conditioning=conditioning[:1])
-    report = run["result"].report
+    report = run.report
     assert report["dataset"]["source"] == "ComfyUI LATENT + CONDITIONING" and report["config"]["data"] is None
-    assert report["dataset"]["conditioning"] == "one for all images" and len(run["result"].history) == 2
+    assert report["dataset"]["conditioning"] == "one for all images" and len(run.history) == 2
 
 
 def test_train_lora_node_refuses_a_family_without_mapping_before_any_work(base):
@@ -357,13 +356,13 @@ def test_encoder_folders_are_identified_by_their_config(tmp_path, encoders):
 
 
 def test_text_encoder_option_accepts_one_or_several_folders(tmp_path):
-    assert TrainConfig(text_encoder_path="a").text_encoder_path == ("a",)
-    assert TrainConfig(text_encoder_path=["a", "b"]).text_encoder_path == ("a", "b")
-    assert dataclasses.replace(TrainConfig(), text_encoder_path=None).text_encoder_path is None
+    assert TrainConfig.create(text_encoder_path="a").model.text_encoder_path == ("a",)
+    assert TrainConfig.create(text_encoder_path=["a", "b"]).model.text_encoder_path == ("a", "b")
+    assert TrainConfig().replace(text_encoder_path=None).model.text_encoder_path is None
     args = cli._parser().parse_args(["train", "--text-encoder", "x", "y"])
-    assert cli.config_from_args(args).text_encoder_path == ("x", "y")
+    assert cli.config_from_args(args).model.text_encoder_path == ("x", "y")
     with pytest.raises(ValueError, match="text_encoder_path=3 is invalid"):
-        TrainConfig(text_encoder_path=3)
+        TrainConfig.create(text_encoder_path=3)
 
 
 class _RecordingVAE:

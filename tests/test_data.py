@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from segmented_checkpointing.engine.train.data import (
-    SAMPLE_PHOTOS,
-    DatasetError,
-    EpochSampler,
-    load_image,
-    scan_folder,
-    write_sample_dataset,
-)
+from segmented_checkpointing.engine.data.folder import SAMPLE_PHOTOS, DatasetError, scan_folder, write_sample_dataset
+from segmented_checkpointing.engine.data.images import load_image
+from segmented_checkpointing.engine.data.samplers import EpochSampler
 
 
 def _image(path, size=(40, 20), color=(255, 0, 0)):

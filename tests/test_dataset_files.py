@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from segmented_checkpointing.engine.train.data import BACKGROUND, DatasetError, load_image, scan_dataset
+from segmented_checkpointing.engine.data.folder import DatasetError, scan_dataset
+from segmented_checkpointing.engine.data.images import BACKGROUND, load_image
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEN = (0, 255, 0)

@@ -6,12 +6,9 @@ import warnings
 
 import pytest
 
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
 from segmented_checkpointing.engine.core.plan import ScheduleWarning, effective_plan
-from segmented_checkpointing.engine.core.preview import reference_block_counts
-from segmented_checkpointing.engine.core.schedule import (
-    CheckpointSchedule,
-    ScheduleError,
-)
+from segmented_checkpointing.engine.core.plan_query import reference_block_counts
 from segmented_checkpointing.engine.core.support import (
     DOCUMENT_FAMILIES,
     list_capabilities,

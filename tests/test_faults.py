@@ -13,13 +13,16 @@ from helpers import MODES, random_batch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
+from segmented_checkpointing.engine import api
+from segmented_checkpointing.engine.config import ConfigWarning, LoraConfigError, LoraSettings, TrainConfig
 from segmented_checkpointing.engine.core.plan import ScheduleWarning, count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.data.folder import DataWarning
 from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.model.lora_files import add_lora, load_lora_file
 from segmented_checkpointing.engine.train import loop as training
-from segmented_checkpointing.engine.train.config import ConfigWarning, TrainConfig
-from segmented_checkpointing.engine.train.data import DataWarning
-from segmented_checkpointing.engine.train.lora_io import LoraConfigError, LoraSettings, add_lora, load_lora_file
+from segmented_checkpointing.engine.train import setup
+from segmented_checkpointing.engine.train.checks import check_run
 from segmented_checkpointing.engine.train.state import load_state
 
 
@@ -27,7 +30,8 @@ from segmented_checkpointing.engine.train.state import load_state
 def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the damaged file was reported")
-    monkeypatch.setattr(training, "load_bundle", refuse)
+    monkeypatch.setattr(setup, "load_bundle", refuse)
+    monkeypatch.setattr(api, "load_bundle", refuse)
 
 
 def _short(out, *extra):
@@ -75,7 +79,7 @@ def test_a_damaged_config_ends_in_one_line(tmp_path, capsys, no_model):
 
 
 def test_damaged_model_weights_end_in_one_line(tmp_path, capsys):
-    from segmented_checkpointing.engine.train.loading import build_preset
+    from segmented_checkpointing.engine.model.bundle import build_preset
 
     bundle = build_preset("sd3")
     bundle.transformer.save_pretrained(tmp_path / "m" / "transformer")
@@ -95,7 +99,7 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(finished_run, tmp_path):
     shutil.copytree(finished_run, out)
     cache = next((out / "cache").glob("cache-*.safetensors"))
     cache.write_bytes(cache.read_bytes()[:500])
-    config = TrainConfig(steps=1, resolution=32, output=str(out), overwrite=True)
+    config = TrainConfig.create(steps=1, resolution=32, output=str(out), overwrite=True)
     with pytest.warns(DataWarning, match=f"the latent cache {cache.name} is damaged"):
         training.train(config, log=lambda line: None)
     assert load_file(cache)["latents"].shape[0] == 6  # written again, whole
@@ -126,7 +130,7 @@ def test_init_lora_keeps_the_files_update_whatever_the_runs_alpha(finished_run):
 def recompute_differs_at_step_2(monkeypatch):
     """Block 1's FFN takes another path in its second recompute (step 2): its output has other
     strides, as a branch on free memory or a flag would produce."""
-    real = training.add_lora
+    real = setup.add_lora
 
     def add_lora_with_a_branch(model, *args, **kwargs):
         params = real(model, *args, **kwargs)
@@ -141,7 +145,7 @@ def recompute_differs_at_step_2(monkeypatch):
         model.transformer_blocks[1].ff.register_forward_hook(branch)
         return params
 
-    monkeypatch.setattr(training, "add_lora", add_lora_with_a_branch)
+    monkeypatch.setattr(setup, "add_lora", add_lora_with_a_branch)
     return monkeypatch
 
 
@@ -216,10 +220,10 @@ def test_a_loop_that_rewrites_a_shared_dict_falls_back_or_stays_exact(kv_mode, m
 def test_resume_that_changes_a_decaying_schedule_says_so(tmp_path):
     out = tmp_path / "cosine"
     assert cli.main(_short(out, "--lr-scheduler", "cosine")) == 0
-    same = TrainConfig(steps=2, resolution=32, output=str(out), resume=True, lr_scheduler="cosine")
+    same = TrainConfig.create(steps=2, resolution=32, output=str(out), resume=True, lr_scheduler="cosine")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        same.check_paths()
-    longer = TrainConfig(steps=4, resolution=32, output=str(out), resume=True, lr_scheduler="cosine")
+        check_run(same)
+    longer = TrainConfig.create(steps=4, resolution=32, output=str(out), resume=True, lr_scheduler="cosine")
     with pytest.warns(ConfigWarning, match="steps=4 differs from the saved run's 2, and lr_scheduler=cosine"):
-        longer.check_paths()
+        check_run(longer)

@@ -21,15 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from segmented_checkpointing.engine.config import ConfigError, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import FSDP_WRAPPER, ScheduleWarning, effective_plan
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.distributed import ENV_KEYS, Distributed, DistributedError, check_launch
+from segmented_checkpointing.engine.model.distributed import ENV_KEYS, Distributed, DistributedError, check_launch
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
-              pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.train.text.TextEncoderWarning")]
+              pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")]
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 COMMON = {"resolution": 64, "batch_size": 2, "steps": 3, "timing_warmup_steps": 0, "watchdog_slowdown": 0,
@@ -159,7 +159,7 @@ def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
 def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch):
     for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)
-    config = TrainConfig(fsdp=True, output=str(tmp_path / "o"))
+    config = TrainConfig.create(fsdp=True, output=str(tmp_path / "o"))
     with pytest.raises(DistributedError, match=r"fsdp=True needs the process group torchrun sets up \(RANK, "
                                                r"WORLD_SIZE.*torchrun --nproc-per-node N --no-python segckpt"):
         TrainingRun(config)
@@ -185,7 +185,7 @@ def test_options_fsdp_cannot_run_are_refused(values, key, allowed):
 
 def test_unsloth_backends_are_allowed_sharded():
     config = TrainConfig.from_dict({"fsdp": True, "gradient_checkpointing_backend": "unsloth"})[0]
-    assert config.fsdp and config.schedule.backend.name == "unsloth"
+    assert config.sharding.fsdp and config.schedule.backend.name == "unsloth"
 
 
 def test_batch_splits_evenly_over_ranks():

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.core.schedule import KEYS, CheckpointSchedule
-from segmented_checkpointing.engine.train.config import ALIASES, TrainConfig, read_config_file
+from segmented_checkpointing.engine.config import ALIASES, OPTIONS, TrainConfig, read_config_file
+from segmented_checkpointing.engine.config.schedule import KEYS, CheckpointSchedule
+from segmented_checkpointing.engine.train.checks import check_run
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import validate
 
@@ -55,8 +56,7 @@ def test_schedule_keys(keys):
         assert _ours(exc) and any(_named(exc, k) for k in keys), repr(exc)
 
 
-CONFIG_KEYS = sorted({f for f in TrainConfig.__dataclass_fields__ if f not in ("lora", "schedule")}
-                     | set(ALIASES) | set(KEYS) | {"lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"})
+CONFIG_KEYS = sorted({opt.key for opt in OPTIONS} | set(ALIASES))
 
 
 @FUZZ
@@ -98,7 +98,7 @@ def test_cli_options(tmp_path_factory, pairs):
     argv = ["train", "--output", str(out)] + [x for pair in pairs for x in pair]
     try:
         args = cli._parser().parse_args(argv)
-        cli.config_from_args(args).check_paths()
+        check_run(cli.config_from_args(args))
     except SystemExit as exc:  # argparse's own one-line usage error (a non-number for a number)
         assert exc.code == 2
     except Exception as exc:  # noqa: BLE001

@@ -10,10 +10,11 @@ import pytest
 import torch
 from helpers import MODES
 
+from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.core.generic import probe_family
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.model.lora_files import add_lora
 
 
 def _lora(model, targets=("to_q", "to_k", "to_v")):

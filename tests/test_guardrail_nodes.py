@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import verdict
 
-from segmented_checkpointing.engine.train import loop
+from segmented_checkpointing.engine.train import recovery
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes import training_nodes
 from segmented_checkpointing.nodes.environment import NodeError, local_host
@@ -38,7 +38,7 @@ def _run(steps=4, buckets=True, **guardrails):
     graph["2"]["inputs"].update(resolution=64, buckets=buckets)
     graph["4"]["inputs"].update(guardrails)
     results = run_graph(graph)
-    return results["5"][0]["result"], results["7"]["result"][0]
+    return results["5"][0], results["7"]["result"][0]
 
 
 def _notes(events) -> list[str]:
@@ -56,14 +56,14 @@ def test_the_verdict_buckets_and_receipt_show_on_the_node_and_in_the_report(even
 
 
 def test_an_out_of_memory_error_at_step_3_switches_and_shows(events, monkeypatch):
-    real = loop.train_step
+    real = recovery.train_step
 
     def failing(ctx, step):  # step 3 under the workflow's schedule runs out of memory
         if step == 2 and ctx.config.schedule.mode == "interval2-stride4":
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(ctx, step)
 
-    monkeypatch.setattr(loop, "train_step", failing)
+    monkeypatch.setattr(recovery, "train_step", failing)
     result, report = _run(steps=5)
     line = "step 3: out of memory under interval2-stride4: switched to interval2-stride4-unsloth-ffn"
     assert line in _notes(events) and line in report
@@ -71,14 +71,14 @@ def test_an_out_of_memory_error_at_step_3_switches_and_shows(events, monkeypatch
 
 
 def test_a_slowdown_from_step_8_shows(events, monkeypatch):
-    real = loop.train_step
+    real = recovery.train_step
 
     def slowed(ctx, step):  # the measured step time doubles from step 8 on
         record = real(ctx, step)
         record.seconds = 0.1 * (2 if record.step >= 8 else 1)
         return record
 
-    monkeypatch.setattr(loop, "train_step", slowed)
+    monkeypatch.setattr(recovery, "train_step", slowed)
     # one shape, as the engine's case (with buckets each shape first needs a baseline of its own)
     result, report = _run(steps=13, buckets=False, watchdog_slowdown=1.5)
     slow = [line for line in _notes(events) if line.startswith("slowdown")]
@@ -112,4 +112,4 @@ def test_the_planner_judges_its_choice_per_bucket(events, tmp_path):
     text = results["3"]["ui"]["text"][0]
     assert "pre-flight:" in text and "fits in 1 GiB" in text
     assert text.count(" ok ") >= 2  # one line per bucket
-    assert results["3"]["result"][0]["schedule"].mode in text
+    assert results["3"]["result"][0].schedule.mode in text

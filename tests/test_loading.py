@@ -6,11 +6,8 @@ import pytest
 import torch
 from helpers import save_tiny_text_encoder
 
-from segmented_checkpointing.engine.train.loading import (
-    ModelLoadError,
-    build_preset,
-    load_model_folder,
-)
+from segmented_checkpointing.engine.model.bundle import ModelLoadError, build_preset
+from segmented_checkpointing.engine.model.folders import load_model_folder
 
 
 def _save_pipeline(folder, family="flux", safe=True):

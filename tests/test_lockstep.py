@@ -6,16 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.lockstep import (
     lockstep_runs,
     paired_difference,
     paired_ratio,
 )
+from segmented_checkpointing.engine.measure.runs import short_run
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
-from segmented_checkpointing.engine.train.runs import short_run
+from segmented_checkpointing.engine.model.bundle import build_preset
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 MODES = {s.mode: s for s in sweep_schedules()}
@@ -44,7 +44,7 @@ def _recording_runs(order: list, fail: str | None = None, fail_at: int = 0):
 def test_steps_after_the_first_alternate_between_schedules():
     order: list = []
     schedules = [MODES["none"], MODES["layer"], MODES["interval2"]]
-    config, bundle = TrainConfig(family="flux", output="unused"), build_preset("flux")
+    config, bundle = TrainConfig.create(family="flux", output="unused"), build_preset("flux")
     results = lockstep_runs(config, bundle, schedules, warmup_steps=1, measured_steps=3,
                             start_run=_recording_runs(order))
     assert len(results) == 3 and all(len(r.history) == 4 for r in results)
@@ -54,7 +54,7 @@ def test_steps_after_the_first_alternate_between_schedules():
 
 def test_a_failing_run_raises_and_the_others_still_finish():
     order: list = []
-    config, bundle = TrainConfig(family="flux", output="unused"), build_preset("flux")
+    config, bundle = TrainConfig.create(family="flux", output="unused"), build_preset("flux")
     with pytest.raises(RuntimeError, match="layer broke at step 3"):
         lockstep_runs(config, bundle, [MODES["none"], MODES["layer"]], 1, 4,
                       start_run=_recording_runs(order, fail="layer", fail_at=3))
@@ -62,7 +62,7 @@ def test_a_failing_run_raises_and_the_others_still_finish():
 
 
 def test_bad_arguments_are_refused_by_name():
-    config, bundle = TrainConfig(family="flux", output="unused"), build_preset("flux")
+    config, bundle = TrainConfig.create(family="flux", output="unused"), build_preset("flux")
     with pytest.raises(ValueError, match="warmup_steps=0"):
         lockstep_runs(config, bundle, [MODES["none"]], warmup_steps=0)
 
@@ -70,7 +70,7 @@ def test_bad_arguments_are_refused_by_name():
 def test_real_lockstep_runs_measure_what_a_run_alone_measures():
     """Interleaved in one thread, the runs keep their CPU trackers, saved-tensor hooks and model
     copies apart: the peaks and losses equal those of the same runs made one after the other."""
-    config = TrainConfig(family="flux", resolution=64, output="unused")
+    config = TrainConfig.create(family="flux", resolution=64, output="unused")
     bundle = build_preset("flux")
     schedules = [CheckpointSchedule(gradient_checkpointing=False), MODES["interval2-unsloth-ffn-offload-attn"]]
     together = lockstep_runs(config, bundle, schedules, warmup_steps=1, measured_steps=1)

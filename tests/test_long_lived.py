@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from segmented_checkpointing.engine.api import TrainResult
 from segmented_checkpointing.engine.core.offload import HostPool
 from segmented_checkpointing.nodes import environment, training_nodes
 from segmented_checkpointing.nodes.graph import run_graph
@@ -69,6 +70,6 @@ def test_fifty_runs_of_the_demo_workflow_stay_flat(tmp_path, monkeypatch):
                                    local.progress, lambda: next(polls) >= 0, local.send)
     monkeypatch.setattr(training_nodes, "current_host", lambda: interrupted)
     results = run_graph(_graph("train_with_offload.api.json", "offload-interrupted"))
-    run = next(v for v in results.values() if isinstance(v, tuple) and isinstance(v[0], dict) and "result" in v[0])
-    assert run[0]["result"].interrupted and len(run[0]["result"].history) == 1
+    run = next(v for v in results.values() if isinstance(v, tuple) and isinstance(v[0], TrainResult))
+    assert run[0].interrupted and len(run[0].history) == 1
     assert _pools() == 0 and _open_files() == files and _threads() == threads

@@ -22,8 +22,9 @@ from helpers import random_batch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.families import family_names, get_family
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora, lora_state_dict, save_lora
+from segmented_checkpointing.engine.model.lora_files import add_lora, lora_state_dict, save_lora
 
 TOL = 1e-5
 SETTINGS = LoraSettings(rank=4, alpha=8, init="gaussian")

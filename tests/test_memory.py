@@ -11,6 +11,7 @@ import torch
 from helpers import MODES, random_batch
 from torch.utils.checkpoint import checkpoint
 
+from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.core import memory
 from segmented_checkpointing.engine.core.memory import (
     LiveTensorTracker,
@@ -22,8 +23,8 @@ from segmented_checkpointing.engine.core.memory import (
 )
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.families import get_family, sd3  # noqa: F401 (registers sd3)
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
+from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.model.lora_files import add_lora
 
 F32 = 4  # bytes per float32 element
 

@@ -12,9 +12,9 @@ from helpers import pack_only, verdict
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.train.loading import ModelBundle
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
+from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.model.bundle import ModelBundle
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
@@ -45,14 +45,16 @@ def test_node_functions_return_the_declared_types(base):
         family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
         gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
         gradient_checkpointing_offload_pin_memory_max_buckets=12)
-    assert schedule["family"] == "flux" and isinstance(schedule["schedule"], CheckpointSchedule)
-    assert schedule["schedule"].gradient_checkpointing_segment_stride is None
+    assert schedule.family == "flux" and isinstance(schedule.schedule, CheckpointSchedule)
+    assert schedule.schedule.gradient_checkpointing_segment_stride is None
     (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
     assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
     before = copy.deepcopy(model.transformer.state_dict())
     with torch.inference_mode():  # as ComfyUI runs nodes
-        (run,) = NODES["SegCkptTrainLoRA"]().train(model, dataset, schedule, 2, 1e-3, "constant", 1, 1, 0,
-                                                    "nodes_test", False, lora_config=lora, unique_id="5")
+        (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
+                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                                                    seed=0, run_name="nodes_test", resume=False, lora_config=lora,
+                                                    unique_id="5")
     after = model.transformer.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     shown = NODES["SegCkptLossGraph"]().plot(run)
@@ -87,7 +89,7 @@ def test_paths_are_contained(base, cls, inputs, text):
 def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     (base / "input" / "sneaky").symlink_to(outside)
-    assert "outside" in NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="sneaky")
+    assert "outside" in verdict(NODES["SegCkptImageCaptionDataset"], folder="sneaky")
     assert NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="photos") is True
 
 
@@ -171,7 +173,9 @@ def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
                 gradient_checkpointing_offload_pin_memory_max_buckets=0)
     (wan_schedule,) = NODES["SegCkptSchedule"]().build(family="wan", **keys)
     with pytest.raises(ValueError, match="schedule is for family 'wan' but the model is 'flux'"):
-        NODES["SegCkptTrainLoRA"]().train(model, dataset, wan_schedule, 1, 1e-3, "constant", 1, 1, 0, "x", False)
+        NODES["SegCkptTrainLoRA"]().train(model, wan_schedule, dataset=dataset, steps=1, learning_rate=1e-3,
+                                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
+                                          run_name="x", resume=False)
     assert not (base / "output" / "segckpt" / "x").exists()
 
 
@@ -185,9 +189,11 @@ def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
         gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4,
         gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=12)
     with torch.inference_mode():
-        (run,) = NODES["SegCkptTrainLoRA"]().train(model, dataset, schedule, 2, 1e-3, "constant", 1, 1, 0, "prec",
-                                                    False, attention_backend="flash,math", on_nonfinite="skip")
-    report = run["result"].report
+        (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
+                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                                                    seed=0, run_name="prec", resume=False, attention_backend="flash,math",
+                                                    on_nonfinite="skip")
+    report = run.report
     assert report["precision"]["base_model_precision"] == "int8-torchao"
     assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0
     assert report["attention_backend"] == ["flash", "math"] and report["config"]["on_nonfinite"] == "skip"

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.train import loop as training
+from segmented_checkpointing.engine.train import setup
 from segmented_checkpointing.engine.train.nonfinite import (
     FiniteCheck,
     check_finite,
@@ -24,7 +24,7 @@ TARGET = "transformer_blocks.1.attn.to_k.lora_B.default.weight"
 @pytest.fixture
 def nan_at_step_2(monkeypatch):
     """Every model that gets a LoRA gets a NaN in one LoRA gradient on its second backward."""
-    real = training.add_lora
+    real = setup.add_lora
 
     def add_lora_with_a_fault(model, *args, **kwargs):
         params = real(model, *args, **kwargs)
@@ -37,7 +37,7 @@ def nan_at_step_2(monkeypatch):
         dict(model.named_parameters())[TARGET].register_hook(poison)
         return params
 
-    monkeypatch.setattr(training, "add_lora", add_lora_with_a_fault)
+    monkeypatch.setattr(setup, "add_lora", add_lora_with_a_fault)
     return monkeypatch
 
 

@@ -10,15 +10,12 @@ import pytest
 import torch
 from helpers import MODES, one_step, random_batch, tiny_model
 
+from segmented_checkpointing.engine.config.backends import BACKENDS
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
 from segmented_checkpointing.engine.core.memory import PeakMemory
 from segmented_checkpointing.engine.core.offload import PinnedMemoryWarning
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import (
-    BACKENDS,
-    CheckpointSchedule,
-    ScheduleError,
-)
 from segmented_checkpointing.engine.families import get_family
 
 FAMILIES = ["flux", "sd3", "pixart", "wan", "sana", "qwenimage", "zimage", "lumina2"]
@@ -156,7 +153,7 @@ def test_pinning_is_skipped_with_one_warning_without_cuda():
 
 
 def test_missing_boundaries_fail_before_training_naming_family_and_list():
-    from segmented_checkpointing.engine.train.config import TrainConfig
+    from segmented_checkpointing.engine.config import TrainConfig
 
     flux = get_family("flux")
     no_ffn = dataclasses.replace(flux, name="flux-no-ffn", block_lists=(
@@ -171,6 +168,6 @@ def test_missing_boundaries_fail_before_training_naming_family_and_list():
         from segmented_checkpointing.engine.families.base import _REGISTRY
         _REGISTRY["flux-no-ffn"] = no_ffn
         try:
-            TrainConfig(family="flux-no-ffn", schedule=CheckpointSchedule(gradient_checkpointing_backend="unsloth-ffn"))
+            TrainConfig.create(family="flux-no-ffn", schedule=CheckpointSchedule(gradient_checkpointing_backend="unsloth-ffn"))
         finally:
             del _REGISTRY["flux-no-ffn"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import MODES, random_batch, tiny_model
 
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import ScheduleWarning, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
 
 COUNTS = {"double": 8, "single": 8}

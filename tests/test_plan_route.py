@@ -8,10 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from segmented_checkpointing.engine.core.preview import (
-    preview_plan,
-    reference_block_counts,
-)
+from segmented_checkpointing.engine.core.plan_query import plan_for_query, reference_block_counts
 from segmented_checkpointing.nodes.routes import PLAN_ROUTE, register_routes
 
 
@@ -32,7 +29,7 @@ def test_plan_route_returns_the_engine_plan():
              "gradient_checkpointing_segment_stride": "4", "gradient_checkpointing_backend": "unsloth"}
     status, plan = _get(query)
     assert status == 200
-    assert plan == {**preview_plan(query)}
+    assert plan == {**plan_for_query(query)}
     assert plan["block_map"] == {"double": "OO..OO..", "single": "OO..OO.."}
     assert plan["num_blocks"] == {"double": 8, "single": 8}
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.planner import (
     PlannerError,
     choose,
@@ -16,19 +17,17 @@ from segmented_checkpointing.engine.measure.planner import (
     predict,
 )
 from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
-from segmented_checkpointing.engine.train.runs import RunWorkspace, peak_after_warmup
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CANDIDATES = sweep_schedules()  # every backend, with and without attention offload
 
 
 def _config(family: str) -> TrainConfig:
-    return TrainConfig(family=family, resolution=128, output="unused", lora=LoraSettings(rank=8, alpha=8.0))
+    return TrainConfig.create(family=family, resolution=128, output="unused", lora=LoraSettings(rank=8, alpha=8.0))
 
 
 HANDFUL = ["none", "none-offload-attn", "layer", "interval2-stride4", "layer-torch-ffn", "layer-unsloth",
@@ -98,7 +97,7 @@ def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
                 for record in self.result.history:
                     record["peak_bytes"] = 10**12
 
-    config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
+    config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
     choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, start_run=Pessimistic)
     assert choice.chosen.schedule.mode != "none" and choice.measured_peak_bytes <= 2**30
     assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()
@@ -110,7 +109,7 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
     choice, made 3x slower by its run) loses to one timed beside it."""
     from segmented_checkpointing.engine.measure.planner import contenders
 
-    config, bundle = TrainConfig(family="flux", resolution=64, output="unused"), build_preset("flux")
+    config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
     measured_probe = probe(config, bundle)
     budget = int(0.6 * measured_probe.peak_bytes)
     assert [p.schedule.mode for p in contenders(choose(measured_probe, 10 * measured_probe.peak_bytes))] == ["none"]

@@ -13,24 +13,21 @@ from helpers import random_batch
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import (
-    build_preset,
-    load_model_folder,
-    stored_dtype,
-)
-from segmented_checkpointing.engine.train.loop import train
-from segmented_checkpointing.engine.train.lora_io import LoraSettings, add_lora
-from segmented_checkpointing.engine.train.precision import (
+from segmented_checkpointing.engine.model.bundle import build_preset
+from segmented_checkpointing.engine.model.folders import load_model_folder, stored_dtype
+from segmented_checkpointing.engine.model.lora_files import add_lora
+from segmented_checkpointing.engine.model.precision import (
     PrecisionError,
     QuantizedLinear,
     apply_base_precision,
     resolve_precision,
 )
+from segmented_checkpointing.engine.train.loop import train
 
 pytest.importorskip("torchao")
 QUIET = {"log": lambda line: None}
@@ -44,7 +41,7 @@ SCHEDULES = {"none": CheckpointSchedule(gradient_checkpointing=False), "interval
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("precision") / "data")
 
@@ -52,7 +49,7 @@ def data_dir(tmp_path_factory):
 def _config(tmp_path, name, data_dir, **changes):
     values = {"output": str(tmp_path / name), "resolution": 64, "steps": 3, "data": str(data_dir),
               "lora": LoraSettings(rank=4, alpha=8.0), "timing_warmup_steps": 1}
-    return TrainConfig(**{**values, **changes})
+    return TrainConfig.create(**{**values, **changes})
 
 
 def test_resolution_rules():
@@ -233,12 +230,12 @@ def test_fp16_loss_scaling_resumes_exactly(tmp_path, data_dir):
     full = train(config, **QUIET)
     assert full.report["precision"]["compute"] == "fp16"
     stop = iter(range(1, 10))
-    first = train(dataclasses.replace(config, output=str(tmp_path / "split")), should_stop=lambda: next(stop) == 1,
+    first = train(config.replace(output=str(tmp_path / "split")), should_stop=lambda: next(stop) == 1,
                   **QUIET)
     assert first.interrupted
     from segmented_checkpointing.engine.train.state import load_state
     assert load_state(tmp_path / "split").grad_scaler["scale"] > 0
-    second = train(dataclasses.replace(config, output=str(tmp_path / "split"), resume=True), **QUIET)
+    second = train(config.replace(output=str(tmp_path / "split"), resume=True), **QUIET)
     a, b = load_file(full.lora_path), load_file(second.lora_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -11,14 +11,13 @@ import pytest
 from PIL import Image
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.planner import MARGIN
 from segmented_checkpointing.engine.measure.preflight import preflight
 from segmented_checkpointing.engine.measure.receipt import neighbours
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import train
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 SCHEDULE = CheckpointSchedule(gradient_checkpointing=False)  # the run's own schedule: the largest peaks
@@ -38,7 +37,7 @@ def data_dir(tmp_path_factory):
 
 
 def _config(data_dir, **changes):
-    return TrainConfig(**{"family": "flux", "data": str(data_dir), "resolution": 64, "buckets": True,
+    return TrainConfig.create(**{"family": "flux", "data": str(data_dir), "resolution": 64, "buckets": True,
                           "batch_size": 1, "steps": 4, "timing_warmup_steps": 1, "schedule": SCHEDULE,
                           "lora": LoraSettings(rank=4, alpha=4.0), "output": str(data_dir.parent / "out"),
                           **changes})

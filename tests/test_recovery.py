@@ -4,23 +4,21 @@ on ends."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
 from segmented_checkpointing.engine.train.recovery import OutOfMemoryStop, cheaper_schedules, is_out_of_memory
 
 # the tiny preset has no language model: its stand-in embedder's notice is expected here
-pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.train.text.TextEncoderWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
 SEGMENTED = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
 
 
@@ -49,15 +47,15 @@ def test_out_of_memory_errors_are_recognised(exc, oom):
 
 
 def _config(tmp_path, name, **changes):
-    base = TrainConfig(family="flux", output=str(tmp_path / name), resolution=32, steps=6, batch_size=2,
+    base = TrainConfig.create(family="flux", output=str(tmp_path / name), resolution=32, steps=6, batch_size=2,
                        lora=LoraSettings(rank=4, alpha=4.0, dropout=0.1), timing_warmup_steps=0,
                        schedule=SEGMENTED, data=str(tmp_path / "data"))
-    return dataclasses.replace(base, **changes)
+    return base.replace(**changes)
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     root = tmp_path_factory.mktemp("oom")
     write_sample_dataset(root / "data")
@@ -145,4 +143,4 @@ def test_oom_with_no_cheaper_schedule_names_the_last_one(data_dir):
 
 def test_on_oom_is_checked_by_name():
     with pytest.raises(ConfigError, match="on_oom='retry'.*switch, stop"):
-        TrainConfig(on_oom="retry")
+        TrainConfig.create(on_oom="retry")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from diffusers.models.modeling_utils import ModelMixin
 
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families.base import BlockList, Carry, FamilyAdapter
 
 

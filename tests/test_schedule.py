@@ -6,11 +6,8 @@ import json
 
 import pytest
 
-from segmented_checkpointing.engine.core.schedule import (
-    CheckpointSchedule,
-    ScheduleError,
-    plan_block_list,
-)
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
+from segmented_checkpointing.engine.core.plan import plan_block_list
 
 
 @pytest.mark.parametrize("values, key", [

@@ -20,24 +20,20 @@ from diffusers.loaders.single_file_utils import (
     convert_flux_transformer_checkpoint_to_diffusers,
     convert_sd3_transformer_checkpoint_to_diffusers,
 )
-from helpers import random_batch
+from helpers import random_batch, verdict
 from original_layouts import TO_ORIGINAL, flux_to_bfl, sd3_to_mmdit
 from safetensors.torch import save_file
 
 from segmented_checkpointing import cli
+from segmented_checkpointing.engine.api import load_model
+from segmented_checkpointing.engine.config import ConfigError, TrainConfig
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.file_checks import DamagedFileError
-from segmented_checkpointing.engine.train.loading import ModelLoadError, build_preset
-from segmented_checkpointing.engine.train.loop import load_bundle, train
-from segmented_checkpointing.engine.train.single_file import (
-    CONFIG_DIR,
-    INFERRED,
-    TINY,
-    identify,
-    model_shapes,
-)
-from segmented_checkpointing.engine.train.single_file_formats import flux_original_to_diffusers
+from segmented_checkpointing.engine.files.checks import DamagedFileError
+from segmented_checkpointing.engine.model.bundle import ModelLoadError, build_preset
+from segmented_checkpointing.engine.model.single_file import CONFIG_DIR, INFERRED, TINY, identify, model_shapes
+from segmented_checkpointing.engine.model.single_file_formats import flux_original_to_diffusers
+from segmented_checkpointing.engine.train.checks import check_run
+from segmented_checkpointing.engine.train.loop import train
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 
 
@@ -120,8 +116,8 @@ def test_original_layout_file_loads_through_the_cli_entry_point(tmp_path, family
     original = _tiny(family_name)
     path = _write(tmp_path / "model.safetensors", family_name, original, full_checkpoint=full_checkpoint)
     lines = []
-    config = TrainConfig(family=family_name, model_file=str(path), base_model_precision="fp32")
-    bundle = load_bundle(config, log=lines.append)
+    config = TrainConfig.create(family=family_name, model_file=str(path), base_model_precision="fp32")
+    bundle = load_model(config, log=lines.append)
     assert bundle.family.name == family_name and bundle.vae is None and bundle.source == str(path)
     assert f"{family_name}, original layout, variant {TINY}" in lines[0]
     _assert_same_forward(family_name, original, bundle.transformer)
@@ -131,7 +127,7 @@ def test_diffusers_layout_file_loads_as_it_is(tmp_path):
     original = _tiny("flux")
     save_file({k: v.contiguous() for k, v in original.state_dict().items()}, str(tmp_path / "d.safetensors"))
     lines = []
-    bundle = load_bundle(TrainConfig(model_file=str(tmp_path / "d.safetensors"), base_model_precision="fp32"),
+    bundle = load_model(TrainConfig.create(model_file=str(tmp_path / "d.safetensors"), base_model_precision="fp32"),
                          log=lines.append)
     assert f"flux, diffusers layout, variant {TINY}" in lines[0]
     _assert_same_forward("flux", original, bundle.transformer)
@@ -146,7 +142,7 @@ def test_a_file_of_no_shipped_variant_is_inferred_from_shapes(tmp_path, family_n
     original = _tiny(family_name, **overrides)
     path = _write(tmp_path / "m.safetensors", family_name, original)
     lines = []
-    bundle = load_bundle(TrainConfig(family=family_name, model_file=str(path), base_model_precision="fp32"),
+    bundle = load_model(TrainConfig.create(family=family_name, model_file=str(path), base_model_precision="fp32"),
                          log=lines.append)
     assert INFERRED in lines[0]
     _assert_same_forward(family_name, original, bundle.transformer)
@@ -155,7 +151,7 @@ def test_a_file_of_no_shipped_variant_is_inferred_from_shapes(tmp_path, family_n
 def test_flux_head_width_without_a_known_rotary_split_is_refused(tmp_path):
     path = _write(tmp_path / "m.safetensors", "flux", _tiny("flux", num_layers=2))
     with pytest.raises(ModelLoadError) as info:
-        load_bundle(TrainConfig(family="flux", model_file=str(path), base_model_precision="fp32"))
+        load_model(TrainConfig.create(family="flux", model_file=str(path), base_model_precision="fp32"))
     text = str(info.value)
     assert "flux1-dev" in text and "flux1-schnell" in text and TINY in text and "axes_dims_rope" in text
 
@@ -165,7 +161,7 @@ def test_flux_head_width_without_a_known_rotary_split_is_refused(tmp_path):
 def test_stored_dtype_loads_into_the_base_precision(tmp_path, stored, base):
     original = _tiny("flux")
     path = _write(tmp_path / "m.safetensors", "flux", original, dtype=stored)
-    bundle = load_bundle(TrainConfig(family="flux", model_file=str(path), base_model_precision=base))
+    bundle = load_model(TrainConfig.create(family="flux", model_file=str(path), base_model_precision=base))
     want = {"bf16": torch.bfloat16, "fp32": torch.float32}[base]
     params = dict(bundle.transformer.named_parameters())
     assert {p.dtype for p in params.values()} == {want}
@@ -175,7 +171,7 @@ def test_stored_dtype_loads_into_the_base_precision(tmp_path, stored, base):
 
 def test_no_change_keeps_the_files_dtype(tmp_path):
     path = _write(tmp_path / "m.safetensors", "flux", _tiny("flux"), dtype=torch.bfloat16)
-    bundle = load_bundle(TrainConfig(family="flux", model_file=str(path), base_model_precision="no_change"))
+    bundle = load_model(TrainConfig.create(family="flux", model_file=str(path), base_model_precision="no_change"))
     assert bundle.transformer.x_embedder.weight.dtype == torch.bfloat16
 
 
@@ -214,18 +210,18 @@ def test_node_lists_and_loads_files_from_the_model_folders(tmp_path, monkeypatch
     choices = node.INPUT_TYPES()["required"]["source"][0]
     assert {"diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"} <= set(choices)
     for source in ("diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"):
-        assert node.VALIDATE_INPUTS(source) is True
+        assert node.VALIDATE_INPUTS(source=source) is True
         (bundle,) = node().load("sd3", source, 0, "fp32")
         _assert_same_forward("sd3", original, bundle.transformer)
     for bad in ("diffusion_models/../../x.safetensors", "diffusion_models/missing.safetensors", "checkpoints/"):
-        assert "source=" in node.VALIDATE_INPUTS(bad)
+        assert "source=" in verdict(node, source=bad)
 
 
 def test_training_a_bundle_without_a_vae_stops_naming_vae_path(tmp_path):
     path = _write(tmp_path / "flux.safetensors", "flux", _tiny("flux"))
-    bundle = load_bundle(TrainConfig(model_file=str(path), base_model_precision="fp32"))
+    bundle = load_model(TrainConfig.create(model_file=str(path), base_model_precision="fp32"))
     with pytest.raises(ModelLoadError, match="holds no VAE.*vae_path"):
-        train(TrainConfig(output=str(tmp_path / "out"), steps=1), bundle=bundle, log=lambda line: None)
+        train(TrainConfig.create(output=str(tmp_path / "out"), steps=1), bundle=bundle, log=lambda line: None)
 
 
 def test_node_leaves_out_links_that_lead_outside_the_model_folders(tmp_path, monkeypatch):
@@ -235,7 +231,7 @@ def test_node_leaves_out_links_that_lead_outside_the_model_folders(tmp_path, mon
     (tmp_path / "comfy" / "models" / "unet" / "link.safetensors").symlink_to(outside)
     node = NODES["SegCkptLoadDiffusionModel"]
     assert "diffusion_models/link.safetensors" not in node.INPUT_TYPES()["required"]["source"][0]
-    assert "leads outside" in node.VALIDATE_INPUTS("diffusion_models/link.safetensors")
+    assert "leads outside" in verdict(node, source="diffusion_models/link.safetensors")
 
 
 # ------------------------------------------------------------------ refusals
@@ -243,7 +239,7 @@ def test_node_leaves_out_links_that_lead_outside_the_model_folders(tmp_path, mon
 def test_a_file_of_another_family_is_refused_naming_both(tmp_path, capsys):
     path = _write(tmp_path / "flux.safetensors", "flux", _tiny("flux"))
     with pytest.raises(ModelLoadError) as info:
-        load_bundle(TrainConfig(family="sd3", model_file=str(path), base_model_precision="fp32"))
+        load_model(TrainConfig.create(family="sd3", model_file=str(path), base_model_precision="fp32"))
     assert "flux" in str(info.value) and "sd3" in str(info.value)
     (tmp_path / "vae").mkdir()
     assert cli.main(["train", "--model-file", str(path), "--family", "sd3", "--vae-path", str(tmp_path / "vae"),
@@ -256,30 +252,30 @@ def test_a_file_of_unknown_layout_is_refused_naming_what_was_seen(tmp_path):
     path = tmp_path / "odd.safetensors"
     save_file({"encoder.layers.0.weight": torch.zeros(2, 2), "encoder.layers.1.weight": torch.zeros(2)}, str(path))
     with pytest.raises(ModelLoadError, match=r"no known key layout: first keys encoder.layers.0.weight"):
-        load_bundle(TrainConfig(model_file=str(path), base_model_precision="fp32"))
+        load_model(TrainConfig.create(model_file=str(path), base_model_precision="fp32"))
     with pytest.raises(ModelLoadError, match=r"no known key layout.*expected a sd3 file"):
-        load_bundle(TrainConfig(family="sd3", model_file=str(path), base_model_precision="fp32"))
+        load_model(TrainConfig.create(family="sd3", model_file=str(path), base_model_precision="fp32"))
 
 
 def test_a_recognised_family_without_single_file_support_is_named(tmp_path):
     path = tmp_path / "hidream.safetensors"
     save_file({"double_stream_blocks.0.block.adaLN_modulation.1.bias": torch.zeros(2)}, str(path))
     with pytest.raises(ModelLoadError, match=r"holds a hidream transformer .*not loaded here"):
-        load_bundle(TrainConfig(family="hidream", model_file=str(path), base_model_precision="fp32"))
+        load_model(TrainConfig.create(family="hidream", model_file=str(path), base_model_precision="fp32"))
 
 
 def test_a_truncated_file_is_refused_before_any_model_is_built(tmp_path):
     path = _write(tmp_path / "m.safetensors", "flux", _tiny("flux"))
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(DamagedFileError, match=r"model_file .* is damaged"):
-        TrainConfig(family="flux", model_file=str(path), vae_path=str(tmp_path)).check_paths()
+        check_run(TrainConfig.create(family="flux", model_file=str(path), vae_path=str(tmp_path)))
 
 
 def test_model_path_and_model_file_are_exclusive(tmp_path):
     with pytest.raises(ConfigError, match=r"model_file=.*model_path.*give one"):
-        TrainConfig(model_path=str(tmp_path), model_file="m.safetensors")
+        TrainConfig.create(model_path=str(tmp_path), model_file="m.safetensors")
     with pytest.raises(ConfigError, match=r"model_file='m.ckpt' is invalid: allowed an existing .safetensors"):
-        TrainConfig(model_file="m.ckpt").check_paths()
+        check_run(TrainConfig.create(model_file="m.ckpt"))
 
 
 # ------------------------------------------------------------------ the shipped variants, from shapes

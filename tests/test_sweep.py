@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.core.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.sweep import (
     SweepCell,
     flag_ineffective,
@@ -19,16 +20,14 @@ from segmented_checkpointing.engine.measure.sweep import (
     to_markdown,
     write_outputs,
 )
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _config(tmp_path, family="ideogram4"):
-    return TrainConfig(family=family, resolution=32, output=str(tmp_path / "unused"), lora=LoraSettings(rank=4, alpha=4.0))
+    return TrainConfig.create(family=family, resolution=32, output=str(tmp_path / "unused"), lora=LoraSettings(rank=4, alpha=4.0))
 
 
 def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path):
@@ -121,7 +120,7 @@ def test_segckpt_sweep_refuses_bad_options_before_any_work(tmp_path, capsys, arg
 
 
 def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
-    from segmented_checkpointing.engine.train.runs import MeasurementInterrupted
+    from segmented_checkpointing.engine.measure.runs import MeasurementInterrupted
 
     bundle, steps = build_preset("flux"), []
     schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule()]

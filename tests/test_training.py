@@ -13,23 +13,23 @@ from helpers import full_and_resumed
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.train.config import TrainConfig
-from segmented_checkpointing.engine.train.loop import learning_rate_at, train
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
+from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.train.loop import train
+from segmented_checkpointing.engine.train.optim import learning_rate_at
 
 QUIET = {"log": lambda line: None}
 
 
 def _config(tmp_path, name, **changes):
-    base = TrainConfig(output=str(tmp_path / name), resolution=64, steps=20, lr_scheduler="cosine",
+    base = TrainConfig.create(output=str(tmp_path / name), resolution=64, steps=20, lr_scheduler="cosine",
                        lr_warmup_steps=3, batch_size=2, lora=LoraSettings(rank=4, alpha=8.0, dropout=0.1),
                        data=str(tmp_path / "data"), timing_warmup_steps=1)
-    return dataclasses.replace(base, **changes)
+    return base.replace(**changes)
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     root = tmp_path_factory.mktemp("train")
     write_sample_dataset(root / "data")
@@ -53,7 +53,7 @@ def test_four_plus_resume_plus_four_equals_eight(data_dir):
 def test_one_seed_gives_one_adapter_whatever_ran_before_in_the_process(data_dir):
     """peft draws lora_A from torch's global generator: a server that ran anything before (or a
     sweep's previous cell) must not change the adapter a seed gives."""
-    from segmented_checkpointing.engine.train.loading import build_preset
+    from segmented_checkpointing.engine.model.bundle import build_preset
 
     bundle, runs = build_preset("flux"), []  # loaded once (as a server or a sweep does): no reseeding
     for name in ("first", "second"):
@@ -69,13 +69,13 @@ def test_one_seed_gives_one_adapter_whatever_ran_before_in_the_process(data_dir)
 
 def _hand_written_lr(config: TrainConfig, step: int) -> float:
     """The schedule as this project computed it by hand before it used diffusers' factory."""
-    lr, warm = config.learning_rate, config.lr_warmup_steps
+    lr, warm = config.optimizer.learning_rate, config.optimizer.lr_warmup_steps
     if step < warm:
         return lr * (step + 1) / warm
-    if config.lr_scheduler == "constant":
+    if config.optimizer.lr_scheduler == "constant":
         return lr
     progress = (step - warm) / max(1, config.steps - warm)
-    if config.lr_scheduler == "linear":
+    if config.optimizer.lr_scheduler == "linear":
         return lr * (1.0 - progress)
     return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -83,8 +83,8 @@ def _hand_written_lr(config: TrainConfig, step: int) -> float:
 @pytest.mark.parametrize("scheduler", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_learning_rate_schedule_equals_the_hand_written_one_step_by_step(scheduler, warmup):
-    config = TrainConfig(steps=12, learning_rate=2e-3, lr_warmup_steps=warmup, lr_scheduler=scheduler)
-    assert [learning_rate_at(config, s) for s in range(12)] == pytest.approx(
+    config = TrainConfig.create(steps=12, learning_rate=2e-3, lr_warmup_steps=warmup, lr_scheduler=scheduler)
+    assert [learning_rate_at(config.optimizer, config.steps, s) for s in range(12)] == pytest.approx(
         [_hand_written_lr(config, s) for s in range(12)], rel=1e-12, abs=0)
 
 

@@ -5,7 +5,6 @@ reported and leave the training itself unchanged."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -14,13 +13,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
+from segmented_checkpointing.engine.data.cache import encode_latents
 from segmented_checkpointing.engine.families import TextBatch
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.data import encode_latents
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
-from segmented_checkpointing.engine.train.validation import PreviewSource, previews_at, sample, vae_decoder
+from segmented_checkpointing.engine.train.previews import PreviewSource, previews_at, sample, vae_decoder
 
 
 @pytest.mark.parametrize("every, last, due", [(0, 5, []), (2, 5, [2, 4, 5]), (5, 5, [5]), (7, 5, [5]),
@@ -66,14 +64,14 @@ def test_the_decoder_undoes_the_caches_normalisation():
 
 
 def _config(tmp_path, name, **changes):
-    base = TrainConfig(family="flux", output=str(tmp_path / name), resolution=32, steps=3, batch_size=2,
+    base = TrainConfig.create(family="flux", output=str(tmp_path / name), resolution=32, steps=3, batch_size=2,
                        lora=LoraSettings(rank=4, alpha=4.0), timing_warmup_steps=0, data=str(tmp_path / "data"))
-    return dataclasses.replace(base, **changes)
+    return base.replace(**changes)
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     root = tmp_path_factory.mktemp("previews")
     write_sample_dataset(root / "data")
@@ -112,7 +110,7 @@ def test_previews_are_written_and_reported_and_leave_training_unchanged(data_dir
 
 
 def test_an_epsilon_family_says_previews_are_off(data_dir):
-    config = dataclasses.replace(_config(data_dir, "pixart", validation_every=1, steps=1), family="pixart")
+    config = _config(data_dir, "pixart", validation_every=1, steps=1).replace(family="pixart")
     lines = []
     with pytest.warns(UserWarning):
         run = TrainingRun(config, bundle=build_preset("pixart"), log=lines.append)

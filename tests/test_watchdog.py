@@ -11,13 +11,12 @@ import time
 
 import pytest
 
-from segmented_checkpointing.engine.train.config import ConfigError, TrainConfig
-from segmented_checkpointing.engine.train.loading import build_preset
+from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
+from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.lora_io import LoraSettings
 from segmented_checkpointing.engine.train.watchdog import Watchdog
 
-pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.train.text.TextEncoderWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
 MIB = 1 << 20
 
 
@@ -86,10 +85,10 @@ def test_settings_are_checked_by_name(key, value):
 def test_a_run_with_an_injected_slowdown_from_step_8_reports_it(tmp_path):
     """From step 8 a sleep in the model's forward of twice the steady steps' median time makes the
     steps about 3x slower: real time, measured like any other (whatever this machine's speed)."""
-    from segmented_checkpointing.engine.train.data import write_sample_dataset
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
 
     write_sample_dataset(tmp_path / "data")
-    config = TrainConfig(family="flux", output=str(tmp_path / "run"), resolution=32, steps=13, batch_size=1,
+    config = TrainConfig.create(family="flux", output=str(tmp_path / "run"), resolution=32, steps=13, batch_size=1,
                          lora=LoraSettings(rank=4, alpha=4.0), timing_warmup_steps=2, data=str(tmp_path / "data"))
     lines, extra, seconds = [], {"sleep": 0.0}, []
     run = TrainingRun(config, bundle=build_preset("flux"), log=lines.append)
@@ -104,4 +103,4 @@ def test_a_run_with_an_injected_slowdown_from_step_8_reports_it(tmp_path):
     report = json.loads((run.output / "report.json").read_text())
     assert [(w["kind"], w["step"]) for w in report["watchdog"]] == [("slowdown", 8)]
     assert [w["kind"] for w in report["steps"][11]["watchdog"]] == ["slowdown"]  # after the 5th slow step (12)
-    assert dataclasses.asdict(config)["watchdog_slowdown"] == 1.5
+    assert config.to_dict()["watchdog_slowdown"] == 1.5

@@ -27,10 +27,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..config.schedule import CheckpointSchedule
 from ..families.base import BlockList, Carry, FamilyAdapter, TextSpec
 from .plan import count_blocks, effective_plan
 from .runner import SegmentRunner, same_arguments
-from .schedule import CheckpointSchedule
 
 
 @dataclass

@@ -33,6 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from ..config.guardrails import check_budget
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -284,29 +286,6 @@ def free_memory(device: str | torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-BUDGET_WORDS = {"device": device_budget, "fit this device": device_budget, "free": free_memory}
-"""Budget values that name a device's memory instead of a number of GiB."""
-
-
-def check_budget(value: str | float | int, key: str = "budget") -> float | str:
-    """``value`` as a number of GiB, or one of :data:`BUDGET_WORDS` (lower case).
-
-    Raises:
-        ValueError: neither a finite number of GiB > 0 (below 1 PiB) nor a budget word; the
-            message names ``key``, the value and what is allowed.
-    """
-    if isinstance(value, str) and value.strip().lower() in BUDGET_WORDS:
-        return value.strip().lower()
-    try:
-        gib = float(value) if not isinstance(value, bool) else -1.0
-    except (TypeError, ValueError):
-        gib = -1.0
-    if not 0 < gib < 2**20:  # also refuses nan and inf
-        raise ValueError(f"{key}={value!r} is invalid: allowed a number of GiB > 0 (below 1 PiB), 'device' (its "
-                         "total memory) or 'free' (its free memory now)")
-    return gib
-
-
 def budget_bytes(value: str | float | int, device: str | torch.device = "cpu", key: str = "budget") -> int:
     """A memory budget in bytes from a number of GiB, ``device`` (the device's total memory) or
     ``free`` (its free memory now).
@@ -315,4 +294,6 @@ def budget_bytes(value: str | float | int, device: str | torch.device = "cpu", k
         ValueError: see :func:`check_budget`.
     """
     checked = check_budget(value, key)
-    return BUDGET_WORDS[checked](device) if isinstance(checked, str) else int(checked * 2**30)
+    if isinstance(checked, str):  # "device" / "fit this device": its total memory; "free": free now
+        return free_memory(device) if checked == "free" else device_budget(device)
+    return int(checked * 2**30)

@@ -1,21 +1,21 @@
 """The effective per-block plan of a model: the one function every entry point reports from.
 
-:func:`effective_plan` applies the family rules of SPEC.md ("Family rules") to a
-:class:`~.schedule.CheckpointSchedule`: a family without interval support warns and runs
+:func:`plan_block_list` is the pure pattern of one block list (segments ``[k*S, k*S+N)``);
+:func:`effective_plan` applies the family rules (docs/SCHEDULES.md "Family rules") to a
+:class:`~..config.schedule.CheckpointSchedule`: a family without interval support warns and runs
 per-block; a family that ignores the stride warns and drops it; a block list that the model's
 loop never routes through the checkpoint function is reported as such. The result is a
-:class:`ModelPlan`, one :class:`~.schedule.ListPlan` per block list.
+:class:`ModelPlan`, one :class:`ListPlan` per block list.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families.base import FamilyAdapter
-from .backends import TABLE
-from .schedule import CheckpointSchedule, ListPlan, ScheduleError, plan_block_list
 
 
 class ScheduleWarning(UserWarning):
@@ -27,8 +27,6 @@ FSDP_WRAPPER = "fsdp checkpoint_wrapper"
 """Who applies a plan (:attr:`ModelPlan.applied_by`): the engine's :class:`~.runner.SegmentRunner`
 through diffusers' checkpoint hook, or FSDP-style ``checkpoint_wrapper`` around every block
 (``fsdp_activation_checkpointing``; the runner then checkpoints nothing)."""
-
-
 LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
           "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
           "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
@@ -122,33 +120,6 @@ class ModelPlan:
         }
 
 
-def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None:
-    """Refuse, before any work starts, a schedule the family cannot run as asked.
-
-    Never run a different scope silently (SPEC.md "Backends"): a ``*-ffn`` backend needs an FFN
-    boundary, and attention offload an attention boundary, in every block list the model routes
-    through the checkpoint function.
-
-    Raises:
-        ScheduleError: naming the family, the block list(s) and the option.
-    """
-    routed = [bl for bl in family.block_lists if bl.routed]
-    backend = schedule.backend
-    if schedule.gradient_checkpointing and backend.ffn_scope:
-        missing = [bl.name for bl in routed if not bl.ffn]
-        if missing:
-            allowed = " or ".join(b.name for b in TABLE.values() if not b.ffn_scope)
-            raise ScheduleError(
-                f"gradient_checkpointing_backend={backend.name!r} is not available for {family.name}: block "
-                f"list(s) {', '.join(missing)} have no FFN boundary; allowed {allowed}")
-    if schedule.gradient_checkpointing_offload_attention:
-        missing = [bl.name for bl in routed if not bl.attention]
-        if missing:
-            raise ScheduleError(
-                f"gradient_checkpointing_offload_attention=True is not available for {family.name}: "
-                f"block list(s) {', '.join(missing)} have no attention boundary; allowed false")
-
-
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
                    num_blocks: Mapping[str, int], warn: bool = True, fsdp_checkpointing: bool = False) -> ModelPlan:
     """The plan the engine will actually apply to a model of ``family``.
@@ -229,3 +200,83 @@ def fsdp_plan(family: FamilyAdapter, schedule: CheckpointSchedule, num_blocks: M
 def count_blocks(family: FamilyAdapter, model: Any) -> dict[str, int]:
     """Number of blocks in each of ``family``'s lists of ``model``."""
     return {bl.name: len(family.blocks(model, bl)) for bl in family.block_lists}
+
+
+@dataclass(frozen=True)
+class ListPlan:
+    """The effective plan of one block list.
+
+    Attributes:
+        name: the block list's short name (e.g. ``double``).
+        num_blocks: number of blocks n in the list.
+        segments: checkpointed segments as half-open ``(start, end)`` block index ranges; each is
+            ONE checkpoint call. Empty when nothing is checkpointed.
+        notes: why the plan differs from what the schedule asked, if it does.
+        routed: ``False`` for a list the model's loop calls directly, never through the
+            checkpoint function: no schedule or offload option can act on it.
+    """
+
+    name: str
+    num_blocks: int
+    segments: tuple[tuple[int, int], ...]
+    notes: tuple[str, ...] = field(default=())
+    routed: bool = True
+
+    @property
+    def checkpointed(self) -> tuple[int, ...]:
+        """Indices of checkpointed blocks (each recomputed once in backward)."""
+        return tuple(i for start, end in self.segments for i in range(start, end))
+
+    @property
+    def plain(self) -> tuple[int, ...]:
+        """Indices of blocks that run normally (activations kept)."""
+        done = set(self.checkpointed)
+        return tuple(i for i in range(self.num_blocks) if i not in done)
+
+    def block_map(self, mark: str = "C", plain_mark: str = ".") -> str:
+        """One character per block: ``mark`` for checkpointed blocks, ``plain_mark`` for the others."""
+        done = set(self.checkpointed)
+        return "".join(mark if i in done else plain_mark for i in range(self.num_blocks))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, including checkpointed/plain indices."""
+        return {
+            "name": self.name,
+            "num_blocks": self.num_blocks,
+            "segments": [list(s) for s in self.segments],
+            "checkpointed": list(self.checkpointed),
+            "plain": list(self.plain),
+            "routed": self.routed,
+            "notes": list(self.notes),
+        }
+
+
+def plan_block_list(name: str, num_blocks: int, interval: int, stride: int | None = None,
+                    enabled: bool = True, notes: tuple[str, ...] = (), routed: bool = True) -> ListPlan:
+    """Pure function: the checkpointed segments of a list of ``num_blocks`` blocks.
+
+    With interval N and stride S (S defaults to N) the segments are ``[k*S, min(k*S+N, n))`` for
+    k = 0, 1, ... while ``k*S < n`` (SPEC.md "Semantics"). A tail shorter than N is a shorter last
+    segment; no block is ever dropped. N = 1 gives exactly per-block checkpointing.
+
+    Args:
+        name: the list's short name, carried into the plan.
+        num_blocks: n >= 0.
+        interval: N >= 1.
+        stride: S >= N, or ``None`` for S = N.
+        enabled: ``False`` gives an empty plan (every block plain).
+        notes: free-text notes carried into the plan.
+        routed: see :attr:`ListPlan.routed` (an unrouted list gets an empty plan).
+
+    Raises:
+        ScheduleError: N < 1 or S < N.
+    """
+    stride = interval if stride is None else stride
+    if interval < 1:
+        raise ScheduleError(f"gradient_checkpointing_interval={interval!r} is invalid: allowed an integer >= 1.")
+    if stride < interval:
+        raise ScheduleError(f"gradient_checkpointing_segment_stride={stride!r} is invalid: allowed an integer >= {interval}.")
+    segments: tuple[tuple[int, int], ...] = ()
+    if enabled and routed:
+        segments = tuple((s, min(s + interval, num_blocks)) for s in range(0, num_blocks, stride))
+    return ListPlan(name=name, num_blocks=num_blocks, segments=segments, notes=tuple(notes), routed=routed)

@@ -1,5 +1,6 @@
-"""Family adapters. Importing this package registers every family: each module in this folder
-(except the shared helpers in ``_HELPERS``) declares one adapter with :func:`register_family`."""
+"""Family adapters. Importing this package registers every family: each module of the subpackages
+(``mmdit/``, ``dit/``, ``video/``, ``unet/``) declares one adapter with :func:`register_family`; the
+modules of this folder are the shared declarations and helpers."""
 
 import importlib
 import pkgutil
@@ -16,8 +17,10 @@ from .base import (  # noqa: F401
     register_family,
 )
 
-_HELPERS = ("base", "blocks", "conditioning", "packing", "registry", "timesteps")
+KINDS = ("mmdit", "dit", "video", "unet")
+"""The subpackages of family adapters, one module per family in each."""
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module not in _HELPERS:
-        importlib.import_module(f"{__name__}.{_module}")
+for _kind in KINDS:
+    _package = importlib.import_module(f"{__name__}.{_kind}")
+    for _module in sorted(m.name for m in pkgutil.iter_modules(_package.__path__)):
+        importlib.import_module(f"{__name__}.{_kind}.{_module}")

@@ -22,9 +22,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..core.schedule import CheckpointSchedule
-from ..train.config import TrainConfig
-from ..train.runs import MeasurementInterrupted, RunWorkspace, StartRun
+from ..config import TrainConfig
+from ..config.schedule import CheckpointSchedule
+from .runs import MeasurementInterrupted, RunWorkspace, StartRun
 
 
 def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedule], warmup_steps: int = 1,

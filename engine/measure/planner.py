@@ -56,15 +56,15 @@ from typing import Callable
 
 import torch
 
+from ..config import TrainConfig
+from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.memory import budget_bytes
-from ..core.plan import check_supported, effective_plan
-from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..core.plan import effective_plan
 from ..families import get_family
-from ..train.atomic import atomic_write_text
-from ..train.config import TrainConfig
-from ..train.runs import RunWorkspace, StartRun, peak_after_warmup
+from ..files.atomic import atomic_write_text
 from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe
+from .runs import RunWorkspace, StartRun, peak_after_warmup
 from .sweep import sweep_schedules
 
 TIE = 0.03

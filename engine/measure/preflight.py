@@ -20,15 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..core.plan import check_supported
-from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..config import TrainConfig
+from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
+from ..data.buckets import shape_classes
+from ..data.comfy_data import PreparedData
 from ..families import get_family
-from ..train.buckets import shape_classes
-from ..train.config import TrainConfig
-from ..train.prepared import PreparedData
-from ..train.runs import RunWorkspace, StartRun
 from .planner import MARGIN, TIE, Prediction, predict, preference
 from .probe import Probe, probe
+from .runs import RunWorkspace, StartRun
 from .sweep import sweep_schedules
 
 
@@ -184,10 +183,10 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         shares: dict[str, float] = {}
         calibration = None
         for i, (shape, rows) in enumerate(classes):
-            key = "x".join(map(str, (config.batch_size, *shape)))
+            key = "x".join(map(str, (config.data.batch_size, *shape)))
             # the preview phase is sampled once, after the largest shape's last probe step
             previews = {"validation_every": warmup_steps + 2, "validation_steps": 1} \
-                if i == 0 and config.validation_every else {}
+                if i == 0 and config.validation.validation_every else {}
             measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows, calibration=calibration,
                              **previews)
             calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
@@ -195,7 +194,7 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
     phases = training_phases(probes, shares, config.schedule, budget_bytes)
     verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes)
     validation = next(iter(probes.values())).validation_peak_bytes
-    if config.validation_every and validation:
+    if config.validation.validation_every and validation:
         phases.append(Phase("validation", "", 0.0, validation, _fits(validation, budget_bytes)))
         if not phases[-1].fits:
             verdict.notes.append("the preview phase alone does not fit (it runs without gradients: no schedule "

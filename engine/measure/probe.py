@@ -19,15 +19,15 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.module_tracker import ModuleTracker
 
+from ..config import TrainConfig
+from ..config.schedule import CheckpointSchedule
 from ..core.memory import PeakMemory
 from ..core.offload import resident_storages
-from ..core.schedule import CheckpointSchedule
 from ..families import get_family
 from ..families.base import FamilyAdapter
-from ..train.config import TrainConfig
 from ..train.loop import resolve_device
-from ..train.runs import RunWorkspace, StartRun
 from .lockstep import lockstep_runs, paired_difference
+from .runs import RunWorkspace, StartRun
 
 
 @dataclass
@@ -306,7 +306,7 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
         with RunWorkspace(config, bundle, start_run) as own:
             return probe(config, bundle, warmup_steps, start_run, own, rows, calibration, **changes)
     family = get_family(bundle.family.name)
-    device = resolve_device(config)
+    device = resolve_device(config.model)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
     run = workspace.start(CheckpointSchedule(gradient_checkpointing=False), warmup_steps, 2, rows=rows, **changes)

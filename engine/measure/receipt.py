@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.backends import DEFAULT
-from ..core.schedule import CheckpointSchedule
+from ..config.backends import DEFAULT
+from ..config.schedule import CheckpointSchedule
 from ..train.loop import TrainResult
 from .planner import predict
 from .preflight import Verdict

@@ -30,15 +30,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.backends import BACKENDS, DEFAULT
-from ..core.plan import check_supported
-from ..core.schedule import CheckpointSchedule, ScheduleError
+from ..config import TrainConfig
+from ..config.backends import BACKENDS, DEFAULT
+from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families import get_family
-from ..train.atomic import atomic_write_bytes, atomic_write_text
-from ..train.config import TrainConfig
+from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..train.recovery import OutOfMemoryStop, is_out_of_memory
-from ..train.runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .plots import sweep_plot_png
+from .runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
 
 BASE_MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),

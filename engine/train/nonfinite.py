@@ -15,9 +15,7 @@ from typing import Callable
 
 import torch
 
-from .distributed import local_tensor
-
-POLICIES = ("stop", "skip")
+from ..model.distributed import local_tensor
 
 
 class TrainingStopped(ValueError):

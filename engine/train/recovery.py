@@ -13,23 +13,20 @@ that switched equals, step for step, a run that used the new schedule from that 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 
-from ..core.backends import TABLE
+from ..config.backends import TABLE
+from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.memory import PeakMemory
-from ..core.plan import check_supported, count_blocks, effective_plan
-from ..core.runner import SegmentRunner
-from ..core.schedule import CheckpointSchedule, ScheduleError
 from ..families import FamilyAdapter
 from .nonfinite import TrainingStopped
-
-ON_OOM = ("switch", "stop")
-"""``on_oom`` values: ``switch`` to the next cheaper schedule and retry the step, or ``stop`` (the
-last good step's LoRA and state are saved)."""
+from .setup import apply_checkpointing
+from .state import set_rng_state
+from .step import StepRecord, train_step
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -106,13 +103,60 @@ def restore_step_start(ctx, position: dict[str, int]) -> None:
 
 def switch_schedule(ctx, schedule: CheckpointSchedule) -> None:
     """Install ``schedule`` on the run's model in place of the current one: a new plan and segment
-    runner (the old runner's host pool is released) and a memory meter that excludes the new pool."""
+    runner through :func:`~.setup.apply_checkpointing` (the old runner's host pool is released)
+    and a memory meter that excludes the new pool."""
     ctx.runner.close()
-    model, family = ctx.model, ctx.family
-    runner = SegmentRunner(model, family, effective_plan(family, schedule, count_blocks(family, model))).install()
-    ctx.runner = runner
+    runner = ctx.runner = apply_checkpointing(ctx.model, ctx.family, schedule)
     ctx.memory = PeakMemory(ctx.device, exclude=runner.offloader.pool.is_host if runner.offloader else None)
-    ctx.config = dataclasses.replace(ctx.config, schedule=schedule)
+    ctx.config = ctx.config.replace(schedule=schedule)
+
+
+NextSchedule = Callable[[CheckpointSchedule, Any], "CheckpointSchedule | None"]
+"""``(schedule, family) -> the schedule to switch to after an out-of-memory step, or None``."""
+
+
+def step_with_recovery(ctx, step: int, position: dict[str, int], rng: dict[str, torch.Tensor],
+                       next_schedule: NextSchedule, off: str | None,
+                       log: Callable[[str], None]) -> tuple[StepRecord, list[dict[str, Any]]]:
+    """One optimizer step; when it runs out of memory, the next cheaper schedule from the step's
+    start, as often as the ladder allows.
+
+    Args:
+        ctx: the run's :class:`~.step.StepContext` (its runner, config and memory meter change on a switch).
+        position, rng: the sampler position and random generators at the step's start.
+        next_schedule: the recovery policy (:func:`first_cheaper`, or the pre-flight's).
+        off: why recovery is off (``"with on_oom=stop"``, ``"under fsdp ..."``), or None.
+
+    Returns:
+        The step's record and its switches (``{"step", "from", "to", "error", ...}``).
+
+    Raises:
+        OutOfMemoryStop: out of memory with recovery off, during the optimizer update, or with
+            no cheaper schedule left.
+    """
+    switches: list[dict[str, Any]] = []
+    while True:
+        try:
+            return train_step(ctx, step), switches
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            error, updating = str(exc).strip().splitlines()[0][:300], ctx.updating
+        # the failed step's tensors are referenced by the exception's frames until here
+        restore_step_start(ctx, position)
+        set_rng_state(rng, ctx.noise_gen)
+        old = ctx.config.schedule
+        new = None if updating or off else next_schedule(old, ctx.family)
+        if new is None:
+            why = ("during the optimizer update" if updating else off or
+                   f"and no schedule saves more memory than {old.mode}")
+            raise OutOfMemoryStop(f"step {step + 1} ran out of memory ({error}) {why}; the last good step is "
+                                  "saved: resume with a cheaper schedule, smaller images or batch")
+        switch_schedule(ctx, new)
+        switches.append({"step": step + 1, "from": old.mode, "to": new.mode, "error": error,
+                         "from_schedule": old.to_dict(), "to_schedule": new.to_dict()})
+        log(f"step {step + 1}: out of memory with {old.mode} ({error}); switched to {new.mode}, retrying the step")
+        log(ctx.runner.plan.render())
 
 
 def first_cheaper(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:

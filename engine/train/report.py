@@ -12,7 +12,8 @@ import torch
 
 from ..core.memory import StepTimer
 from ..core.plan import ModelPlan
-from .atomic import atomic_write_text
+from ..files.atomic import atomic_write_text
+from ..model.precision import tensor_bytes
 
 REPORT_FILE = "report.json"
 
@@ -67,6 +68,20 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
         "environment": {"device": str(device), "torch": torch.__version__,
                         "python": platform.python_version()},
     }
+
+
+def memory_section(ctx, base, validation_peak: int) -> dict[str, int]:
+    """``report.json``'s ``memory``: bytes of the frozen weights, the LoRA, the optimizer state and
+    the preview phase's peak (the activation peak is added by :func:`build_report`).
+
+    Args:
+        ctx: the run's :class:`~.step.StepContext`. base: its :class:`~..model.precision.BaseWeights`.
+    """
+    return {"frozen_weight_bytes": base.frozen_bytes,
+            "lora_bytes": sum(tensor_bytes(p) for _, p in ctx.named_params),
+            "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
+                                         for t in slots.values() if isinstance(t, torch.Tensor)),
+            "validation_peak_bytes": validation_peak}
 
 
 def write_report(report: dict[str, Any], output: str | Path) -> Path:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .atomic import atomic_save_file
-from .file_checks import DamagedFileError, check_safetensors
+from ..files.atomic import atomic_save_file
+from ..files.checks import DamagedFileError, check_safetensors
 
 STATE_FILE = "training_state.safetensors"
 

@@ -14,27 +14,26 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from diffusers.optimization import get_scheduler
 from torch.utils.checkpoint import CheckpointError
 
+from ..config import TrainConfig
 from ..core.memory import PeakMemory, StepTimer
 from ..core.runner import RecomputeMismatch, SegmentRunner
+from ..data.buckets import latents_for
+from ..data.samplers import BucketSampler, EpochSampler
 from ..families import FamilyAdapter, TextBatch
-from .attention_kernels import sdpa_context
-from .buckets import BucketSampler, latents_for
-from .config import TrainConfig
-from .data import EpochSampler
-from .distributed import Distributed
+from ..model.attention_kernels import sdpa_context
+from ..model.distributed import Distributed
+from ..model.precision import Precision
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import noisy_latents
-from .precision import Precision
+from .optim import lr_factor
 
 
 class RecomputeNotRepeatable(TrainingStopped):
     """A checkpointed region computed something else in its recompute than in its forward."""
 
 
-_DIFFUSERS_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
 @dataclass
@@ -77,26 +76,6 @@ class StepRecord:
     watchdog: list[dict] = field(default_factory=list)
 
 
-def lr_factor(config: TrainConfig) -> Callable[[int], float]:
-    """The learning-rate multiplier of each optimizer step (0-based), from diffusers' schedules.
-
-    diffusers' ``get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``: linear warm-up,
-    then constant, linear decay to 0 at the last step, or half a cosine, Loshchilov & Hutter 2017)
-    gives the shapes. Its warm-up counts from 0, so its first step would train at rate 0; here
-    step ``s`` of the warm-up uses ``(s + 1) / warmup`` and the schedule is read at ``s`` after it.
-    """
-    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    schedule = get_scheduler(_DIFFUSERS_SCHEDULES[config.lr_scheduler], dummy,
-                             num_warmup_steps=config.lr_warmup_steps, num_training_steps=config.steps)
-    factor, warmup = schedule.lr_lambdas[0], config.lr_warmup_steps
-    return lambda step: factor(step + 1 if step < warmup else step)
-
-
-def learning_rate_at(config: TrainConfig, step: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based); see :func:`lr_factor`."""
-    return config.learning_rate * lr_factor(config)(step)
-
-
 @dataclass
 class StepContext:
     """What every step of one run uses (built once by the run's set-up)."""
@@ -116,7 +95,6 @@ class StepContext:
     memory: PeakMemory
     timer: StepTimer
     named_params: list[tuple[str, torch.nn.Parameter]]
-    lr_factor: Callable[[int], float]
     epoch: list[int]
     """Cache row of each position of an epoch (a sample appears as often as its repeats)."""
     updating: bool = False
@@ -125,11 +103,16 @@ class StepContext:
     """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
     dist: Distributed | None = None
     """The process group of a sharded run (FSDP): each rank trains its rows of every batch."""
+    lr_factor: Callable[[int], float] = field(init=False)
+    """The learning-rate multiplier of each step (:func:`~.optim.lr_factor`)."""
+
+    def __post_init__(self) -> None:
+        self.lr_factor = lr_factor(self.config.optimizer, self.config.steps)
 
     def guard_context(self) -> dict[str, Any]:
         """What the non-finite advice needs to know about this run."""
         return {"device": self.device, "precision": self.precision.to_dict(), "attention_backend": self.kernels,
-                "learning_rate": self.config.learning_rate, "lora_alpha": self.config.lora.alpha,
+                "learning_rate": self.config.optimizer.learning_rate, "lora_alpha": self.config.lora.alpha,
                 "lora_rank": self.config.lora.rank}
 
 
@@ -141,7 +124,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
             optimizer step: the LoRA weights are untouched).
     """
     config, model, family, runner, device = ctx.config, ctx.model, ctx.family, ctx.runner, ctx.device
-    lr = config.learning_rate * ctx.lr_factor(step)
+    lr = config.optimizer.learning_rate * ctx.lr_factor(step)
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr
     runner.stats.reset()
@@ -152,7 +135,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         loss_sum = torch.zeros((), device=device)
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
-            for _ in range(config.gradient_accumulation_steps):
+            for _ in range(config.optimizer.gradient_accumulation_steps):
                 index = [ctx.epoch[i] for i in ctx.sampler.next_batch()]
                 noisy, sigmas, target = noisy_latents(family.objective, latents_for(ctx.cache, index),
                                                      ctx.noise_gen, family.shared_sigma)
@@ -166,7 +149,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                 with ctx.precision.autocast(device):
                     output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
                     prediction = family.read_output(model, output, noisy)
-                loss = F.mse_loss(prediction.float(), target.float()) / config.gradient_accumulation_steps
+                loss = F.mse_loss(prediction.float(), target.float()) / config.optimizer.gradient_accumulation_steps
                 # checkpointed regions are recomputed (offloaded inputs copied back) in here
                 try:
                     ctx.scaler.scale(loss).backward()
@@ -186,7 +169,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
             ctx.updating = False
             if not check.ok:
                 skipped = f"fp16 loss-scale overflow in {check.bad_module}; scale lowered"
-        elif config.on_nonfinite == "stop":
+        elif config.guards.on_nonfinite == "stop":
             raise TrainingDiverged(describe(check, step + 1, ctx.guard_context()))
         else:
             skipped = describe(check, step + 1, ctx.guard_context())

@@ -1,0 +1,223 @@
+"""The engine's facade: what the command line (``cli.py``) and the ComfyUI nodes (``nodes/``) call.
+
+Entry points: :func:`train` (a run with its fit guardrails and receipt), :func:`check_fit` (the
+pre-flight verdict), :func:`plan` (the fastest schedule predicted to fit a budget),
+:func:`sweep` (every mode measured), :func:`load_model` and :func:`families` (the support
+matrix). The names the front ends need besides (configs and their errors, the files the
+measurements write, ComfyUI's data, the block strip's plan) are re-exported here, so a front end
+imports this module and, at most, one more (``docs/ARCHITECTURE.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import (
+    ALIASES,
+    OPTIONS,
+    CheckpointSchedule,
+    ConfigError,
+    DataConfig,
+    GuardrailsConfig,
+    LoraSettings,
+    ModelConfig,
+    ScheduleError,
+    TrainConfig,
+    option_named,
+    read_config_file,
+)
+from .config.backends import BACKENDS
+from .config.options import Option
+from .config.schedule import check_supported
+from .config.table import options_table
+from .core.memory import budget_bytes
+from .core.plan import ModelPlan
+from .core.plan_query import PlanQueryError, plan_for_query
+from .core.support import support_table
+from .data.comfy_data import PreparedData, prepare_comfy_data
+from .data.folder import write_sample_dataset
+from .families import FamilyAdapter, family_names, get_family
+from .files.atomic import atomic_write_bytes, atomic_write_text
+from .measure.planner import PlanChoice, PlannerError, plan_for_budget, predict, write_choice
+from .measure.plots import loss_curve_rgb
+from .measure.preflight import PreflightRefused, Verdict, preflight
+from .measure.receipt import build_receipt, render_receipt
+from .measure.runs import MeasurementInterrupted
+from .measure.sweep import SweepCell, run_sweep, sweep_schedules, write_outputs
+from .model.bundle import ModelBundle
+from .model.distributed import close_distributed
+from .model.folders import detect_family
+from .model.loading import load_bundle, resolve_device
+from .model.lora_files import save_lora
+from .model.single_file import identify_file
+from .train.checks import check_input_paths, check_run
+from .train.loop import TrainResult
+from .train.loop import train as _train
+from .train.previews import PreviewSource, comfy_preview_source
+from .train.recovery import cheaper_schedules
+from .train.report import write_report
+
+__all__ = [
+    "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
+    "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
+    "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
+    "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
+    "Option", "budget", "check_fit", "check_input_paths", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
+    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "sweep",
+    "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",
+]
+
+
+def families() -> str:
+    """The support matrix (Markdown, generated from the family adapters), as ``docs/FAMILIES.md``."""
+    return support_table()
+
+
+def load_model(config: TrainConfig, log: Callable[[str], None] = print) -> ModelBundle:
+    """The model ``config.model`` names, loaded offline (a folder, one file or a preset seeded by
+    ``config.seed``).
+
+    Raises:
+        ModelLoadError: the folder or file cannot be used.
+    """
+    return load_bundle(config.model, config.seed, log=log)
+
+
+def model_family(model_path: str | None, model_file: str | None) -> str | None:
+    """The family of a model folder (its config's class) or of one ``.safetensors`` file (its
+    keys); None when neither is given or exists.
+
+    Raises:
+        ModelLoadError: the folder or file is of no known family.
+    """
+    if model_path and Path(model_path).is_dir():
+        return detect_family(model_path)
+    if model_file and model_file.endswith(".safetensors") and Path(model_file).is_file():
+        return identify_file(model_file).family.name
+    return None
+
+
+def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -> int:
+    """A memory budget in bytes on ``config``'s device: a number of GiB, ``device`` or ``free``.
+
+    Raises:
+        ConfigError: not a budget; the message names ``key``.
+    """
+    return budget_bytes(value, resolve_device(config.model), key)
+
+
+def _recovery_guided_by(verdict: Verdict) -> Callable[[CheckpointSchedule, Any], CheckpointSchedule | None]:
+    """Out-of-memory recovery that skips rungs predicted not to fit: the first schedule of the
+    ladder (``engine/train/recovery.py``) whose predicted peak fits every probed shape, else the
+    ladder's next rung."""
+    def choose(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
+        ladder = cheaper_schedules(schedule, family)
+        for candidate in ladder:
+            if all(predict(p, candidate).peak_bytes <= verdict.budget_bytes for p in verdict.probes.values()):
+                return candidate
+        return ladder[0] if ladder else None
+    return choose
+
+
+def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callable[[str], None] = print,
+          on_verdict: Callable[[Verdict], None] | None = None, **run: Any) -> TrainResult:
+    """Train a LoRA with the fit guardrails: the pre-flight (when ``memory_budget`` is set) before
+    step 1, out-of-memory recovery guided by its probes, and the receipt after the run
+    (``report.json`` ``preflight`` and ``receipt``).
+
+    Args:
+        config: the run. bundle: the loaded model (default: loaded here when the pre-flight needs
+            it, else by the run). log: where lines go.
+        on_verdict: called with the verdict before training starts (a node shows it).
+        run: passed to the run (``on_step``, ``should_stop``, ``cache_dir``, ``prepared``,
+            ``preview_source``; ``engine/train/loop.py``).
+
+    Raises:
+        PreflightRefused: a phase is predicted not to fit and ``start_anyway`` is off (nothing
+            is trained or written).
+        See ``engine/train/loop.py`` (``TrainingRun``) for the rest.
+    """
+    verdict, guards = None, config.guards
+    if guards.memory_budget is not None:
+        bundle = bundle or load_model(config, log)
+        verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"),
+                            prepared=run.get("prepared"), should_stop=run.get("should_stop"))
+        log(verdict.render())
+        if on_verdict is not None:
+            on_verdict(verdict)
+        if not verdict.fits and not guards.start_anyway:
+            fix = (f"set the schedule it names ({verdict.suggestion.mode})" if verdict.suggestion
+                   else "lower the resolution or batch size")
+            raise PreflightRefused(f"{verdict.render()}\nnot started: {fix}, raise memory_budget, or start anyway "
+                                   "(--start-anyway, the node's start_anyway)")
+        run["next_schedule"] = _recovery_guided_by(verdict)
+    result = _train(config, bundle=bundle, log=log, **run)
+    if not result.writer:  # a rank other than 0 of a sharded run: rank 0 writes and prints
+        return result
+    receipt = build_receipt(result, verdict)
+    result.report["receipt"] = receipt
+    if verdict is not None:
+        result.report["preflight"] = verdict.to_dict()
+    write_report(result.report, Path(result.config.outputs.output))
+    log(render_receipt(receipt))
+    return result
+
+
+def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **probing: Any) -> Verdict:
+    """The pre-flight verdict of ``config``'s schedule against ``budget_bytes`` in every phase
+    (each batch shape, the previews); ``probing``: ``warmup_steps``, ``prepared``, ``on_step``,
+    ``should_stop`` (``engine/measure/preflight.py``).
+
+    Raises:
+        MeasurementInterrupted: ``should_stop`` answered True.
+    """
+    return preflight(config, bundle, budget_bytes, **probing)
+
+
+def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
+    """Write ``preflight.json`` and, when a schedule would fit, ``schedule.json`` (usable as
+    ``segckpt train --config``) into ``folder``, atomically; their paths."""
+    folder = Path(folder)
+    paths = {"preflight": atomic_write_text(folder / "preflight.json", json.dumps(verdict.to_dict(), indent=2) + "\n")}
+    if verdict.suggestion is not None:
+        paths["schedule"] = write_schedule(verdict.suggestion, folder)
+    return paths
+
+
+def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
+    """Write ``schedule.json`` (the six keys) into ``folder``, atomically; its path."""
+    return atomic_write_text(Path(folder) / "schedule.json", json.dumps(schedule.to_dict(), indent=2) + "\n")
+
+
+def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_steps: int = 0,
+         **measuring: Any) -> PlanChoice:
+    """The fastest schedule predicted to fit ``budget_bytes`` (timed head to head over
+    ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``
+    (``engine/measure/planner.py``).
+
+    Raises:
+        PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.
+    """
+    return plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
+
+
+def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
+    """Write ``plan.txt`` and ``schedule.json`` into ``folder``, atomically; their paths."""
+    return write_choice(choice, folder)
+
+
+def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSchedule] | None = None,
+          warmup_steps: int = 1, measured_steps: int = 3, **measuring: Any) -> list[SweepCell]:
+    """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
+    ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``
+    (``engine/measure/sweep.py``)."""
+    return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
+
+
+def write_sweep(cells: list[SweepCell], folder: str | Path, family: str,
+                budget_bytes: int | None = None) -> dict[str, Path]:
+    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their paths."""
+    return write_outputs(cells, folder, family, budget_bytes)

@@ -1,0 +1,33 @@
+"""Every option of the engine, declared once: the component configs of a training run and the
+checkpoint schedule, each field with its help, flag and allowed values in its metadata.
+
+Configs import nothing but each other and the family registry; the implementations import them
+(``tests/test_architecture.py`` checks it).
+"""
+
+from .data import DataConfig
+from .guardrails import GuardrailsConfig
+from .lora import LoraConfigError, LoraSettings
+from .model import ModelConfig
+from .optim import OptimizerConfig
+from .options import ConfigError, ConfigWarning, Option
+from .outputs import OutputConfig
+from .schedule import CheckpointSchedule, ScheduleError
+from .sharding import ShardingConfig
+from .train import (
+    ALIASES,
+    DEMO_SCHEDULE,
+    NO_GUARDRAILS,
+    OPTIONS,
+    RESUME_KEYS,
+    TrainConfig,
+    derived_seed,
+    option_named,
+    read_config_file,
+)
+from .validation import ValidationConfig
+
+__all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "CheckpointSchedule", "ConfigError",
+           "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings", "ModelConfig",
+           "OptimizerConfig", "Option", "OutputConfig", "ScheduleError", "ShardingConfig", "TrainConfig",
+           "ValidationConfig", "derived_seed", "option_named", "read_config_file"]

@@ -1,0 +1,29 @@
+"""What a run writes and whether it continues an earlier one (read by ``engine/train/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .options import check_options, option
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """The output folder and its saves. Validated at construction.
+
+    Raises:
+        ConfigError: a field is out of range.
+    """
+
+    output: str = option("output", "Output folder: LoRA, resumable training state, report.json, latent cache.",
+                         "--output")
+    resume: bool = option(False, "Continue from the training state in the output folder (the options that shape "
+                          "the run must match it; steps, schedule, device and saving options may change).",
+                          "--resume", long_run=True)
+    overwrite: bool = option(False, "Replace a finished or interrupted run in the output folder (otherwise "
+                             "refused).", "--overwrite", long_run=True)
+    save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
+                             "interruption).", "--save-every", min=0, max=10**8, long_run=True)
+
+    def __post_init__(self) -> None:
+        check_options(self)

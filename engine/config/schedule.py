@@ -1,0 +1,238 @@
+"""Gradient-checkpointing schedule: the six public keys, their validation, and which schedules a
+family can run.
+
+The keys and their meaning come from the documents (SimpleTuner "Segmented Checkpointing" and
+"Unsloth-style Checkpointing", restated in docs/SCHEDULES.md). Their names are the public
+contract: the CLI options, the JSON config and the ComfyUI node inputs all use them.
+
+Layout: constants, :class:`CheckpointSchedule` (one validated config object whose fields declare
+their help, flag and range), :func:`check_supported` (the family's boundaries allow it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..families.base import FamilyAdapter
+from .backends import BACKENDS, DEFAULT, TABLE, Backend
+from .options import UNSET_WORDS, check_options, option
+
+_HELP = {
+    "gradient_checkpointing": "Master switch. false = no activation checkpointing (fastest, highest peak).",
+    "gradient_checkpointing_backend": (
+        "What a checkpointed region does with its activations: torch = discard and recompute; "
+        "torch-ffn = only the feed-forward sub-block; unsloth = recompute, keeping boundary inputs "
+        "in CPU memory; unsloth-ffn = both."
+    ),
+    "gradient_checkpointing_interval": (
+        "Segment width N: N consecutive blocks run inside ONE checkpoint call. 1 (or unset) = "
+        "ordinary per-block checkpointing. Larger groups store fewer boundary states but do not "
+        "reduce recompute, and raise the transient backward peak."
+    ),
+    "gradient_checkpointing_segment_stride": (
+        "Period S >= N of the pattern: checkpoint blocks [k*S, k*S+N) and run the others normally "
+        "(their activations are kept, so they are not recomputed). Unset = S equals N (every block "
+        "checkpointed). Requires an interval."
+    ),
+    "gradient_checkpointing_offload_attention": (
+        "Offload the attention side's saved activations to CPU memory (families with an "
+        "attention/FFN split)."
+    ),
+    "gradient_checkpointing_offload_pin_memory_max_buckets": (
+        "Pinned CPU pool for offloaded tensors, in distinct (size, dtype) buckets; 0 = ordinary "
+        "pageable CPU memory."
+    ),
+}
+MAX_BLOCKS = 1024
+"""The largest interval, stride and pool size the options take (no model has more blocks)."""
+
+
+class ScheduleError(ValueError):
+    """A schedule key has a value outside what is allowed; the message names key, value, allowed."""
+
+
+def _bad(key: str, value: Any, allowed: str) -> ScheduleError:
+    return ScheduleError(f"{key}={value!r} is invalid: allowed {allowed}.")
+
+
+@dataclass(frozen=True)
+class CheckpointSchedule:
+    """The six gradient-checkpointing keys, validated once at construction (each field's help,
+    flag and range are in its metadata: :func:`~.options.option`).
+
+    Attributes:
+        gradient_checkpointing: master switch; ``False`` means no block is checkpointed.
+        gradient_checkpointing_backend: one of :data:`BACKENDS`.
+        gradient_checkpointing_interval: segment width N >= 1, or ``None`` (unset, = 1).
+        gradient_checkpointing_segment_stride: period S >= N, or ``None`` (unset, = N).
+        gradient_checkpointing_offload_attention: offload attention-side saved activations.
+        gradient_checkpointing_offload_pin_memory_max_buckets: distinct pinned buffer keys, >= 0.
+
+    Raises:
+        ScheduleError: interval < 1, stride < interval, stride without interval, unknown
+            backend, negative buckets, or a value of the wrong type. The message names the key,
+            the value and what is allowed.
+
+    Example:
+        >>> CheckpointSchedule(gradient_checkpointing_interval=2,
+        ...                    gradient_checkpointing_segment_stride=4).mode
+        'interval2-stride4'
+    """
+
+    gradient_checkpointing: bool = option(True, _HELP["gradient_checkpointing"], "--no-checkpointing")
+    gradient_checkpointing_backend: str = option(DEFAULT.name, _HELP["gradient_checkpointing_backend"], "--backend",
+                                                 choices=BACKENDS)
+    gradient_checkpointing_interval: int | None = option(None, _HELP["gradient_checkpointing_interval"], "--interval",
+                                                         min=1, max=MAX_BLOCKS)
+    gradient_checkpointing_segment_stride: int | None = option(
+        None, _HELP["gradient_checkpointing_segment_stride"], "--stride", min=1, max=MAX_BLOCKS,
+        allowed="an integer >= gradient_checkpointing_interval, or unset")
+    gradient_checkpointing_offload_attention: bool = option(False, _HELP["gradient_checkpointing_offload_attention"],
+                                                            "--offload-attention")
+    gradient_checkpointing_offload_pin_memory_max_buckets: int = option(
+        12, _HELP["gradient_checkpointing_offload_pin_memory_max_buckets"], "--pin-buckets", min=0, max=MAX_BLOCKS)
+
+    def __post_init__(self) -> None:
+        check_options(self, ScheduleError)
+        interval, stride = self.gradient_checkpointing_interval, self.gradient_checkpointing_segment_stride
+        if stride is not None:
+            if interval is None:
+                raise ScheduleError(
+                    f"gradient_checkpointing_segment_stride={stride!r} is invalid without "
+                    "gradient_checkpointing_interval: set the interval (segment width) too, "
+                    "or unset the stride."
+                )
+            if stride < interval:
+                raise _bad(
+                    "gradient_checkpointing_segment_stride",
+                    stride,
+                    f"an integer >= gradient_checkpointing_interval ({interval}); smaller strides overlap",
+                )
+
+    @property
+    def backend(self) -> Backend:
+        """The :class:`~.backends.Backend` row of ``gradient_checkpointing_backend``."""
+        return TABLE[self.gradient_checkpointing_backend]
+
+    @property
+    def interval(self) -> int:
+        """Effective segment width N (1 when unset)."""
+        return self.gradient_checkpointing_interval or 1
+
+    @property
+    def stride(self) -> int:
+        """Effective period S (N when unset)."""
+        return self.gradient_checkpointing_segment_stride or self.interval
+
+    @property
+    def mode(self) -> str:
+        """Short name of the schedule: ``none``, ``layer``, ``interval2``, ``interval2-stride4``."""
+        if not self.gradient_checkpointing:
+            return "none-offload-attn" if self.gradient_checkpointing_offload_attention else "none"
+        name = "layer" if self.interval == 1 else f"interval{self.interval}"
+        if self.stride != self.interval:
+            name += f"-stride{self.stride}"
+        if self.backend != DEFAULT:
+            name += f"-{self.gradient_checkpointing_backend}"
+        if self.gradient_checkpointing_offload_attention:
+            name += "-offload-attn"
+        return name
+
+    def to_dict(self) -> dict[str, Any]:
+        """The six keys as a JSON-ready dict (unset values are ``None``)."""
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> "CheckpointSchedule":
+        """A validated copy with some keys changed."""
+        return CheckpointSchedule(**{**self.to_dict(), **changes})
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "CheckpointSchedule":
+        """Read the keys from a SimpleTuner-style config mapping.
+
+        Keys that are not schedule keys are ignored (a training config holds many more). The
+        strings ``"None"``, ``"null"`` and ``""`` mean unset; ``"true"``/``"false"`` and numeric
+        strings are accepted, as SimpleTuner's CLI-style configs write them.
+
+        Raises:
+            ScheduleError: a value cannot be read as its key's type, or fails validation.
+        """
+        values: dict[str, Any] = {}
+        for key in KEYS:
+            if key in config:
+                values[key] = _coerce(key, config[key])
+        return cls(**{k: v for k, v in values.items() if v is not None or k in _OPTIONAL})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "CheckpointSchedule":
+        """Read the keys from a JSON config file (see :meth:`from_config`).
+
+        Raises:
+            ScheduleError: the file is not a JSON object, or a value is invalid.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ScheduleError(f"config file {str(path)!r} could not be read as JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ScheduleError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_config(data)
+
+
+KEYS = tuple(f.name for f in fields(CheckpointSchedule))
+"""The six keys, in the documents' order."""
+HELP = {f.name: f.metadata["help"] for f in fields(CheckpointSchedule)}
+"""One help text per key: feeds ``--help`` and the node tooltips."""
+_OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in UNSET_WORDS:
+            return None
+        if key in ("gradient_checkpointing", "gradient_checkpointing_offload_attention"):
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise _bad(key, value, "true or false")
+        if key == "gradient_checkpointing_backend":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise _bad(key, value, "an integer") from None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None:
+    """Refuse, before any work starts, a schedule the family cannot run as asked.
+
+    Never run a different scope silently (SPEC.md "Backends"): a ``*-ffn`` backend needs an FFN
+    boundary, and attention offload an attention boundary, in every block list the model routes
+    through the checkpoint function.
+
+    Raises:
+        ScheduleError: naming the family, the block list(s) and the option.
+    """
+    routed = [bl for bl in family.block_lists if bl.routed]
+    backend = schedule.backend
+    if schedule.gradient_checkpointing and backend.ffn_scope:
+        missing = [bl.name for bl in routed if not bl.ffn]
+        if missing:
+            allowed = " or ".join(b.name for b in TABLE.values() if not b.ffn_scope)
+            raise ScheduleError(
+                f"gradient_checkpointing_backend={backend.name!r} is not available for {family.name}: block "
+                f"list(s) {', '.join(missing)} have no FFN boundary; allowed {allowed}")
+    if schedule.gradient_checkpointing_offload_attention:
+        missing = [bl.name for bl in routed if not bl.attention]
+        if missing:
+            raise ScheduleError(
+                f"gradient_checkpointing_offload_attention=True is not available for {family.name}: "
+                f"block list(s) {', '.join(missing)} have no attention boundary; allowed false")

@@ -1,0 +1,268 @@
+"""The configuration of a training run: a small tree of component configs, flat keys outside.
+
+:class:`TrainConfig` holds one config per component (model, data, LoRA, optimizer, checkpoint
+schedule, guardrails, outputs, sharding, validation) and the run's own steps and seed; each
+component validates its own fields from their metadata (:func:`~.options.check_options`) and this
+root checks the rules that span components. Outside, an option is one flat key (the JSON key,
+the node input, the ``segckpt`` flag's destination): :data:`OPTIONS` lists them, in the tree's
+order, and :meth:`TrainConfig.from_dict` / :meth:`TrainConfig.to_dict` map flat keys to the tree
+and back, so config files, ``report.json`` and the saved state keep their flat keys. A config
+file may also use the SimpleTuner names in :data:`ALIASES`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..families import get_family
+from .data import DataConfig
+from .guardrails import GuardrailsConfig
+from .lora import LoraSettings
+from .model import ModelConfig
+from .optim import OptimizerConfig
+from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
+from .outputs import OutputConfig
+from .schedule import CheckpointSchedule, check_supported
+from .sharding import ShardingConfig
+from .validation import ValidationConfig
+
+SEED_RANGE = 2**64
+"""Seeds are integers in [0, 2**64), the range ComfyUI's seed widgets give; seeds derived from a
+run's seed (``seed + 1``, ``seed + epoch``) wrap around (:func:`derived_seed`)."""
+
+DEMO_SCHEDULE = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)
+"""The built-in default's schedule: checkpoint blocks 0-1, run 2-3 plainly, checkpoint 4-5, ..."""
+
+NO_GUARDRAILS = GuardrailsConfig(on_oom="stop", watchdog_slowdown=0)
+"""What a run without guardrails (``guardrails=None``) does: no pre-flight, no watchdog, an
+out-of-memory error or a non-finite value ends it."""
+
+ALIASES = {
+    "model_family": "family",
+    "pretrained_model_name_or_path": "model_path",
+    "instance_data_dir": "data",
+    "max_train_steps": "steps",
+    "train_batch_size": "batch_size",
+    "output_dir": "output",
+    "adam_weight_decay": "weight_decay",
+}
+"""SimpleTuner config keys read as ours."""
+
+RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
+               "resolution", "buckets", "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
+               "lr_scheduler", "lr_warmup_steps", "weight_decay")
+"""Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
+
+NESTED = ("lora", "schedule")
+"""Components whose keys :meth:`TrainConfig.to_dict` nests under their name (as ``report.json`` has
+always written them); the other components' keys are flat."""
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """``seed + offset`` within the seed range (it wraps around at 2**64)."""
+    return (seed + offset) % SEED_RANGE
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A LoRA training run: the component configs and the run's own steps and seed. Validated at
+    construction (each component checks itself; the rules across components are checked here).
+
+    Build one from flat keys with :meth:`create` or :meth:`from_dict`; change flat keys with
+    :meth:`replace`.
+
+    Raises:
+        ConfigError: a field is out of range, or options that cannot run together (the message
+            names the key, the value and what is allowed).
+        ScheduleError: the family cannot run the schedule.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: CheckpointSchedule = DEMO_SCHEDULE
+    guardrails: GuardrailsConfig | None = field(default_factory=GuardrailsConfig)
+    outputs: OutputConfig = field(default_factory=OutputConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    steps: int = option(20, "Optimizer steps to train (total, including steps done before a resume).", "--steps",
+                        min=1, max=10**8, long_run=True)
+    seed: int = option(0, "Seed of the model init, data order, noise and timesteps.", "--seed", min=0,
+                       max=SEED_RANGE - 1)
+    timing_warmup_steps: int = option(2, "Steps excluded from the sec/step figure (warm-up).",
+                                      "--timing-warmup-steps", min=0, max=10**6, long_run=True)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        family = get_family(self.model.family)
+        check_supported(family, self.schedule)
+        if self.data.buckets and not family.aspect_buckets:
+            raise ConfigError(f"buckets=True is invalid: allowed false for family {family.name!r}: its latents are "
+                              "not an image grid, so aspect ratios do not apply.")
+        if self.sharding.fsdp:
+            self._check_fsdp()
+
+    def _check_fsdp(self) -> None:
+        """What runs sharded (README "Several GPUs"): refused here, before any process group."""
+        base = self.model.base_model_precision
+        if base.endswith("-torchao") or base == "fp16":
+            raise ConfigError(f"base_model_precision={base!r} is invalid: allowed bf16, fp32, no_change or auto with "
+                              "fsdp (torchao's quantized weights are not sharded here, and fp16's loss scaling is "
+                              "not wired for sharded gradients).")
+        if self.schedule.gradient_checkpointing_offload_attention:
+            raise ConfigError("gradient_checkpointing_offload_attention=True is invalid: allowed false with fsdp (it "
+                              "would copy the blocks' all-gathered weights to host memory); the unsloth backends, "
+                              "which offload only the hidden states between blocks, run sharded.")
+        if self.data.buckets:
+            raise ConfigError("buckets=True is invalid: allowed false with fsdp (a bucket's short batch would not "
+                              "split evenly over the processes).")
+        if self.guards.memory_budget is not None:
+            raise ConfigError(f"memory_budget={self.guards.memory_budget!r} is invalid: allowed unset with fsdp (the "
+                              "pre-flight probes one process; run segckpt plan --check on one device first).")
+
+    @property
+    def guards(self) -> GuardrailsConfig:
+        """The guardrails in force: :attr:`guardrails`, or :data:`NO_GUARDRAILS` when it is None."""
+        return self.guardrails if self.guardrails is not None else NO_GUARDRAILS
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat JSON-ready form: every option by its key (the LoRA settings and the schedule
+        keys nested under ``lora`` and ``schedule``), as config files, ``report.json`` and the
+        resumable state hold it. A run without guardrails gives :data:`NO_GUARDRAILS`' values."""
+        values: dict[str, Any] = {}
+        for opt in OPTIONS:
+            if opt.path[0] not in NESTED:
+                values[opt.key] = _read(self, opt)
+        values["lora"], values["schedule"] = asdict(self.lora), self.schedule.to_dict()
+        return values
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A validated copy with some flat keys (or whole components, by their field name) changed.
+
+        Raises:
+            ConfigError: an unknown key; see the class for invalid values.
+        """
+        config, unknown = self.from_dict(changes, self)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}={changes[unknown[0]]!r} is invalid: allowed the keys of "
+                              f"segckpt options (unknown key {unknown[0]!r}).")
+        return config
+
+    @classmethod
+    def create(cls, **options: Any) -> "TrainConfig":
+        """The defaults with some flat keys (or components) set: ``TrainConfig.create(family="sd3", steps=5)``.
+
+        Raises:
+            ConfigError: see :meth:`replace`.
+        """
+        return cls().replace(**options)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
+        """Build from a mapping of flat keys, SimpleTuner aliases, schedule keys and whole
+        components (by field name).
+
+        Returns:
+            ``(config, ignored_keys)``.
+
+        Raises:
+            ConfigError, ScheduleError, LoraConfigError: an invalid value.
+        """
+        base = base or cls()
+        by_key = {opt.key: opt for opt in OPTIONS}
+        components = {f.name for f in fields(cls) if f.name not in by_key}
+        changes: dict[str, dict[str, Any]] = {}
+        whole: dict[str, Any] = {}
+        ignored = []
+        for key, value in values.items():
+            key = ALIASES.get(key, key)
+            if key in components and (is_dataclass(value) or key == "guardrails" and value is None):
+                whole[key] = value
+            elif key in by_key:
+                opt = by_key[key]
+                group = opt.path[0] if len(opt.path) > 1 else ""
+                changes.setdefault(group, {})[opt.path[-1]] = value
+            else:
+                ignored.append(key)
+        return _apply(base, whole, changes), ignored
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
+        """:meth:`from_dict` on a JSON file.
+
+        Raises:
+            ConfigError: the file cannot be read or is not a JSON object.
+        """
+        return cls.from_dict(read_config_file(path), base)
+
+
+def _read(config: TrainConfig, opt: Option) -> Any:
+    """The value of ``opt`` in ``config`` (a run without guardrails reads :data:`NO_GUARDRAILS`)."""
+    value: Any = config
+    for name in opt.path:
+        value = getattr(value, name) if value is not None else getattr(NO_GUARDRAILS, name)
+    return value
+
+
+def _apply(base: TrainConfig, whole: dict[str, Any], changes: dict[str, dict[str, Any]]) -> TrainConfig:
+    """``base`` with whole components replaced and flat keys changed, validated once."""
+    root = {**whole, **changes.pop("", {})}
+    for group, values in changes.items():
+        current = whole.get(group, getattr(base, group))
+        if group == "schedule":
+            if "gradient_checkpointing_interval" in values:
+                # A new interval alone means "every block, in groups of N": the base's stride (the
+                # demo's 4) is not carried over to a width it was not chosen for.
+                values.setdefault("gradient_checkpointing_segment_stride", None)
+            root[group] = CheckpointSchedule.from_config({**current.to_dict(), **values})
+        elif group == "guardrails" and current is None:
+            root[group] = GuardrailsConfig(**values)
+        else:
+            root[group] = replace(current, **values)
+    return replace(base, **root)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a config file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 JSON, or is not an object.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"config={str(path)!r} could not be read as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config={str(path)!r} is invalid: allowed a JSON object.")
+    return data
+
+
+def warn_resume_schedule(config: TrainConfig, saved_steps: int | None, done: int) -> None:
+    """Warn when a resumed run with a decaying learning rate changes its total steps."""
+    if config.optimizer.lr_scheduler in ("linear", "cosine") and saved_steps != config.steps:
+        warnings.warn(
+            f"resume: steps={config.steps} differs from the saved run's {saved_steps}, and lr_scheduler="
+            f"{config.optimizer.lr_scheduler} decays over the whole run: steps 1-{done} were taken on the "
+            f"{saved_steps}-step schedule, the rest follow the {config.steps}-step one (the rate jumps); keep "
+            f"steps={saved_steps} for the original schedule", ConfigWarning, stacklevel=3)
+
+
+OPTIONS: tuple[Option, ...] = tuple(options_of(TrainConfig))
+"""Every option of a run, in the tree's order: one flat key each (see :class:`~.options.Option`)."""
+
+
+def option_named(key: str) -> Option:
+    """The :class:`~.options.Option` of flat ``key``.
+
+    Raises:
+        KeyError: no option has that key.
+    """
+    for opt in OPTIONS:
+        if opt.key == key:
+            return opt
+    raise KeyError(f"no option {key!r}")

@@ -1,0 +1,40 @@
+"""Validation previews during a run (read by ``engine/train/previews.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .options import ConfigError, check_options, option
+
+MAX_PROMPTS = 16
+
+
+def _prompts(value: Any) -> Any:
+    """``validation_prompts``: one prompt, up to :data:`MAX_PROMPTS` prompts, or unset."""
+    prompts = (value,) if isinstance(value, str) else value
+    if prompts is not None and not (isinstance(prompts, (list, tuple)) and 0 < len(prompts) <= MAX_PROMPTS
+                                    and all(isinstance(p, str) for p in prompts)):
+        raise ConfigError(f"validation_prompts={value!r} is invalid: allowed up to {MAX_PROMPTS} prompts (strings), "
+                          "or unset.")
+    return tuple(prompts) if prompts is not None else None
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Preview images sampled with the LoRA being trained. Validated at construction.
+
+    Raises:
+        ConfigError: a field is out of range.
+    """
+
+    validation_every: int = option(0, "Every N steps (and at the last), sample one small image per validation "
+                                   "prompt with the LoRA being trained, saved under previews/ beside the report "
+                                   "(0 = off; flow-matching families).", "--validation-every", min=0, max=10**6)
+    validation_prompts: tuple[str, ...] | None = option(None, "Prompts of the previews (default: the first caption "
+                                                        "of the data).", "--validation-prompt", parse=_prompts)
+    validation_steps: int = option(8, "Sampler steps per preview (flow-matching Euler).", "--validation-steps", min=1,
+                                   max=1000)
+
+    def __post_init__(self) -> None:
+        check_options(self)

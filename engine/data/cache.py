@@ -1,0 +1,107 @@
+"""The latent cache: every image encoded once by the VAE and every caption by the text encoder,
+kept in memory for the run and on disk for the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..families.base import TextBatch
+from ..files.atomic import atomic_save_file
+from .buckets import Bucket, make_buckets, nearest_bucket, stack_latents
+from .folder import DataWarning, Sample
+from .images import image_size, load_image
+
+
+def assign_buckets(samples: list[Sample], resolution: int, multiple: int) -> list[Bucket]:
+    """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among
+    :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
+
+    Raises:
+        DatasetError: an image cannot be read.
+    """
+    candidates = make_buckets(resolution, multiple)
+    return [nearest_bucket(image_size(s.image), candidates) for s in samples]
+
+
+@torch.no_grad()
+def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> torch.Tensor:
+    """VAE-encode ``(B, 3, H, W)`` pixels to normalised latents ``(B, C, h, w)`` or ``(B, C, 1, h, w)``.
+
+    Uses the posterior mode (deterministic). Normalisation follows the VAE config: ``latents_mean``
+    / ``latents_std`` when present (Wan-style), else ``(z - shift_factor) * scaling_factor``.
+    """
+    cfg = vae.config
+    is_3d = hasattr(cfg, "z_dim") or "temperal_downsample" in cfg
+    x = pixels.unsqueeze(2) if is_3d else pixels
+    encoded = vae.encode(x)
+    z = encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latent
+    if getattr(cfg, "latents_mean", None) is not None:
+        shape = (1, -1) + (1,) * (z.ndim - 2)
+        z = (z - torch.tensor(cfg.latents_mean).view(shape)) / torch.tensor(cfg.latents_std).view(shape)
+    else:
+        z = (z - (getattr(cfg, "shift_factor", None) or 0.0)) * (getattr(cfg, "scaling_factor", None) or 1.0)
+    if video and z.ndim == 4:
+        z = z.unsqueeze(2)
+    if not video and z.ndim == 5:
+        z = z.squeeze(2)
+    return z
+
+
+def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, extra: str,
+               buckets: list[Bucket] | None) -> str:
+    """A stable function of what the cache depends on: the files (name, size, mtime), captions,
+    resolution, each sample's bucket (when bucketing), the VAE's class and public config, and
+    ``extra``. diffusers' private config entries (``_use_default_values`` is a list built from a
+    set, so its order follows ``PYTHONHASHSEED``) are left out."""
+    h = hashlib.sha256()
+    for s in samples:
+        st = s.image.stat()
+        h.update(f"{s.image.parent.name}/{s.image.name}|{st.st_size}|{st.st_mtime_ns}|{s.caption}\n".encode())
+    if buckets is not None:  # not hashed without buckets: the caches of earlier runs stay valid
+        h.update(("buckets:" + ",".join(b.key for b in buckets) + "\n").encode())
+    public = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
+    h.update(f"{resolution}|{type(vae).__name__}|{json.dumps(public, sort_keys=True, default=str)}|{extra}".encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, encode_text,
+                  video: bool, cache_dir: str | Path | None, extra: str = "",
+                  buckets: list[Bucket] | None = None) -> dict[str, torch.Tensor]:
+    """Latents and text embeddings of every sample, from the disk cache or freshly encoded.
+
+    Returns a dict of stacked tensors: ``latents (N, C, ...)``, ``text_seq (N, L, D)``,
+    ``text_mask (N, L)`` and ``text_pooled (N, P)`` when the family uses a pooled embedding.
+    With ``buckets`` (each sample's, :func:`assign_buckets`) the images are cropped to their
+    bucket instead of the ``resolution`` square, and samples of several shapes store their latents
+    per bucket (:func:`~.buckets.stack_latents`; read them with :func:`~.buckets.latents_for`).
+
+    Raises:
+        DatasetError: an image cannot be read.
+    """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra, buckets)}.safetensors"
+        if path.is_file():
+            try:
+                return load_file(str(path))
+            except (OSError, SafetensorError, ValueError) as exc:  # truncated, or not a safetensors file
+                warnings.warn(f"the latent cache {path.name} is damaged ({exc}): encoding the data again",
+                              DataWarning, stacklevel=2)
+    sizes = [resolution] * len(samples) if buckets is None else [(b.width, b.height) for b in buckets]
+    latents = [encode_latents(vae, load_image(s.image, size)[None], video).float() for s, size in zip(samples, sizes)]
+    text: TextBatch = encode_text([s.caption for s in samples])
+    stacked = {"latents": torch.cat(latents)} if buckets is None else stack_latents(latents, [b.key for b in buckets])
+    cache = {**stacked, "text_seq": text.seq.float(), "text_mask": text.mask}
+    if text.pooled is not None:
+        cache["text_pooled"] = text.pooled.float()
+    if path is not None:
+        atomic_save_file({k: v.contiguous() for k, v in cache.items()}, path)
+    return cache

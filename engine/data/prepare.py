@@ -1,0 +1,139 @@
+"""A run's training data: the latent cache (encoded once from an image folder, or prepared by a
+caller) and the sampler that draws its batches."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import DataConfig, ModelConfig
+from ..model.bundle import ModelBundle, ModelLoadError
+from ..model.text_encoders import TextEncoderWarning, describe_text_encoder, stand_in_warning
+from .buckets import (
+    Bucket,
+    bucket_summary,
+    describe_buckets,
+    pixel_multiple,
+    shape_classes,
+    token_patch,
+    vae_downscale,
+)
+from .cache import assign_buckets, prepare_cache
+from .comfy_data import ComfyDataError, PreparedData
+from .folder import DatasetScan, scan_dataset, write_sample_dataset
+from .samplers import BucketSampler, EpochSampler, bucket_groups
+
+
+@dataclass
+class RunData:
+    """What :func:`prepare_run_data` gives a run.
+
+    Attributes:
+        cache: latents and text states by name (``latents`` ``(N, C, h, w)`` or per-bucket
+            entries, ``text_seq`` ``(N, L, D)``, ``text_mask`` ``(N, L)``, ``text_pooled`` ``(N, P)``).
+        epoch: the cache row of each position of an epoch (a sample as often as its repeats).
+        summary: the dataset summary for ``report.json`` (with ``buckets`` when bucketed).
+        text_encoder: what encoded the captions (``kind``; a ``warning`` for the stand-in).
+        dataset: the scanned image folder (None for prepared data).
+    """
+
+    cache: dict[str, torch.Tensor]
+    epoch: list[int]
+    summary: dict[str, Any]
+    text_encoder: dict[str, Any]
+    dataset: DatasetScan | None = None
+
+
+def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: ModelBundle,
+                     prepared: PreparedData | None, cache_dir: Path, output: Path, log: Callable[[str], None],
+                     announce: bool = True) -> RunData:
+    """A run's training data: the latents and text a caller prepared (ComfyUI's encoders), or the
+    image folder (``data.folder``, default the built-in sample photos written under ``output``)
+    encoded once with the bundle's VAE and text encoders into the latent cache in ``cache_dir``
+    (read back when it is already there), cropped to aspect-ratio buckets with ``data.buckets``.
+
+    Args:
+        model, seed: the model's source and the run's seed (the cache's identity).
+        announce: warn (``TextEncoderWarning``) when captions go through the stand-in embedder.
+
+    Raises:
+        ComfyDataError: prepared data of another family. ModelLoadError: images but no VAE.
+        DatasetError: the folder cannot be used (see :func:`~.data.scan_dataset`).
+    """
+    if prepared is not None:
+        if prepared.family != bundle.family.name:
+            raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
+                                 f"{bundle.family.name!r}")
+        log(f"data: {prepared.describe()}")
+        return RunData(prepared.cache, list(range(prepared.count)), prepared.summary,
+                       {"kind": "comfyui conditioning"})
+    text_encoder = describe_text_encoder(bundle.encode_text)
+    if text_encoder["kind"] == "stand-in":  # loud: a demo's captions carry no meaning
+        text_encoder["warning"] = stand_in_warning(bundle.family)
+        if announce:
+            warnings.warn(text_encoder["warning"], TextEncoderWarning, stacklevel=3)
+    if bundle.vae is None:
+        raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
+                             "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
+                             "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
+    data_dir = data.folder or write_sample_dataset(output / "sample_data")
+    dataset = scan_dataset(data_dir)
+    samples, epoch = dataset.samples, dataset.epoch
+    summary = dataset.summary()
+    buckets = None
+    if data.buckets:
+        buckets, summary["buckets"] = _buckets(data.resolution, bundle, dataset, log)
+    cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text,
+                          bundle.family.video_latents, cache_dir, extra=_cache_identity(model, seed, bundle),
+                          buckets=buckets)
+    shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
+    log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
+        f"latents {shapes}{_skipped_text(dataset)}")
+    return RunData(cache, epoch, summary, text_encoder, dataset)
+
+
+def _buckets(resolution: int, bundle: ModelBundle, dataset: DatasetScan,
+             log: Callable[[str], None]) -> tuple[list[Bucket], dict[str, Any]]:
+    """Each sample's aspect-ratio bucket and their summary (logged; for ``report.json``)."""
+    family, model_config = bundle.family, bundle.transformer.config
+    multiple = pixel_multiple(family, model_config, bundle.vae)
+    buckets = assign_buckets(dataset.samples, resolution, multiple)
+    summary = bucket_summary(buckets, dataset.epoch, vae_downscale(bundle.vae), token_patch(family, model_config))
+    log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px")
+    return buckets, summary
+
+
+def make_sampler(cache: dict[str, torch.Tensor], epoch: list[int], batch_size: int, seed: int,
+                 position: dict[str, int]) -> EpochSampler | BucketSampler:
+    """The batches of a run: :class:`BucketSampler` when the cache holds several latent shapes
+    (buckets), else :class:`EpochSampler` (the order of runs without buckets is unchanged)."""
+    if len(shape_classes(cache)) == 1:
+        return EpochSampler(len(epoch), batch_size, seed, **position)
+    return BucketSampler(bucket_groups(cache, epoch), batch_size, seed, **position)
+
+
+def _skipped_text(dataset: DatasetScan) -> str:
+    """``; skipped 2 hidden or system files, 1 other folders (raw)`` or nothing."""
+    parts = [f"{n} {reason}" for reason, n in dataset.skipped.items() if n]
+    folders = f" ({', '.join(dataset.ignored_folders)})" if dataset.ignored_folders else ""
+    return f"; skipped {', '.join(parts)}{folders}" if parts else ""
+
+
+def _cache_identity(model: ModelConfig, seed: int, bundle: ModelBundle) -> str:
+    """What the cached latents and text embeddings depend on besides the images: the family, the
+    model source and its weight files (names, sizes, mtimes), and the seed (a preset's random VAE
+    and the deterministic embedder are seeded)."""
+    parts = [bundle.family.name, bundle.source, f"seed={seed}",
+             f"text={json.dumps(describe_text_encoder(bundle.encode_text), sort_keys=True, default=str)}"]
+    for folder in (model.model_path, model.model_file, model.vae_path, *(model.text_encoder_path or ())):
+        if folder:
+            for path in [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).rglob("*")):
+                if path.is_file():
+                    stat = path.stat()
+                    parts.append(f"{path}|{stat.st_size}|{stat.st_mtime_ns}")
+    return "\n".join(parts)

@@ -1,0 +1,92 @@
+"""The batches of a run: :class:`EpochSampler` (one shape) and :class:`BucketSampler` (batches
+that never mix buckets); both resumable from their position.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..config import derived_seed
+from .buckets import shape_classes
+
+
+class EpochSampler:
+    """Deterministic shuffled batches: epoch ``e`` uses permutation ``randperm(N, seed + e)``.
+
+    The position ``(epoch, index)`` is all the state there is, so a resumed run continues with
+    exactly the batches an uninterrupted run would have drawn.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, epoch: int = 0, index: int = 0):
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.epoch, self.index = epoch, index
+
+    def _order(self) -> torch.Tensor:
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(derived_seed(self.seed, self.epoch)))
+
+    def next_batch(self) -> list[int]:
+        """Indices of the next batch (crossing into the next epoch when needed)."""
+        out = []
+        while len(out) < self.batch_size:
+            if self.index >= self.size:
+                self.epoch, self.index = self.epoch + 1, 0
+            out.append(int(self._order()[self.index]))
+            self.index += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        """``{"epoch": e, "index": i}``."""
+        return {"epoch": self.epoch, "index": self.index}
+
+
+class BucketSampler:
+    """Deterministic batches that never mix buckets; the interface of :class:`~.data.EpochSampler`.
+
+    Epoch ``e`` draws from one generator seeded ``seed + e``: each bucket's positions are shuffled
+    (buckets in the given order) and cut into batches of ``batch_size``, the last one of a bucket
+    possibly smaller (kohya keeps it, so every image trains every epoch), then the batches are
+    shuffled. The position ``(epoch, index)`` (``index``: batches drawn in the epoch) is all the
+    state there is, so a resumed run continues with exactly the batches an uninterrupted run draws.
+
+    Args:
+        groups: the epoch positions of each bucket (``StepContext.epoch`` maps a position to its
+            cache row).
+        batch_size: the most positions per batch.
+        seed, epoch, index: the run's seed and the position to continue from.
+    """
+
+    def __init__(self, groups: list[list[int]], batch_size: int, seed: int, epoch: int = 0, index: int = 0):
+        self.groups, self.batch_size, self.seed = [list(g) for g in groups if g], batch_size, seed
+        self.epoch, self.index = epoch, index
+        self._plan: tuple[int, list[list[int]]] | None = None
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """Every batch of ``epoch``, in the order drawn."""
+        if self._plan is None or self._plan[0] != epoch:
+            generator, batches = torch.Generator().manual_seed(derived_seed(self.seed, epoch)), []
+            for group in self.groups:
+                shuffled = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+                batches += [shuffled[i:i + self.batch_size] for i in range(0, len(shuffled), self.batch_size)]
+            order = torch.randperm(len(batches), generator=generator).tolist()
+            self._plan = (epoch, [batches[i] for i in order])
+        return self._plan[1]
+
+    def next_batch(self) -> list[int]:
+        """Positions of the next batch, all of one bucket (the next epoch begins when one ends)."""
+        if self.index >= len(self.batches(self.epoch)):
+            self.epoch, self.index = self.epoch + 1, 0
+        batch = self.batches(self.epoch)[self.index]
+        self.index += 1
+        return list(batch)
+
+    def state(self) -> dict[str, int]:
+        """``{"epoch": e, "index": i}``."""
+        return {"epoch": self.epoch, "index": self.index}
+
+
+def bucket_groups(cache: Mapping[str, torch.Tensor], epoch: list[int]) -> list[list[int]]:
+    """The epoch positions of each shape of :func:`shape_classes`, in its order."""
+    classes = [set(rows) for _, rows in shape_classes(cache)]
+    return [[p for p, row in enumerate(epoch) if row in rows] for rows in classes]

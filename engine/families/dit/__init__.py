@@ -1,0 +1,1 @@
+"""Single-stream DiTs (image and audio): one adapter per family."""

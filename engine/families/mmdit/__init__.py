@@ -1,0 +1,1 @@
+"""Two-stream image DiTs (text and image tokens in joint attention): one adapter per family."""

@@ -1,0 +1,1 @@
+"""Video DiTs: one adapter per family."""

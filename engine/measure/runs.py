@@ -1,0 +1,143 @@
+"""Short runs: several training runs of one model and one dataset, as a sweep, the planner's probe
+and lockstep timing make them.
+
+A :class:`RunWorkspace` is a temporary folder shared by such runs: the built-in sample photos are
+written once and the latent cache is encoded once (every run of the same data and model reuses
+it), and each run trains a deep copy of the model into an output folder of its own. Runs are
+:class:`~.loop.TrainingRun` iterators, so a caller may drive several of them one step at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import TrainConfig
+from ..config.schedule import CheckpointSchedule
+from ..data.comfy_data import PreparedData
+from ..data.folder import write_sample_dataset
+from ..train.loop import TrainingRun, TrainResult
+
+StartRun = Callable[..., Any]
+"""Makes one run: called like :class:`~.loop.TrainingRun` (``config, bundle=, log=, cache_dir=``)
+and returns an iterable of step records with a ``result`` once exhausted (tests substitute
+their own)."""
+
+
+class MeasurementInterrupted(Exception):
+    """The caller's ``should_stop`` answered True after a step: the measurement ends there."""
+
+
+class RunWorkspace:
+    """A temporary folder for short runs of one model and dataset (a context manager).
+
+    Args:
+        config: shared settings (data, resolution, batch, device, precision, ...); each run
+            replaces the schedule, the steps and the output folder.
+        bundle: the loaded model; never changed (each run trains a deep copy).
+        start_run: makes a run (default :class:`~.loop.TrainingRun`).
+        on_step: called after every step of every run (progress).
+        should_stop: polled after every step of every run; True raises
+            :class:`MeasurementInterrupted` there (Cancel in a node, within one step).
+        prepared: latents and text states a caller prepared (ComfyUI's encoders), trained on
+            by every run instead of ``config.data.folder``.
+    """
+
+    def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None,
+                 on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                 prepared: PreparedData | None = None):
+        self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
+        self.prepared = prepared
+        self.on_step, self.should_stop = on_step, should_stop
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._runs = 0
+
+    def __enter__(self) -> "RunWorkspace":
+        self._folder = tempfile.TemporaryDirectory(prefix="segckpt-runs-")
+        self.root = Path(self._folder.name)
+        self.data = self.config.data.folder  # the sample photos are written at the first run
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._folder.cleanup()
+
+    def _config(self, **changes: Any) -> TrainConfig:
+        """The shared settings for the next run: its own output folder, the workspace's data."""
+        self._runs += 1
+        if self.prepared is None:
+            self.data = self.data or str(write_sample_dataset(self.root / "sample_data"))
+        # a measurement must measure its own schedule: no guardrails (an out-of-memory error ends
+        # the run, no watchdog, no nested pre-flight)
+        return self.config.replace(output=str(self.root / f"run-{self._runs}"), data=self.data, resume=False,
+                                   save_every=0, guardrails=None, **changes)
+
+    def start(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
+              rows: list[int] | None = None, **changes: Any) -> Any:
+        """A run of ``schedule`` for ``warmup_steps + measured_steps`` steps on a fresh copy of the
+        model (not started: iterate it); ``rows``: on these cache rows only (one bucket);
+        ``changes``: other settings of this run (e.g. ``validation_every``)."""
+        with torch.inference_mode(False):  # the copy's weights must not become inference tensors
+            model = dataclasses.replace(self.bundle, transformer=copy.deepcopy(self.bundle.transformer))
+        config = self._config(schedule=schedule, steps=warmup_steps + measured_steps,
+                              timing_warmup_steps=warmup_steps, **changes)
+        extra = {k: v for k, v in (("rows", rows), ("prepared", self.prepared)) if v is not None}
+        if isinstance(self.start_run, type) and issubclass(self.start_run, TrainingRun):
+            extra["announce"] = False  # the stand-in text encoder's warning is the real run's to give
+        run = self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache", **extra)
+        return _Watched(run, self) if self.on_step or self.should_stop else run
+
+    def data_cache(self) -> dict[str, torch.Tensor]:
+        """The workspace's encoded data (latents, text), as every run of it trains on; encoded
+        once into the shared latent cache."""
+        extra = {"prepared": self.prepared} if self.prepared is not None else {}
+        run = TrainingRun(self._config(), bundle=self.bundle, log=lambda line: None, cache_dir=self.root / "cache",
+                          announce=False, **extra)
+        with torch.inference_mode(False), torch.no_grad():
+            return run.prepare_data()[0]
+
+    def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> TrainResult:
+        """:meth:`start` and drive the run to its end; its result."""
+        run = self.start(schedule, warmup_steps, measured_steps)
+        for _ in run:
+            pass
+        return run.result
+
+    def after_step(self) -> None:
+        """Report a finished step; raise :class:`MeasurementInterrupted` when asked to stop."""
+        if self.on_step is not None:
+            self.on_step()
+        if self.should_stop is not None and self.should_stop():
+            raise MeasurementInterrupted("measurement interrupted after a step")
+
+
+class _Watched:
+    """A run whose steps report to the workspace (progress, Cancel)."""
+
+    def __init__(self, run: Any, workspace: RunWorkspace):
+        self.run, self.workspace = run, workspace
+
+    def __getattr__(self, name: str) -> Any:  # result, bundle, context, ...
+        return getattr(self.run, name)
+
+    def __iter__(self):
+        for record in self.run:
+            self.workspace.after_step()
+            yield record
+
+
+def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
+              start_run: StartRun | None = None) -> TrainResult:
+    """One run of ``schedule`` in a workspace of its own (deleted afterwards)."""
+    with RunWorkspace(config, bundle, start_run) as workspace:
+        return workspace.run(schedule, warmup_steps, measured_steps)
+
+
+def peak_after_warmup(result: TrainResult, warmup_steps: int) -> int:
+    """The largest peak (bytes) of a run's steps after ``warmup_steps`` (step 1 also allocates
+    the optimizer state, once)."""
+    return max(h["peak_bytes"] for h in result.history[warmup_steps:])

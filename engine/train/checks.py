@@ -1,0 +1,86 @@
+"""What a run checks before any model is built: the paths it reads, the device, the output folder
+and, when resuming, the saved state it continues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import RESUME_KEYS, ConfigError, TrainConfig
+from ..config.train import warn_resume_schedule
+from ..files.checks import check_safetensors
+from .state import STATE_FILE, read_state_header
+
+
+def _need(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: allowed {allowed}.")
+
+
+def check_input_paths(config: TrainConfig) -> None:
+    """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any
+    model is built.
+
+    Raises:
+        ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file.
+        DamagedFileError: ``model_file`` or ``init_lora`` is truncated or unreadable.
+    """
+    model = config.model
+    for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
+        _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
+    for value in model.text_encoder_path or ():
+        _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
+    if model.model_file is not None:
+        _need(model.model_file.endswith(".safetensors") and Path(model.model_file).is_file(), "model_file",
+              model.model_file, "an existing .safetensors file (pickle checkpoints are refused: loading one can "
+              "run arbitrary code)")
+        check_safetensors(model.model_file, "model_file", "download or copy the file again")
+    if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
+        check_safetensors(model.init_lora, "init_lora", "give a complete .safetensors LoRA file")
+
+
+def check_run(config: TrainConfig, prepared: bool = False) -> None:
+    """Check paths (:func:`check_input_paths`), device and saved state before any heavy work.
+
+    Args:
+        prepared: the run trains on data a caller prepared (ComfyUI's latents), not a folder.
+
+    Raises:
+        ConfigError: see :func:`check_input_paths`; ``device=cuda`` without CUDA; ``resume``
+            without a saved state or with options that differ from it (:data:`~..config.RESUME_KEYS`),
+            or fewer steps than already done; a run already in ``output`` without ``resume``
+            or ``overwrite`` (nothing a user made is replaced silently).
+        ConfigError: ``prepared`` with a data folder or with buckets.
+        DamagedFileError: see :func:`check_input_paths`.
+    """
+    if prepared and config.data.folder is not None:
+        raise ConfigError(f"data={config.data.folder!r} is invalid with prepared data: allowed unset (one data "
+                          "source)")
+    if prepared and config.data.buckets:  # ComfyUI's LATENT is one batch of one shape
+        raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
+                          "one latent shape): allowed false; bucketing needs an image folder")
+    check_input_paths(config)
+    outputs = config.outputs
+    _need(not Path(outputs.output).exists() or Path(outputs.output).is_dir(), "output", outputs.output, "a folder")
+    _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,
+          "auto or cpu (CUDA is not available here)")
+    state = Path(outputs.output) / STATE_FILE
+    if not outputs.resume:
+        _need(outputs.overwrite or not state.is_file(), "output", outputs.output,
+              "a folder without a training run: it holds one; pass --resume to continue it or "
+              "--overwrite to replace it")
+        return
+    _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
+    header = read_state_header(outputs.output)
+    saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
+    defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default
+    for key in RESUME_KEYS:
+        before = saved.get(key, defaults.get(key))
+        if before != now.get(key):
+            raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
+                              f"{before!r}; allowed the saved value (or start a new run)")
+    _need(config.steps >= header["step"], "steps", config.steps,
+          f"at least the {header['step']} steps already done in {outputs.output}")
+    warn_resume_schedule(config, saved.get("steps"), header["step"])

@@ -1,0 +1,59 @@
+"""What follows each optimizer step of a run, outside its timing: the log line, the watchdog's
+check and the validation previews that are due."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import TrainConfig
+from .previews import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews
+from .step import StepRecord
+from .watchdog import Watchdog, device_at_capacity
+
+
+class StepMonitor:
+    """Logs, watches and previews each step of one run.
+
+    Args:
+        config: the run's config (steps, validation, guardrails, seed).
+        device: the training device. output: the output folder (previews go under it).
+        preview_source: what the previews sample from (None: no previews).
+        log: where lines go. writer: whether this process writes the preview files.
+    """
+
+    def __init__(self, config: TrainConfig, device, output: Path, preview_source: PreviewSource | None,
+                 log: Callable[[str], None], writer: bool):
+        guards = config.guards
+        self.config, self.output, self.source, self.log, self.writer = config, output, preview_source, log, writer
+        self.watchdog = Watchdog(config.timing_warmup_steps, guards.watchdog_slowdown, guards.watchdog_window,
+                                 at_capacity=device_at_capacity(device))
+        self.validation_peak = 0
+
+    def after(self, ctx, record: StepRecord, history: list[dict[str, Any]]) -> None:
+        """The step's log line and record, the watchdog's reports and the previews due after it."""
+        history.append(vars(record))
+        offload = (f"  offload {record.offloaded_bytes / 2**20:.1f} MiB, pool {record.pool_bytes / 2**20:.1f} MiB"
+                   if ctx.runner.offloader else "")
+        self.log(f"step {record.step:>4}/{self.config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
+                 f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
+        if record.skipped:
+            self.log(f"step {record.step}: update skipped: {record.skipped}")
+        shape = "x".join(map(str, ctx.batch_shape))
+        history[-1]["shape"] = shape  # the receipt's peak per phase (the record's own dict)
+        record.watchdog = self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape)
+        for found in record.watchdog:  # the history entry is the record's own dict: it has them too
+            self.log(f"segckpt: warning: {found['message']}")
+        self._previews(ctx, record)
+
+    def _previews(self, ctx, record: StepRecord) -> None:
+        """Sample and save the previews due after ``record``'s step; their paths go in the record."""
+        validation = self.config.validation
+        if self.source is None or not previews_at(record.step, validation.validation_every, self.config.steps):
+            return
+        paths, peak = run_previews(ctx, self.source, validation.validation_steps, self.config.seed,
+                                   self.output / PREVIEW_FOLDER, record.step, write=self.writer)
+        self.validation_peak = max(self.validation_peak, peak)
+        self.watchdog.previews_ran(record.step)
+        record.previews = [p.relative_to(self.output).as_posix() for p in paths]  # also in the history entry
+        self.log(f"step {record.step}: previews {', '.join(record.previews)}")

@@ -1,0 +1,78 @@
+"""The files a run writes into its output folder: the LoRA, the resumable state and
+``report.json`` (each atomic), and :class:`TrainResult`, what a finished run hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..core.plan import ModelPlan
+from ..files.atomic import remove_stale_temporaries
+from ..model.distributed import full_optimizer_state
+from ..model.lora_files import lora_state_dict, save_lora
+from .report import REPORT_FILE, build_report, write_report
+from .state import STATE_FILE, TrainingState, save_state
+
+LORA_FILE = "lora.safetensors"
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the plan it applied, per-step records and the files written."""
+
+    config: TrainConfig
+    plan: ModelPlan
+    history: list[dict[str, Any]]
+    lora_path: Path
+    state_path: Path
+    report_path: Path
+    report: dict[str, Any]
+    interrupted: bool = False
+    model: Any = field(default=None, repr=False)
+    writer: bool = True
+    """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
+
+
+class RunFiles:
+    """The output folder of one run.
+
+    Args:
+        output: the folder. writer: whether this process writes (one process, or rank 0 of a
+            sharded run; the other ranks gather with it and write nothing).
+    """
+
+    def __init__(self, output: Path, writer: bool):
+        self.output, self.writer = output, writer
+        self.lora, self.state, self.report = output / LORA_FILE, output / STATE_FILE, output / REPORT_FILE
+
+    def remove_stale(self) -> None:
+        """Delete temporaries left by a process killed while writing."""
+        if self.writer:
+            remove_stale_temporaries(self.output)
+
+    def save_state(self, ctx, config: TrainConfig, history: list[dict[str, Any]], rng: dict[str, torch.Tensor],
+                   position: dict[str, int], step: int, sharded: bool) -> None:
+        """Write the resumable state after ``step`` steps (sharded: the optimizer state gathered
+        whole by every rank, written by rank 0)."""
+        lora, optimizer = lora_state_dict(ctx.model), ctx.optimizer.state_dict()
+        if sharded:
+            optimizer = full_optimizer_state(optimizer)
+        if self.writer:
+            save_state(TrainingState(step, position, lora, optimizer, rng, history, config.to_dict(),
+                                     ctx.scaler.state_dict()), self.output)
+
+    def write(self, ctx, config: TrainConfig, plan: ModelPlan, history: list[dict[str, Any]], source: str,
+              sections: dict[str, Any], interrupted: bool) -> tuple[Path, dict[str, Any]]:
+        """Save the LoRA (its header: family, schedule, steps, base model) and ``report.json``
+        (:func:`~.report.build_report` with the run's ``sections``); ``(LoRA path, report)``."""
+        meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
+                "base_model": source}
+        lora_path = save_lora(ctx.model, self.lora, config.lora, meta, write=self.writer)
+        report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections)
+        if self.writer:
+            write_report(report, self.output)
+        return lora_path, report

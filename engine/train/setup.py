@@ -1,0 +1,159 @@
+"""The set-up of a training run, in named stages, each a function of what the one before made:
+
+1. :func:`load_model` - the :class:`~..model.bundle.ModelBundle` (a folder, one file or a preset);
+2. ``prepare_data`` (:func:`~..data.prepare.prepare_run_data`) - the latent cache and the epoch;
+3. :func:`build_trainable` - the frozen base at its precision, the fp32 LoRA, and the checkpoint
+   schedule through :func:`apply_checkpointing` (the plan, the runner installed, then sharding);
+4. :func:`build_optimizer` - AdamW, the loss scaler, the noise generator and the sampler, restored
+   from the saved state when resuming.
+
+:func:`apply_checkpointing` is the one place that turns a schedule into a running plan; the
+out-of-memory recovery (:mod:`.recovery`) installs a cheaper schedule through it too. The order
+inside it follows torchtitan's ``parallelize`` functions: checkpointing first, then ``fully_shard``
+on every block and the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import CheckpointSchedule, ShardingConfig, TrainConfig, derived_seed
+from ..core.plan import count_blocks, effective_plan
+from ..core.runner import SegmentRunner
+from ..data.prepare import make_sampler
+from ..data.samplers import EpochSampler
+from ..families import FamilyAdapter
+from ..model.bundle import ModelBundle
+from ..model.distributed import Distributed, shard_model, shard_optimizer_state
+from ..model.loading import load_bundle
+from ..model.lora_files import add_lora, load_lora_file, load_lora_state_dict
+from ..model.precision import BaseWeights, Precision, apply_base_precision
+from .optim import make_optimizer
+from .state import TrainingState, set_rng_state
+
+
+def load_model(config: TrainConfig, precision: Precision, log: Callable[[str], None]) -> ModelBundle:
+    """Stage 1: the model of ``config`` (see :func:`~..model.loading.load_bundle`).
+
+    Raises:
+        ModelLoadError: the folder or file cannot be used.
+    """
+    return load_bundle(config.model, config.seed, precision, log)
+
+
+def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule: CheckpointSchedule,
+                        sharding: ShardingConfig | None = None, dist: Distributed | None = None) -> SegmentRunner:
+    """Install ``schedule`` on ``model``: its effective plan (the family's rules applied), the
+    segment runner as the model's checkpoint function, then, under FSDP, ``fully_shard`` on every
+    block and the root (after the runner: FSDP's hooks sit on the blocks the runner calls).
+
+    Args:
+        model: the training model (LoRA added, on its device).
+        sharding: the run's sharding options (FSDP's own checkpointing makes the plan ``fsdp-layer``).
+        dist: the process group of a sharded run; ``None``: one process.
+
+    Returns:
+        The installed runner (its ``plan`` is the plan every entry point reports).
+    """
+    fsdp_checkpointing = sharding is not None and sharding.fsdp_activation_checkpointing
+    plan = effective_plan(family, schedule, count_blocks(family, model), fsdp_checkpointing=fsdp_checkpointing)
+    runner = SegmentRunner(model, family, plan).install()
+    if dist is not None:
+        blocks = [block for bl in family.block_lists for block in family.blocks(model, bl)]
+        shard_model(model, blocks, fsdp_checkpointing)
+    return runner
+
+
+@dataclass
+class Trainable:
+    """The model being trained (stage 3).
+
+    Attributes:
+        model: the transformer with its LoRA, on the device, in train mode (sharded under FSDP).
+        runner: the installed :class:`~..core.runner.SegmentRunner`.
+        params: the trainable LoRA parameters (DTensor shards under FSDP).
+        base: what the base's precision did (frozen bytes, quantized layers).
+    """
+
+    model: torch.nn.Module
+    runner: SegmentRunner
+    params: list[torch.nn.Parameter]
+    base: BaseWeights
+
+
+def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precision, device: torch.device,
+                    state: TrainingState | None, dist: Distributed | None,
+                    log: Callable[[str], None]) -> Trainable:
+    """Stage 3: the frozen base at its precision (cast, or quantized layer by layer on the
+    device), the fp32 LoRA (from ``init_lora``, or the saved state when resuming, loaded whole
+    before sharding), then :func:`apply_checkpointing`.
+
+    Raises:
+        LoraConfigError: no module matches the LoRA targets; an ``init_lora`` of another shape.
+    """
+    model = bundle.transformer
+    base = apply_base_precision(model, precision, device)
+    # peft initialises lora_A from torch's global generator: seed it, or two runs with one
+    # seed in one process (a ComfyUI server, a sweep) would start from different adapters
+    torch.manual_seed(config.seed)
+    add_lora(model, config.lora, bundle.family.lora_targets)
+    if config.model.init_lora and state is None:
+        log(f"init_lora: {load_lora_file(model, config.model.init_lora, config.lora)} modules from "
+            f"{config.model.init_lora}")
+    if state is not None:
+        load_lora_state_dict(model, state.lora)
+    model.to(device).train()
+    blocks = sum(count_blocks(bundle.family, model).values())
+    runner = apply_checkpointing(model, bundle.family, config.schedule, config.sharding, dist)
+    params = [p for p in model.parameters() if p.requires_grad]  # after sharding: DTensor shards
+    if dist is not None:
+        batch = config.data.batch_size
+        log(f"fsdp: {blocks} blocks and the root sharded over {dist.world_size} processes "
+            f"({dist.backend}), {batch // dist.world_size} of the {batch} images of each batch per process"
+            + ("; on_oom=switch is not applied under fsdp (the processes cannot retry a step together): a step "
+               "that runs out of memory stops the run, its last good step saved"
+               if config.guards.on_oom == "switch" else ""))
+    return Trainable(model, runner, params, base)
+
+
+@dataclass
+class Optimization:
+    """What updates the LoRA (stage 4), restored from the saved state when resuming.
+
+    Attributes:
+        optimizer: AdamW over the trainable parameters. scaler: fp16 loss scaling (off otherwise).
+        noise_gen: the generator of the noise and timesteps. sampler: the data's batches.
+        start: the first step's index (0, or the steps already done). history: their records.
+    """
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    noise_gen: torch.Generator
+    sampler: Any
+    start: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_optimizer(trainable: Trainable, config: TrainConfig, precision: Precision, device: torch.device,
+                    cache: dict[str, torch.Tensor], epoch: list[int], state: TrainingState | None,
+                    dist: Distributed | None) -> Optimization:
+    """Stage 4: the optimizer, loss scaler, noise generator and sampler of the run; with ``state``,
+    each restored where the saved run stopped (so a resumed run continues bit for bit)."""
+    optimizer = make_optimizer(trainable.params, config.optimizer)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
+    noise_gen = torch.Generator().manual_seed(derived_seed(config.seed, 1))
+    batch, seed = config.data.batch_size, config.seed
+    sampler: EpochSampler | Any = make_sampler(cache, epoch, batch, seed, {})
+    torch.manual_seed(seed)  # dropout and anything else drawing from the global RNG
+    if state is None:
+        return Optimization(optimizer, scaler, noise_gen, sampler)
+    optimizer.load_state_dict(shard_optimizer_state(state.optimizer, trainable.params) if dist is not None
+                              else state.optimizer)
+    if state.grad_scaler and scaler.is_enabled():
+        scaler.load_state_dict(state.grad_scaler)
+    set_rng_state(state.rng, noise_gen)
+    sampler = make_sampler(cache, epoch, batch, seed, state.data_position)
+    return Optimization(optimizer, scaler, noise_gen, sampler, state.step, state.history)

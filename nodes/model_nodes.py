@@ -1,0 +1,128 @@
+"""The nodes that make a run's inputs: Load Diffusion Model, Image+Caption Dataset, LoRA Config."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import api
+from .environment import (
+    BUILTIN_DATA,
+    TINY_PRESET,
+    NodeError,
+    PathError,
+    contained,
+    current_host,
+    model_files,
+    model_folders,
+    public_errors,
+    resolve_model,
+)
+from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL
+from .widgets import NodeOptions, tip, widget
+
+
+class LoadDiffusionModel:
+    """A diffusers folder under ``models/diffusers``, one ``.safetensors`` file under
+    ``models/diffusion_models``, ``models/unet`` or ``models/checkpoints`` (shown as
+    ``diffusion_models/<file>``, ``checkpoints/<file>``), or the family's tiny random-init preset."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "load", (MODEL,), ("model",)
+    OPTIONS = NodeOptions({"family": "family", "seed": "seed", "base_model_precision": "base_model_precision"})
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "family": widget("family"),
+            "source": ([TINY_PRESET] + model_folders(current_host()) + model_files(current_host()),
+                       tip("A diffusers folder under models/diffusers; a .safetensors file under "
+                           "models/diffusion_models, unet or checkpoints (original release or diffusers layout; "
+                           "the variant is read from its shapes; training then needs a VAE, which a single file "
+                           "does not hold); or the tiny random-init preset.")),
+            "seed": widget("seed", tooltip="Seed of the preset's random init."),
+            "base_model_precision": widget("base_model_precision"),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, source, **inputs):
+        try:
+            if source is not None and source != TINY_PRESET:
+                resolve_model(current_host(), source)
+            cls.OPTIONS.config(inputs)
+        except ValueError as exc:  # PathError, ConfigError: raised, so that ComfyUI lists it once
+            raise NodeError(current_host().public(str(exc))) from None
+        return True
+
+    @public_errors
+    def load(self, family, source, seed, base_model_precision="auto"):
+        # a folder or file loads straight into its storage dtype; quantizing (on the training device)
+        # and casting a preset happen in Train LoRA, on its copy
+        path = None if source == TINY_PRESET else resolve_model(current_host(), source)
+        where = {} if path is None else {"model_file": str(path)} if path.is_file() else {"model_path": str(path)}
+        config = api.TrainConfig.create(family=family, seed=seed, base_model_precision=base_model_precision, **where)
+        with torch.inference_mode(False):  # weights must not become inference tensors
+            return (api.load_model(config),)
+
+
+class ImageCaptionDataset:
+    """A folder of images with same-name ``.txt`` captions under ComfyUI's input folder."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (DATASET,), ("dataset",)
+    OPTIONS = NodeOptions({"resolution": "resolution", "buckets": "buckets"})
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "folder": ("STRING", tip(f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs "
+                                     "shipped with scikit-image.", default=BUILTIN_DATA)),
+            "resolution": widget("resolution"),
+            "buckets": widget("buckets"),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, folder, **inputs):
+        host = current_host()
+        try:
+            cls.OPTIONS.config(inputs)
+            if folder is not None and folder != BUILTIN_DATA:
+                if not contained(host.input_dir, folder, "folder").is_dir():
+                    return f"folder={folder!r} is invalid: no such folder under the input folder"
+        except (PathError, ValueError) as exc:
+            raise NodeError(host.public(str(exc))) from None
+        return True
+
+    @public_errors
+    def build(self, folder, resolution, buckets=False):
+        host = current_host()
+        if folder == BUILTIN_DATA:  # written once per server and shared by its runs
+            path = str(api.write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
+        else:
+            path = str(contained(host.input_dir, folder, "folder"))
+        return (api.DataConfig(folder=path, resolution=resolution, buckets=buckets),)
+
+
+class LoRAConfig:
+    """LoRA rank, alpha, dropout and target modules (peft)."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
+    OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout"})
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "rank": widget("lora_rank"),
+            "alpha": widget("lora_alpha"),
+            "dropout": widget("lora_dropout"),
+            "target_modules": widget("lora_target_modules", extra=" Comma-separated; empty = default."),
+        }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        try:
+            cls.OPTIONS.config(inputs)
+        except ValueError as exc:
+            raise NodeError(str(exc)) from None
+        return True
+
+    def build(self, rank, alpha, dropout, target_modules):
+        targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
+        return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets),)

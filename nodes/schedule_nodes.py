@@ -1,0 +1,87 @@
+"""The nodes that choose how activations are kept: Gradient Checkpointing Schedule and Activation
+Offload Options."""
+
+from __future__ import annotations
+
+from ..engine import api
+from .environment import NodeError
+from .payloads import CATEGORY, OFFLOAD, SCHEDULE, FamilySchedule, OffloadOptions
+from .widgets import NodeOptions, tip, widget
+
+_KEYS = ("gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
+         "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
+         "gradient_checkpointing_offload_pin_memory_max_buckets")
+_OFFLOAD = _KEYS[1:2] + _KEYS[4:]
+
+
+class GradientCheckpointingSchedule:
+    """The six gradient-checkpointing keys (SimpleTuner names) for one family; 0 = unset for
+    interval and stride. Outputs a :class:`~.payloads.FamilySchedule`."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (SCHEDULE,), ("schedule",)
+    OPTIONS = NodeOptions({key: key for key in _KEYS}, zero_unset=_KEYS[2:4])
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "family": widget("family", tooltip="Family this schedule is for: the block strip shows its plan, and a "
+                             "backend the family cannot run is refused when the prompt is queued. Train LoRA refuses "
+                             "a model of another family."),
+            **{key: widget(key, extra=" 0 = unset." if key in cls.OPTIONS.zero_unset else "",
+                           zero_unset=key in cls.OPTIONS.zero_unset) for key in _KEYS},
+        }}
+
+    @classmethod
+    def schedule(cls, family: str | None = None, **keys) -> api.CheckpointSchedule:
+        """The :class:`CheckpointSchedule` of the node's widget values (0 = unset), checked against
+        ``family``'s boundaries when it is given.
+
+        Raises:
+            ScheduleError: a key is invalid, or the family cannot run it.
+        """
+        if family is None:
+            return api.CheckpointSchedule(**cls.OPTIONS.values(keys))
+        # the node's keys over the schedule's own defaults (not the demo schedule of a run)
+        return cls.OPTIONS.config(keys, api.TrainConfig(schedule=api.CheckpointSchedule()), family=family).schedule
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, family=None, **keys):
+        # ComfyUI skips its own checks of the inputs a validator takes: the config's validator
+        # checks them all (and the keys that can be wrong together). Raised, not returned: a
+        # returned message would be listed once per input, a raised one once for this node.
+        try:
+            cls.schedule(family, **keys)
+        except (ValueError, KeyError) as exc:
+            raise NodeError(str(exc).strip("'\"")) from None
+        return True
+
+    def build(self, family, **keys):
+        return (FamilySchedule(family, self.schedule(family, **keys)),)
+
+
+class ActivationOffloadOptions:
+    """Offload options that override the schedule's when connected to Train LoRA."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (OFFLOAD,), ("offload",)
+    OPTIONS = NodeOptions({key: key for key in _OFFLOAD})
+    DEFAULTS = {"gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True}
+    """This node's defaults: offloading on (the schedule's own defaults keep it off)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {key: widget(key, **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
+                             for key in _OFFLOAD}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **keys):
+        try:
+            cls.OPTIONS.config(keys)
+        except ValueError as exc:
+            raise NodeError(str(exc)) from None
+        return True
+
+    def build(self, **keys):
+        return (OffloadOptions(**keys),)
+
+
+__all__ = ["ActivationOffloadOptions", "GradientCheckpointingSchedule", "tip"]

@@ -1,0 +1,84 @@
+"""Node inputs generated from the engine's option metadata (``engine/config/``), and the config a
+node's widget values make.
+
+A widget is declared once, in the option's field: its type (INT, FLOAT, BOOLEAN, STRING or a
+combo of its choices), default, bounds, step and tooltip come from there, so a node, the CLI and
+README say the same thing and accept the same values. A node names each of its widgets' option
+keys (``NodeOptions``); its ``VALIDATE_INPUTS`` builds the engine config from the values, so the
+config's own validator refuses what the engine would refuse, before the prompt runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..engine import api
+
+_KINDS = {bool: "BOOLEAN", int: "INT", float: "FLOAT", str: "STRING", tuple: "STRING"}
+_MISSING = object()
+
+
+def tip(text: str, **spec: Any) -> dict:
+    """A widget's options with its tooltip."""
+    return {"tooltip": text, **spec}
+
+
+def widget(key: str, *, default: Any = _MISSING, tooltip: str | None = None, extra: str = "",
+           zero_unset: bool = False) -> tuple[Any, dict]:
+    """The ComfyUI input spec of option ``key``: ``(type or choices, {default, min, max, step, tooltip})``.
+
+    Args:
+        default: the node's default when it differs from the engine's (the Offload node's backend).
+        tooltip: the node's own text instead of the option's help; extra: appended to it.
+        zero_unset: an optional integer shown as 0 when unset (the schedule's interval and stride).
+    """
+    opt = api.option_named(key)
+    value = opt.default if default is _MISSING else default
+    spec = tip((tooltip or opt.help) + extra)
+    if opt.choices is not None:
+        return list(opt.choices), {**spec, "default": value}
+    kind = _KINDS[opt.type]
+    if kind == "STRING":
+        return kind, {**spec, "default": ", ".join(value) if isinstance(value, tuple) else value or ""}
+    if kind == "BOOLEAN":
+        return kind, {**spec, "default": value}
+    low, high = opt.bounds
+    if zero_unset:
+        low, value = 0, value or 0
+    bounds = {"min": low} if low is not None else {}
+    bounds |= {"max": high} if high is not None else {}
+    step = opt.meta["multiple"] or opt.meta["step"]
+    return kind, {**spec, "default": value, **bounds, **({"step": step} if step else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeOptions:
+    """The widgets of one node that are engine options: node input name -> option key.
+
+    Args:
+        names: the node's input names, in the node's order, each mapped to its option key (most
+            are the same).
+        zero_unset: inputs where 0 means unset (read as ``None``).
+    """
+
+    names: Mapping[str, str]
+    zero_unset: tuple[str, ...] = ()
+
+    def values(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The option values among a node's ``inputs`` (by option key); linked or missing ones
+        (``None`` at validation) are left out."""
+        found = {}
+        for name, key in self.names.items():
+            if inputs.get(name) is not None:
+                value = inputs[name]
+                found[key] = None if name in self.zero_unset and value == 0 else value
+        return found
+
+    def config(self, inputs: Mapping[str, Any], base: api.TrainConfig | None = None, **changes: Any) -> api.TrainConfig:
+        """``base`` (default: the defaults) with the option values of ``inputs`` and ``changes``.
+
+        Raises:
+            ConfigError, ScheduleError, LoraConfigError: a value the engine refuses, named.
+        """
+        return (base or api.TrainConfig()).replace(**self.values(inputs), **changes)
