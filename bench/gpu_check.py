@@ -50,6 +50,7 @@ from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E4
 
 from segmented_checkpointing import cli  # noqa: E402
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.model import AUTO_KERNELS as AUTO  # noqa: E402
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.memory import device_budget  # noqa: E402
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
@@ -67,7 +68,6 @@ from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after
 from segmented_checkpointing.engine.measure.sweep import (  # noqa: E402
     sweep_schedules,
 )
-from segmented_checkpointing.engine.config.model import AUTO_KERNELS as AUTO  # noqa: E402
 from segmented_checkpointing.engine.model.attention_kernels import sdpa_context
 from segmented_checkpointing.engine.model.bundle import ModelBundle, tiny_vae_config
 from segmented_checkpointing.engine.model.lora_files import add_lora

@@ -4,7 +4,6 @@ in its log and report."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
