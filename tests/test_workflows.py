@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import pytest
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 
 FOLDER = Path(__file__).resolve().parents[1] / "workflows"
+_SPEC = importlib.util.spec_from_file_location("make_ui", FOLDER / "make_ui.py")
+make_ui = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(make_ui)
 UI_FILES = sorted(FOLDER.glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING")
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
@@ -101,6 +105,19 @@ def test_ui_workflow_matches_its_api_twin(ui_file):
             assert _same_values(got[name], value), f"node {node_id} input {name}: UI {got[name]!r} != API {value!r}"
 
 
+
+@pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)
+def test_links_join_the_slots_that_name_them_in_execution_order(ui_file):
+    ui = json.loads(ui_file.read_text())
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    for link_id, origin, origin_slot, target, target_slot, kind in ui["links"]:
+        assert nodes[target]["inputs"][target_slot]["link"] == link_id, (link_id, nodes[target]["inputs"][target_slot])
+        assert nodes[target]["inputs"][target_slot]["type"] == kind
+        assert link_id in nodes[origin]["outputs"][origin_slot]["links"]
+        assert nodes[origin]["order"] < nodes[target]["order"]
+    assert sorted(n["order"] for n in ui["nodes"]) == list(range(len(nodes)))
+    assert (ui["last_node_id"], ui["last_link_id"]) == (max(nodes), max((link[0] for link in ui["links"]), default=0))
+
 # What the pack's frontend adds under a node's widgets once it runs (pixels): the schedule strip,
 # the live loss curve, the result text of report / planner / sweep / save, the loss image.
 RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunReport": 190,
@@ -148,3 +165,52 @@ def test_no_node_covers_another_and_the_strip_is_in_view(ui_file):
             screen = [(v + ds["offset"][i % 2]) * ds["scale"] for i, v in enumerate((x0, y0, x1, y1))]
             assert CHROME[0] <= screen[0] and CHROME[1] <= screen[1], (kind, screen)  # not under the frontend's bars
             assert screen[2] <= VIEW[0] and screen[3] <= VIEW[1], (kind, screen)
+
+
+def test_every_committed_workflow_is_what_the_generator_writes():
+    """A hand edit of a UI or API file fails here: edit the API file or the layout sidecar, run make_ui.py."""
+    texts = make_ui.generate()
+    assert {p.name for p in texts if p.parent == FOLDER} == {p.name for p in UI_FILES}
+    assert sorted(p.stem for p in (FOLDER / "layout").glob("*.json")) == sorted(p.stem for p in UI_FILES)
+    stale = [str(p.relative_to(FOLDER)) for p, text in texts.items() if p.read_text(encoding="utf-8") != text]
+    assert stale == [], f"run: python workflows/make_ui.py (differs: {stale})"
+    assert make_ui.main(["--check"]) == 0
+
+
+def test_a_new_node_input_reaches_both_graphs_with_its_default(monkeypatch, tmp_path):
+    """An input added to INPUT_TYPES needs no hand edit: the generator puts its default in both files."""
+    train = NODES["SegCkptTrainLoRA"]
+    declared = train.INPUT_TYPES
+
+    def more_inputs():
+        spec = declared()
+        spec = {**spec, "required": dict(spec["required"]), "optional": dict(spec["optional"])}
+        spec["required"]["new_switch"] = ("BOOLEAN", {"default": True})
+        spec["optional"]["new_mode"] = (["fast", "slow"],)
+        spec["optional"]["new_count"] = ("INT", {"default": 7, "min": 0})
+        return spec
+
+    monkeypatch.setattr(train, "INPUT_TYPES", staticmethod(more_inputs))
+    for name in ("api", "layout"):
+        (tmp_path / name).mkdir()
+    for path in [*(FOLDER / "api").glob("*.api.json"), *(FOLDER / "layout").glob("*.json")]:
+        (tmp_path / path.parent.name / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    committed = {p: p.read_text(encoding="utf-8") for p in FOLDER.glob("**/*.json")}
+    texts = make_ui.generate(tmp_path)
+    checked = 0
+    for path, text in texts.items():
+        if path.parent != tmp_path:
+            continue
+        ui, api = json.loads(text), json.loads(texts[tmp_path / "api" / f"{path.stem}.api.json"])
+        mine = _as_api(ui)  # reads the patched INPUT_TYPES too
+        assert mine == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+        for node in (n for n in ui["nodes"] if n["type"] == "SegCkptTrainLoRA"):
+            inputs = api[str(node["id"])]["inputs"]
+            assert (inputs["new_switch"], inputs["new_mode"], inputs["new_count"]) == (True, "fast", 7)
+            slots = {s["name"]: s for s in node["inputs"]}
+            assert slots["new_count"]["widget"] == {"name": "new_count"} and slots["new_count"]["shape"] == 7
+            assert "shape" not in slots["new_switch"]
+            assert node["widgets_values_named"]["new_count"] == 7
+            checked += 1
+    assert checked  # Train LoRA is in several shipped workflows
+    assert {p: p.read_text(encoding="utf-8") for p in committed} == committed  # nothing on disk changed
