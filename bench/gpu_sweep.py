@@ -1,4 +1,5 @@
-"""Synthetic reference sweep (SPEC.md "Benchmark protocol") of our SegmentRunner on one device.
+"""Synthetic reference sweep (docs/SCHEDULES.md "Benchmark protocol") of our SegmentRunner on one
+device.
 
 Model: a diffusers ``ModelMixin`` stack of pre-norm residual blocks made of real diffusers parts
 (``Attention`` with the SDPA processor and RMS q/k norm, ``FeedForward`` GELU x4), looping over

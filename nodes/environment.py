@@ -98,9 +98,11 @@ class Host:
         roots += [(d, f"models/{d.name}") for dirs in self.model_file_dirs.values() for d in dirs]
         if self.base_dir is not None:
             roots.append((self.base_dir, "<comfyui>"))
-        for root, name in sorted(roots, key=lambda r: -len(str(r[0]))):
-            for form in {str(root), str(Path(root).resolve())}:
-                text = text.replace(form, name)
+        for root, name in sorted(roots, key=lambda r: -len(str(Path(r[0]).resolve()))):
+            # absolute forms only: a relative root ("." for the current folder) would match any text
+            for form in {str(root), str(Path(root).resolve())} - {""}:
+                if Path(form).is_absolute():
+                    text = text.replace(form, name)
         return text
 
 

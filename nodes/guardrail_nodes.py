@@ -4,7 +4,6 @@ of a Train LoRA run (``engine/config/guardrails.py``; the facade's ``train`` app
 from __future__ import annotations
 
 from ..engine import api
-from .environment import NodeError
 from .payloads import CATEGORY, GUARDRAILS
 from .widgets import NodeOptions, widget
 
@@ -30,27 +29,17 @@ class FitGuardrails:
         }}
 
     @staticmethod
-    def guardrails(**inputs) -> api.GuardrailsConfig:
-        """The engine's guardrails of the node's values (an empty budget: no pre-flight).
-
-        Raises:
-            ConfigError: a value the engine refuses, named (the config's own validator).
-        """
+    def values(inputs: dict) -> dict:
+        """The node's values as the engine's options: an empty budget means no pre-flight."""
         budget = inputs.get("memory_budget")
-        values = {**inputs, "memory_budget": budget.strip() or None if isinstance(budget, str) else budget}
-        return FitGuardrails.OPTIONS.config(values).guards
+        return {**inputs, "memory_budget": budget.strip() or None if isinstance(budget, str) else budget}
 
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
-        try:
-            cls.guardrails(**inputs)
-        except ValueError as exc:
-            raise NodeError(str(exc)) from None
-        return True
+        return cls.OPTIONS.validate(cls.values(inputs))
 
     def build(self, memory_budget, start_anyway, on_oom, watchdog_slowdown):
-        try:
-            return (self.guardrails(memory_budget=memory_budget, start_anyway=start_anyway, on_oom=on_oom,
-                                    watchdog_slowdown=watchdog_slowdown),)
-        except ValueError as exc:
-            raise NodeError(str(exc)) from None
+        inputs = {"memory_budget": memory_budget, "start_anyway": start_anyway, "on_oom": on_oom,
+                  "watchdog_slowdown": watchdog_slowdown}
+        self.OPTIONS.validate(self.values(inputs))
+        return (self.OPTIONS.config(self.values(inputs)).guards,)

@@ -117,11 +117,7 @@ class LoRAConfig:
 
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
-        try:
-            cls.OPTIONS.config(inputs)
-        except ValueError as exc:
-            raise NodeError(str(exc)) from None
-        return True
+        return cls.OPTIONS.validate(inputs)
 
     def build(self, rank, alpha, dropout, target_modules):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None

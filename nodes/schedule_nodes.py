@@ -33,7 +33,7 @@ class GradientCheckpointingSchedule:
 
     @classmethod
     def schedule(cls, family: str | None = None, **keys) -> api.CheckpointSchedule:
-        """The :class:`CheckpointSchedule` of the node's widget values (0 = unset), checked against
+        """The :class:`~..engine.config.schedule.CheckpointSchedule` of the node's widget values (0 = unset), checked against
         ``family``'s boundaries when it is given.
 
         Raises:
@@ -73,12 +73,8 @@ class ActivationOffloadOptions:
                              for key in _OFFLOAD}}
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **keys):
-        try:
-            cls.OPTIONS.config(keys)
-        except ValueError as exc:
-            raise NodeError(str(exc)) from None
-        return True
+    def VALIDATE_INPUTS(cls, **inputs):
+        return cls.OPTIONS.validate(inputs)
 
     def build(self, **keys):
         return (OffloadOptions(**keys),)

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ..engine import api
+from .environment import NodeError, current_host
 
 _KINDS = {bool: "BOOLEAN", int: "INT", float: "FLOAT", str: "STRING", tuple: "STRING"}
 _MISSING = object()
@@ -25,15 +26,16 @@ def tip(text: str, **spec: Any) -> dict:
 
 
 def widget(key: str, *, default: Any = _MISSING, tooltip: str | None = None, extra: str = "",
-           zero_unset: bool = False) -> tuple[Any, dict]:
+           zero_unset: bool = False, options: tuple[api.Option, ...] = api.OPTIONS) -> tuple[Any, dict]:
     """The ComfyUI input spec of option ``key``: ``(type or choices, {default, min, max, step, tooltip})``.
 
     Args:
         default: the node's default when it differs from the engine's (the Offload node's backend).
         tooltip: the node's own text instead of the option's help; extra: appended to it.
         zero_unset: an optional integer shown as 0 when unset (the schedule's interval and stride).
+        options: where the option is declared (the run's options).
     """
-    opt = api.option_named(key)
+    opt = api.option_named(key, options)
     value = opt.default if default is _MISSING else default
     spec = tip((tooltip or opt.help) + extra)
     if opt.choices is not None:
@@ -82,3 +84,16 @@ class NodeOptions:
             ConfigError, ScheduleError, LoraConfigError: a value the engine refuses, named.
         """
         return (base or api.TrainConfig()).replace(**self.values(inputs), **changes)
+
+    def validate(self, inputs: Mapping[str, Any], base: api.TrainConfig | None = None) -> bool:
+        """A node's ``VALIDATE_INPUTS``: True when the engine takes the option values of ``inputs``.
+
+        Raises:
+            NodeError: the engine's message (server paths hidden). Raised, not returned: ComfyUI
+                lists a returned message once per input the validator takes, a raised one once.
+        """
+        try:
+            self.config(inputs, base)
+        except ValueError as exc:
+            raise NodeError(current_host().public(str(exc))) from None
+        return True

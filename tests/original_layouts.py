@@ -2,7 +2,7 @@
 Labs' Flux.1 reference code and Stability AI's MMDiT (SD3 / SD3.5). Tests write tiny models in
 these layouts to load them as users' single files are loaded (by the pack and by ComfyUI); each
 mapping is checked by round-tripping through diffusers' own forward conversion
-(tests/test_single_file.py).
+(tests/model/test_single_file.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The engine's shape: imports point one way, no threads, backends as data, small family files."""
+"""The engine's shape: imports point one way, configs import no implementation, folders stay small,
+the front ends go through the facade, no threads, backends as data, small family files."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 
 from segmented_checkpointing.engine.config.backends import BACKENDS
 
-ENGINE = Path(__file__).resolve().parents[1] / "engine"
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "engine"
+MAX_MODULES = 14
+"""Modules a folder of engine/ may hold (``__init__.py`` not counted): split by what they hold beyond it."""
 LAYERS = {"families": 0, "config": 1, "core": 2, "files": 2, "model": 3, "data": 4, "train": 5, "measure": 6}
 """Lower layers never import higher ones: families <- config <- core, files <- model <- data <- train <- measure."""
 OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers")
@@ -115,3 +119,88 @@ def test_an_unrouted_list_is_a_field_of_the_plan_not_a_note():
         assert bool(listed.segments) == listed.routed
         assert plan.block_maps()[listed.name] == ("CCC" if listed.routed else "...")  # no "a" where nothing runs
     assert [entry["routed"] for entry in plan.to_dict()["lists"]] == list(routed.values())
+
+
+def test_no_folder_of_the_engine_holds_more_than_14_modules():
+    crowded = {str(folder.relative_to(ENGINE)): n for folder in [ENGINE, *ENGINE.rglob("*")] if folder.is_dir()
+               if (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES}
+    assert crowded == {}
+
+
+def _engine_imports(path: Path, package: tuple[str, ...]) -> set[str]:
+    """The engine modules (dotted, from ``engine``) a file imports; ``package``: the file's own
+    package, from the repository root."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = (*base, *(node.module or "").split(".")) if node.module else base
+            else:
+                parts = (node.module or "").split(".")
+                target = tuple(parts[1:]) if parts[0] == "segmented_checkpointing" else ()
+            if target[:1] == ("engine",):
+                names = [a.name for a in node.names]
+                # "from ..engine import api" imports the module engine.api
+                found |= {".".join((*target, n)) for n in names} if len(target) == 1 else {".".join(target)}
+    return found
+
+
+def test_configs_import_no_implementation_module():
+    """The option declarations sit below everything that uses them: a config module imports other
+    configs and the family registry, nothing that builds, trains or measures."""
+    for path in sorted((ENGINE / "config").glob("*.py")):
+        imported = _engine_imports(path, ("engine", "config"))
+        assert all(m.startswith(("engine.config", "engine.families")) for m in imported), (path.name, imported)
+
+
+@pytest.mark.parametrize("path", [ROOT / "cli.py", *sorted((ROOT / "nodes").glob("*.py"))],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_front_ends_import_the_facade_and_at_most_one_more_engine_module(path):
+    package = ("nodes",) if path.parent.name == "nodes" else ()
+    imported = _engine_imports(path, package)
+    assert len(imported) <= 2 and (not imported or "engine.api" in imported), imported
+
+
+def test_the_facade_offers_every_entry_point():
+    from segmented_checkpointing.engine import api
+
+    for name in ("train", "check_fit", "plan", "sweep", "load_model", "families"):
+        assert callable(getattr(api, name)), name
+    assert not hasattr(__import__("segmented_checkpointing.engine.measure", fromlist=["x"]), "guarded")
+
+
+def _diagram() -> dict[str, set[str]]:
+    """The modules ARCHITECTURE.md's diagram lists, by folder (continuation lines belong to the folder above)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```")[1]
+    listed: dict[str, set[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        words = line.split()
+        if words and words[0].startswith("engine/"):
+            folder = words[0].rstrip("/")
+            words = words[1:]
+        if folder is not None and words and not set(line.strip()) <= {"|"}:
+            listed.setdefault(folder, set()).update(w for w in words if w.endswith((".py", "/")))
+    return listed
+
+
+def test_architecture_md_names_every_module_and_only_existing_ones():
+    listed = _diagram()
+    for folder, names in listed.items():
+        for name in names:
+            assert (ROOT / folder / name.rstrip("/")).exists() or (ROOT / folder).is_file(), f"{folder}/{name}"
+    layered = {folder for folder in listed if (ROOT / folder).is_dir()}
+    for path in _modules():
+        folder = path.parent.relative_to(ROOT).as_posix()
+        if folder.startswith("engine/families/"):  # a family adapter: its kind's folder is listed
+            assert f"{path.parent.name}/" in listed["engine/families"], folder
+            continue
+        if path.name == "__init__.py":
+            continue
+        assert folder in layered and path.name in listed[folder], f"{folder}/{path.name} is not in ARCHITECTURE.md"
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    for named in re.findall(r"`(engine/[\w/<>.-]+\.py)`", text):
+        if "<" not in named:
+            assert (ROOT / named).is_file(), named

@@ -11,7 +11,7 @@ export const SCHEDULE_KEYS = [
   "gradient_checkpointing_offload_pin_memory_max_buckets",
 ];
 
-/** Block-map marks (engine/plan.py LEGEND): fill colour and short label. */
+/** Block-map marks (engine/core/plan.py LEGEND): fill colour and short label. */
 export const MARKS = {
   C: { color: "#3b82f6", label: "checkpointed" },
   O: { color: "#a855f7", label: "checkpointed, inputs offloaded" },

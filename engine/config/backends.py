@@ -1,11 +1,11 @@
 """The four public checkpoint backends as data: what a planned block does under each.
 
-One row per public ``gradient_checkpointing_backend`` value (SPEC.md "Backends"; the documents'
-SimpleTuner "Unsloth-style Checkpointing"): the scope of its checkpoint region (the whole block,
-or the block's feed-forward sub-block alone) and whether the region's boundary inputs wait in
-host memory between forward and backward. The block-map character and the documents' decision
-order (torch-ffn, torch, unsloth-ffn, unsloth) are kept in the same row. Everything else reads
-this table; no other module compares backend names.
+One row per public ``gradient_checkpointing_backend`` value (docs/SCHEDULES.md "Backends"; the
+documents' SimpleTuner "Unsloth-style Checkpointing"): the scope of its checkpoint region (the
+whole block, or the block's feed-forward sub-block alone) and whether the region's boundary
+inputs wait in host memory between forward and backward. The block-map character and the
+documents' decision order (torch-ffn, torch, unsloth-ffn, unsloth) are kept in the same row.
+Everything else reads this table; no other module compares backend names.
 """
 
 from __future__ import annotations

@@ -214,9 +214,9 @@ def _coerce(key: str, value: Any) -> Any:
 def check_supported(family: FamilyAdapter, schedule: CheckpointSchedule) -> None:
     """Refuse, before any work starts, a schedule the family cannot run as asked.
 
-    Never run a different scope silently (SPEC.md "Backends"): a ``*-ffn`` backend needs an FFN
-    boundary, and attention offload an attention boundary, in every block list the model routes
-    through the checkpoint function.
+    Never run a different scope silently (docs/SCHEDULES.md "Backends"): a ``*-ffn`` backend needs
+    an FFN boundary, and attention offload an attention boundary, in every block list the model
+    routes through the checkpoint function.
 
     Raises:
         ScheduleError: naming the family, the block list(s) and the option.

@@ -1,5 +1,5 @@
 """README's options table, generated from the options' metadata (``segckpt options``;
-``tests/test_options.py`` checks that README.md holds it unchanged)."""
+``tests/config/test_options.py`` checks that README.md holds it unchanged)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def _cell(text: str) -> str:
 
 
 def options_table(options: Iterable[Option] = OPTIONS) -> str:
-    """The Markdown table of ``options``: flag, config key, default, meaning (its help text),
-    between the markers README.md keeps it in."""
-    lines = [BEGIN, "", "| option | config key | default | meaning |", "|---|---|---|---|"]
+    """The Markdown table of ``options``: flag, config key, default, allowed values, meaning (its
+    help text), between the markers README.md keeps it in."""
+    lines = [BEGIN, "", "| option | config key | default | allowed | meaning |", "|---|---|---|---|---|"]
     for opt in options:
         flag = f"`{opt.cli}`" if opt.cli else ""
-        lines.append(f"| {flag} | `{opt.key}` | {_cell(_default(opt.default))} | {_cell(opt.help)} |")
+        lines.append(f"| {flag} | `{opt.key}` | {_cell(_default(opt.default))} | {_cell(opt.allowed())} | "
+                     f"{_cell(opt.help)} |")
     return "\n".join(lines + ["", END]) + "\n"
 
 

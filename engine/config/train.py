@@ -12,6 +12,7 @@ file may also use the SimpleTuner names in :data:`ALIASES`.
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -135,7 +136,7 @@ class TrainConfig:
         keys nested under ``lora`` and ``schedule``), as config files, ``report.json`` and the
         resumable state hold it. A run without guardrails gives :data:`NO_GUARDRAILS`' values."""
         values: dict[str, Any] = {}
-        for opt in OPTIONS:
+        for opt in options_for(type(self)):
             if opt.path[0] not in NESTED:
                 values[opt.key] = _read(self, opt)
         values["lora"], values["schedule"] = asdict(self.lora), self.schedule.to_dict()
@@ -174,7 +175,7 @@ class TrainConfig:
             ConfigError, ScheduleError, LoraConfigError: an invalid value.
         """
         base = base or cls()
-        by_key = {opt.key: opt for opt in OPTIONS}
+        by_key = {opt.key: opt for opt in options_for(cls)}
         components = {f.name for f in fields(cls) if f.name not in by_key}
         changes: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
@@ -252,17 +253,24 @@ def warn_resume_schedule(config: TrainConfig, saved_steps: int | None, done: int
             f"steps={saved_steps} for the original schedule", ConfigWarning, stacklevel=3)
 
 
-OPTIONS: tuple[Option, ...] = tuple(options_of(TrainConfig))
+@functools.cache
+def options_for(cls: type) -> tuple[Option, ...]:
+    """Every option of the run config class ``cls`` (:class:`TrainConfig`, or a variant of it), in
+    the tree's order (:func:`~.options.options_of`)."""
+    return tuple(options_of(cls))
+
+
+OPTIONS: tuple[Option, ...] = options_for(TrainConfig)
 """Every option of a run, in the tree's order: one flat key each (see :class:`~.options.Option`)."""
 
 
-def option_named(key: str) -> Option:
-    """The :class:`~.options.Option` of flat ``key``.
+def option_named(key: str, options: tuple[Option, ...] = OPTIONS) -> Option:
+    """The :class:`~.options.Option` of flat ``key`` among ``options``.
 
     Raises:
         KeyError: no option has that key.
     """
-    for opt in OPTIONS:
+    for opt in options:
         if opt.key == key:
             return opt
     raise KeyError(f"no option {key!r}")

@@ -15,8 +15,8 @@ checkpointed per block. :func:`probe_family` derives an adapter from one recorde
    adapter is per-block only. The adapter's ``plan_notes`` say which, so every plan and report
    of the model states it.
 
-The runner's own safety net (SPEC.md "How the engine hooks into diffusers": detect and fall back,
-never compute silently wrong values) still holds during training.
+The runner's own safety net (docs/SCHEDULES.md "How the engine hooks into diffusers": detect and
+fall back, never compute silently wrong values) still holds during training.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """Peak-memory and step-time measurement for one training step.
 
 A sweep cell is ``post-warmup sec/step / peak memory GiB``, the peak being the memory allocated
-during the training update (SPEC.md "Benchmark protocol"). On CUDA the caching allocator's own
-counters give that peak. On CPU there is no such counter (the process RSS is noisy and includes
-the allocator's free lists), so :class:`LiveTensorTracker` counts, exactly and deterministically,
-the bytes of the tensor storages that the step's operators allocate and that are still alive.
-:class:`PeakMemory` picks one of the two; :class:`StepTimer` gives the post-warm-up median time.
+during the training update (docs/SCHEDULES.md "Benchmark protocol"). On CUDA the caching
+allocator's own counters give that peak. On CPU there is no such counter (the process RSS is
+noisy and includes the allocator's free lists), so :class:`LiveTensorTracker` counts, exactly
+and deterministically, the bytes of the tensor storages that the step's operators allocate and
+that are still alive. :class:`PeakMemory` picks one of the two; :class:`StepTimer` gives the
+post-warm-up median time.
 
-Trackers and timers are objects owned by a run; no module-level mutable state (STYLE.md rule 4).
+Trackers and timers are objects owned by a run; no module-level mutable state (a ComfyUI server is
+long-lived: state left in a module would leak from one workflow into the next).
 
 Example::
 

@@ -2,7 +2,7 @@
 
 Used by the ``unsloth`` / ``unsloth-ffn`` backends (the boundary inputs a checkpointed region
 keeps for its recompute) and by ``gradient_checkpointing_offload_attention`` (the tensors the
-attention sub-block saves for backward). Semantics: SPEC.md "What ``unsloth`` offloads".
+attention sub-block saves for backward). Semantics: docs/SCHEDULES.md "What unsloth offloads".
 
 Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, pinned when possible, reused
 across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a

@@ -181,8 +181,8 @@ def fsdp_plan(family: FamilyAdapter, schedule: CheckpointSchedule, num_blocks: M
     """The plan of FSDP-style activation checkpointing: ``checkpoint_wrapper`` around every block
     of every list (each block its own checkpoint, recomputed once in backward).
 
-    The documents' rule (SPEC.md "Family rules": when FSDP activation checkpointing is on,
-    model-level checkpointing is disabled to avoid applying both): the requested model-level
+    The documents' rule (docs/SCHEDULES.md "Family rules": when FSDP activation checkpointing is
+    on, model-level checkpointing is disabled to avoid applying both): the requested model-level
     schedule is switched off; when it asked for checkpointing, a :class:`ScheduleWarning` says so
     and the plan's notes keep it.
     """
@@ -256,8 +256,8 @@ def plan_block_list(name: str, num_blocks: int, interval: int, stride: int | Non
     """Pure function: the checkpointed segments of a list of ``num_blocks`` blocks.
 
     With interval N and stride S (S defaults to N) the segments are ``[k*S, min(k*S+N, n))`` for
-    k = 0, 1, ... while ``k*S < n`` (SPEC.md "Semantics"). A tail shorter than N is a shorter last
-    segment; no block is ever dropped. N = 1 gives exactly per-block checkpointing.
+    k = 0, 1, ... while ``k*S < n`` (docs/SCHEDULES.md "Semantics"). A tail shorter than N is a
+    shorter last segment; no block is ever dropped. N = 1 gives exactly per-block checkpointing.
 
     Args:
         name: the list's short name, carried into the plan.

@@ -56,7 +56,7 @@ def plan_for_query(query: Mapping[str, str]) -> dict[str, Any]:
     Args:
         query: ``family`` (required), ``size`` (``full`` or ``tiny``, default ``full``) and any of
             the six schedule keys as strings (``""``/``none`` = unset; see
-            :meth:`~.schedule.CheckpointSchedule.from_config`).
+            :meth:`~..config.schedule.CheckpointSchedule.from_config`).
 
     Returns:
         :meth:`~.plan.ModelPlan.to_dict` plus ``size`` and ``num_blocks`` (per list).

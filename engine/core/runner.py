@@ -1,7 +1,7 @@
 """The segment runner: one executor of checkpoint plans for every family.
 
 diffusers models call ``self._gradient_checkpointing_func(block, *args)`` for each block when
-gradient checkpointing is enabled (SPEC.md "How the engine hooks into diffusers"). A
+gradient checkpointing is enabled (docs/SCHEDULES.md "How the engine hooks into diffusers"). A
 :class:`SegmentRunner` is installed as that function on our training copy of the model. When the
 loop calls the first block of a planned segment ``[s, e)``, the runner runs blocks ``s..e-1``
 inside ONE non-reentrant :func:`torch.utils.checkpoint.checkpoint` call, feeding each block's
@@ -194,7 +194,7 @@ class SegmentRunner:
     pool). Attributes of interest: :attr:`plan` (updated on fallback), :attr:`stats`, and
     :attr:`offloader` (``None`` unless the schedule offloads).
 
-    Backends (SPEC.md "Backends"): ``torch`` runs each segment in one checkpoint call;
+    Backends (docs/SCHEDULES.md "Backends"): ``torch`` runs each segment in one checkpoint call;
     ``unsloth`` does the same with the segment's carried boundary inputs (the hidden states it
     keeps for its recompute) offloaded to host memory; ``torch-ffn`` / ``unsloth-ffn`` run the
     planned blocks plainly but checkpoint each one's FFN sub-block on its own (an FFN-only region

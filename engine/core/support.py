@@ -2,8 +2,9 @@
 
 ``segckpt families`` prints it and ``docs/FAMILIES.md`` is this module's output; a test fails
 when the committed file differs from what the code generates. A second table maps every model
-family the documents name (SPEC.md "Families named by the documents", seeds/000 "Family Sweep
-Results") to its adapter, or marks it as having no diffusers class (no adapter can exist then).
+family the documents name (docs/SCHEDULES.md "Families named by the documents", the segmented
+path and the benchmark sweep's rows) to its adapter, or marks it as having no diffusers class
+(no adapter can exist then).
 """
 
 from __future__ import annotations

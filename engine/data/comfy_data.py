@@ -12,7 +12,7 @@ The formats, as ComfyUI 0.3.64 makes them (``nodes.py`` VAEEncode and CLIPTextEn
   "attention_mask": (1, L) (optional), ...}]``; other keys (guidance, hooks, areas) are ignored.
 
 :func:`prepare_comfy_data` turns them into the cache the image path produces
-(:func:`.data.prepare_cache`), which :class:`~.loop.TrainingRun` takes as ``prepared=``.
+(:func:`.cache.prepare_cache`), which :class:`~..train.loop.TrainingRun` takes as ``prepared=``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PreparedData:
 
     Attributes:
         family: the family they were prepared for.
-        cache: what :func:`.data.prepare_cache` returns: ``latents (N, C, H, W)`` or
+        cache: what :func:`.cache.prepare_cache` returns: ``latents (N, C, H, W)`` or
             ``(N, C, T, H, W)`` float32, normalised; ``text_seq (N, L, D)`` float32; ``text_mask
             (N, L)`` bool; ``text_pooled (N, P)`` float32 when the family uses pooled vectors.
         summary: JSON-ready description (``report.json`` ``dataset``).

@@ -63,7 +63,7 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
 
     Raises:
         ComfyDataError: prepared data of another family. ModelLoadError: images but no VAE.
-        DatasetError: the folder cannot be used (see :func:`~.data.scan_dataset`).
+        DatasetError: the folder cannot be used (see :func:`~.folder.scan_dataset`).
     """
     if prepared is not None:
         if prepared.family != bundle.family.name:

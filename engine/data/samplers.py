@@ -42,7 +42,7 @@ class EpochSampler:
 
 
 class BucketSampler:
-    """Deterministic batches that never mix buckets; the interface of :class:`~.data.EpochSampler`.
+    """Deterministic batches that never mix buckets; the interface of :class:`EpochSampler`.
 
     Epoch ``e`` draws from one generator seeded ``seed + e``: each bucket's positions are shuffled
     (buckets in the given order) and cut into batches of ``batch_size``, the last one of a bucket

@@ -1,7 +1,7 @@
 """The declarative family adapter: what the segment runner and the trainer need to know of a model.
 
-A family file declares; it does not execute (SPEC.md "A sketch of the house"): its diffusers class,
-its block lists with their carry maps and FFN/attention boundaries, its capabilities, how a
+A family file declares; it does not execute (docs/SCHEDULES.md "A family declares"): its diffusers
+class, its block lists with their carry maps and FFN/attention boundaries, its capabilities, how a
 training batch becomes the model's keyword arguments, and a tiny preset config for tests and the
 demo. It registers itself with one call to :func:`register_family`.
 """

@@ -2,7 +2,7 @@
 
 A :class:`BlockList` names one ``nn.ModuleList`` (or a dotted path to nested blocks, see
 :func:`resolve_blocks`) and its :class:`Carry`, the map from one block's outputs to the next
-block's arguments. Source: SPEC.md "How the engine hooks into diffusers".
+block's arguments. Source: docs/SCHEDULES.md "How the engine hooks into diffusers".
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Carry:
             their carry is ``((0, 1), (1, 0))``; Wan blocks return one tensor fed to argument 0:
             ``((None, 0),)``. Arguments without a link are the same for every block of the list.
 
-    Source: SPEC.md "How the engine hooks into diffusers".
+    Source: docs/SCHEDULES.md "How the engine hooks into diffusers".
     """
 
     links: tuple[tuple[OutputIndex, ArgSlot], ...]

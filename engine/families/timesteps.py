@@ -1,6 +1,6 @@
 """Timestep conventions the family adapters share: noise level to model timestep, DDPM schedule.
 
-The engine draws a noise level ``sigma`` in ``[0, 1)`` (engine/objectives.py); diffusers
+The engine draws a noise level ``sigma`` in ``[0, 1)`` (engine/train/objectives.py); diffusers
 schedulers count ``NUM_TRAIN_TIMESTEPS`` training steps, so a pipeline passes its transformer
 ``timestep = sigma * 1000`` (:func:`scheduler_timesteps`) or, for DDPM models, the integer step
 (:func:`ddpm_timesteps`). Families whose model scales sigma itself pass sigma unchanged.
@@ -36,7 +36,7 @@ def ddpm_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
     """The integer DDPM step of noise level ``sigmas``: ``round(sigma * 1000)`` clamped to ``[0, 999]``.
 
     Rule: the epsilon objective draws ``t`` in ``[0, 1000)`` and reports ``sigma = t / 1000``
-    (engine/objectives.py); discrete-timestep models (PixArt, the DDPM step of Stable Cascade's
+    (engine/train/objectives.py); discrete-timestep models (PixArt, the DDPM step of Stable Cascade's
     conversion) take ``t`` back as an integer. The product is computed in ``sigmas``' dtype.
 
     Args:
@@ -54,7 +54,7 @@ def alphas_cumprod() -> torch.Tensor:
     Rule: ``beta_t = linspace(sqrt(0.0001), sqrt(0.02), 1000)_t ** 2`` and
     ``abar_t = prod_{s <= t} (1 - beta_s)`` (Ho et al. 2020, "Denoising Diffusion Probabilistic
     Models"; the ``beta_schedule="scaled_linear"`` of ``diffusers/schedulers/scheduling_ddpm.py``,
-    here in float64). The epsilon objective (engine/objectives.py) noises with it.
+    here in float64). The epsilon objective (engine/train/objectives.py) noises with it.
     """
     betas = torch.linspace(0.0001 ** 0.5, 0.02 ** 0.5, NUM_TRAIN_TIMESTEPS, dtype=torch.float64) ** 2
     return torch.cumprod(1.0 - betas, dim=0)

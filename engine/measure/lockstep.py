@@ -33,7 +33,7 @@ def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedul
     """Train one copy of ``bundle`` per schedule in lockstep (one step of each in turn).
 
     Args:
-        config: shared run settings (see :class:`~..train.runs.RunWorkspace`).
+        config: shared run settings (see :class:`~.runs.RunWorkspace`).
         bundle: the loaded model; never changed (each run trains a deep copy).
         schedules: the schedules to compare (at least one).
         warmup_steps: leading steps not paired (at least 1: the first step also sets the run up

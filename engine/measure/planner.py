@@ -1,6 +1,6 @@
 """Schedule planner: pick the fastest checkpointing schedule that fits a memory budget.
 
-One probe run (:func:`~.probe.probe`: no checkpointing, :func:`~.training.train` itself, so the
+One probe run (:func:`~.probe.probe`: no checkpointing, a :class:`~..train.loop.TrainingRun`, so the
 numbers are measured exactly like a sweep cell) measures, per block of every block list:
 
 * ``act``: bytes of the tensors the block saves for backward (its activations), deduplicated by
@@ -36,7 +36,7 @@ holds besides block activations. For a candidate schedule the model then predict
   probe, divided by the tensors and bytes it offloaded).
 
 The planner returns the fastest predicted schedule whose predicted peak fits; predictions within
-``TIE`` of each other follow the documents' decision rule (seeds/001 "How to decide"): no
+``TIE`` of each other follow the documents' decision rule (docs/SCHEDULES.md "How to decide"): no
 checkpointing, then ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth``; plain over offload;
 the larger interval and stride. The time model is only as good as its calibration: on a shared
 CPU, step times drift by tens of percent and schedules predicted a few percent apart can be 15%

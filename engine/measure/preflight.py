@@ -171,7 +171,7 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         budget_bytes: the memory budget, bytes.
         warmup_steps: probe steps before the measured one.
         prepared: ComfyUI's latents and text, when the run trains on them.
-        start_run, on_step, should_stop: see :class:`~..train.runs.RunWorkspace`.
+        start_run, on_step, should_stop: see :class:`~.runs.RunWorkspace`.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.

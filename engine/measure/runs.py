@@ -4,7 +4,8 @@ and lockstep timing make them.
 A :class:`RunWorkspace` is a temporary folder shared by such runs: the built-in sample photos are
 written once and the latent cache is encoded once (every run of the same data and model reuses
 it), and each run trains a deep copy of the model into an output folder of its own. Runs are
-:class:`~.loop.TrainingRun` iterators, so a caller may drive several of them one step at a time.
+:class:`~..train.loop.TrainingRun` iterators, so a caller may drive several of them one step at a
+time.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from ..data.folder import write_sample_dataset
 from ..train.loop import TrainingRun, TrainResult
 
 StartRun = Callable[..., Any]
-"""Makes one run: called like :class:`~.loop.TrainingRun` (``config, bundle=, log=, cache_dir=``)
-and returns an iterable of step records with a ``result`` once exhausted (tests substitute
-their own)."""
+"""Makes one run: called like :class:`~..train.loop.TrainingRun` (``config, bundle=, log=,
+cache_dir=``) and returns an iterable of step records with a ``result`` once exhausted (tests
+substitute their own)."""
 
 
 class MeasurementInterrupted(Exception):
@@ -40,7 +41,7 @@ class RunWorkspace:
         config: shared settings (data, resolution, batch, device, precision, ...); each run
             replaces the schedule, the steps and the output folder.
         bundle: the loaded model; never changed (each run trains a deep copy).
-        start_run: makes a run (default :class:`~.loop.TrainingRun`).
+        start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
         on_step: called after every step of every run (progress).
         should_stop: polled after every step of every run; True raises
             :class:`MeasurementInterrupted` there (Cancel in a node, within one step).

@@ -2,8 +2,10 @@
 
 For one model, dataset shape and batch, each mode (none, layer, interval 2, interval 2 stride 4;
 each with the backends and attention offload the family supports) trains for a few steps after
-warm-up through the same :func:`~.training.train` as a real run, on a fresh copy of the model.
-Each cell is written in the documents' format (seeds/000 "Benchmarks": "sec/step / peak GiB"):
+warm-up through the same :class:`~..train.loop.TrainingRun` as a real run, on a fresh copy of the
+model.
+Each cell is written in the documents' format (docs/SCHEDULES.md "Benchmark protocol":
+"sec/step / peak GiB"):
 
 * ``ok``: ``0.412 / 3.21`` (median sec/step after warm-up / largest peak of the steps after
   warm-up in GiB: the first step also allocates the optimizer state, once);
@@ -45,7 +47,7 @@ BASE_MODES = {
     "interval2": CheckpointSchedule(gradient_checkpointing_interval=2),
     "interval2-stride4": CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4),
 }
-"""The documents' four schedules (seeds/000 "Benchmarks")."""
+"""The documents' four schedules (docs/SCHEDULES.md "Benchmark protocol")."""
 STATUSES = ("ok", "OOM", "failed", "unsupported", "not run")
 NOISE = 0.05
 """Relative difference under which two cells' sec/step count as equal (same-process noise)."""
@@ -116,7 +118,7 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     Args:
         config: the run settings shared by every cell (data, resolution, batch, lr, seed,
             device); its schedule, steps, output and resume are replaced per cell.
-        bundle: the loaded model (:class:`~..train.loading.ModelBundle`); never changed (each
+        bundle: the loaded model (:class:`~..model.bundle.ModelBundle`); never changed (each
             cell trains a deep copy). The cells share one workspace: the data is encoded once.
         schedules: modes to run, default :func:`sweep_schedules`.
         warmup_steps: steps excluded from sec/step. measured_steps: steps measured after them.
@@ -124,7 +126,7 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`; tests inject faults).
         log: where progress lines go.
         on_step, should_stop: progress and Cancel, after every step (see
-            :class:`~..train.runs.RunWorkspace`).
+            :class:`~.runs.RunWorkspace`).
 
     Returns:
         One :class:`SweepCell` per schedule, in order, with flags set.

@@ -69,7 +69,7 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
         preset: only ``tiny`` is defined.
         seed: seed of the random init.
         overrides: config keys replacing the preset's (e.g. ``{"num_layers": 4}``).
-        text_encoders: local text encoder folders (:func:`~.text.load_text_encoders`; their
+        text_encoders: local text encoder folders (:func:`~.text_encoders.load_text_encoders`; their
             widths must be the preset's); default: the deterministic stand-in embedder.
 
     Raises:

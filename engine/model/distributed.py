@@ -3,7 +3,7 @@ the sharding of a model, and what a sharded run needs to stay equal to a single-
 
 We do not build a distributed engine: PyTorch's does the work (FSDP2, ``torch.distributed``
 collectives, ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``). This module wires
-it to a :class:`~.loop.TrainingRun`:
+it to a :class:`~..train.loop.TrainingRun`:
 
 - :func:`init_distributed` joins the process group ``torchrun`` describes (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on CUDA, gloo on the CPU.

@@ -126,7 +126,7 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     ``path`` is either a pipeline folder (``model_index.json`` with ``transformer/`` and ``vae/``
     subfolders, optionally ``text_encoder*/`` + ``tokenizer*/``) or a bare transformer folder (then
     ``vae_path`` is required). ``text_encoder_path`` (one folder or several, see
-    :func:`~.text.load_text_encoders`) replaces the pipeline's encoders; without any, the
+    :func:`~.text_encoders.load_text_encoders`) replaces the pipeline's encoders; without any, the
     deterministic stand-in embedder is used.
 
     Raises:

@@ -2,8 +2,8 @@
 
 Files are written in the diffusers key format with the ``transformer.`` prefix
 (``transformer.transformer_blocks.0.attn.to_q.lora_A.weight``), which both diffusers'
-``load_lora_weights`` and ComfyUI's own LoRA loader map (SPEC.md "LoRA files": bare peft keys
-load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name.
+``load_lora_weights`` and ComfyUI's own LoRA loader map (docs/SCHEDULES.md "LoRA files": bare
+peft keys load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name.
 
 The scale is folded into the weights: each module's ``lora_B`` is stored multiplied by peft's
 scaling (``alpha / rank``), no ``.alpha`` tensor is written, and the header's
@@ -156,7 +156,7 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
     """Save the model's LoRA as a ComfyUI/diffusers-loadable ``.safetensors`` file (atomic).
 
     Both loaders change the base exactly as the trained adapter did (scale folded into ``lora_B``,
-    see the module docstring); ``tests/test_lora_files.py`` checks it for every family (through
+    see the module docstring); ``tests/model/test_lora_files.py`` checks it for every family (through
     diffusers where the family has a LoRA loader there).
 
     Args:

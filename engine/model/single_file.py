@@ -5,7 +5,7 @@ A file comes from ``models/diffusion_models`` (the transformer alone), ``models/
 the prefix ComfyUI and diffusers both strip; the VAE and text encoders in it are not read). It may
 be in the original release layout or the diffusers layout. The order of work:
 
-1. the header is checked (:func:`~.file_checks.check_safetensors`) and read: names, dtypes, shapes;
+1. the header is checked (:func:`~..files.checks.check_safetensors`) and read: names, dtypes, shapes;
 2. the family and layout are recognised from key names (:mod:`.single_file_formats`);
 3. the header is converted to the diffusers layout on ``meta`` tensors, and its shapes are compared
    with the shipped configs of the family's released variants (``model_configs/*.json``) and the

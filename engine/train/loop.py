@@ -136,7 +136,7 @@ class TrainingRun:
                 warnings.simplefilter("ignore")
             # FSDP2 warns for every block returning a view, in case the caller changes it in place
             # (dropping the block's pre-backward hook); diffusers' loops do not, and
-            # tests/test_fsdp.py checks that sharded gradients equal single-process ones
+            # tests/model/test_distributed.py checks that sharded gradients equal single-process ones
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             # torch's layer/RMS norms warn that bf16 input meets fp32 weights (autocast keeps
             # norms in fp32 by design); that is expected here, not a fault of the run

@@ -60,9 +60,9 @@ def check_finite(loss: torch.Tensor, named_params: list[tuple[str, torch.nn.Para
     """Check ``loss`` (0-d) and the ``.grad`` of every parameter with one synchronisation.
 
     Parameters without a gradient count as finite. Sharded gradients (FSDP's DTensors) are checked
-    shard by shard; ``all_ranks`` (:meth:`~.distributed.Distributed.all_true`) then combines the
-    flags of every rank, so that all ranks take the same decision (``loss`` must already be the
-    mean over ranks).
+    shard by shard; ``all_ranks`` (:meth:`~..model.distributed.Distributed.all_true`) then combines
+    the flags of every rank, so that all ranks take the same decision (``loss`` must already be
+    the mean over ranks).
     """
     graded = [(n, local_tensor(p.grad)) for n, p in named_params if p.grad is not None]
     flags = torch.stack([loss.detach().float().reshape(())] + [g.isfinite().all().float() for _, g in graded])
@@ -79,8 +79,8 @@ def describe(check: FiniteCheck, step: int, context: dict) -> str:
     Args:
         check: the failed check.
         step: 1-based optimizer step.
-        context: ``device``, ``precision`` (:meth:`Precision.to_dict`), ``attention_backend``
-            (kernel names), ``learning_rate``, ``lora_alpha``, ``lora_rank``.
+        context: ``device``, ``precision`` (:meth:`~..model.precision.Precision.to_dict`),
+            ``attention_backend`` (kernel names), ``learning_rate``, ``lora_alpha``, ``lora_rank``.
     """
     what = (f"loss is {check.loss}" if not check.loss_finite
             else f"loss {check.loss:.4g} is finite but a LoRA gradient is not")

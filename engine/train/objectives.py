@@ -27,7 +27,7 @@ def noisy_latents(objective: str, latents: torch.Tensor, generator: torch.Genera
         latents: clean latents x0, ``(B, C, ...)`` on the CPU (the generator's device).
         generator: a CPU generator (its state is part of the resumable training state).
         shared: one noise level for the whole batch (models whose timestep is per batch, not
-            per sample: :attr:`~.families.base.FamilyAdapter.shared_sigma`).
+            per sample: :attr:`~..families.base.FamilyAdapter.shared_sigma`).
 
     Returns:
         ``(noisy latents like x0, sigmas (B,) in [0, 1), target like x0)``; for ``epsilon``

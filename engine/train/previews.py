@@ -6,8 +6,8 @@ gives the sigmas from 1 to 0 and the Euler step ``x <- x + (sigma_next - sigma) 
 the model's velocity (``noise - x0``, what the families train to predict); the transformer runs
 through the family adapter, with gradients off (so no checkpoint region runs) under the run's
 autocast. The latents are decoded by the run's decoder: the bundle's VAE (undoing the
-normalisation of :func:`~.data.encode_latents`), or one a caller gives (ComfyUI's VAE in the node
-pack). Families trained on the epsilon objective get no preview (the run says so).
+normalisation of :func:`~..data.cache.encode_latents`), or one a caller gives (ComfyUI's VAE in
+the node pack). Families trained on the epsilon objective get no preview (the run says so).
 
 The preview phase is measured on its own (peak bytes), kept out of the step timing.
 """
@@ -55,7 +55,7 @@ class PreviewSource:
 
 def vae_decoder(vae: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """Decode the engine's normalised latents with a diffusers VAE (the inverse of
-    :func:`~.data.encode_latents`): ``(N, C, h, w)`` -> ``(N, 3, 8h, 8w)`` in [0, 1]."""
+    :func:`~..data.cache.encode_latents`): ``(N, C, h, w)`` -> ``(N, 3, 8h, 8w)`` in [0, 1]."""
 
     @torch.no_grad()
     def decode(latents: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,7 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
 
     Args:
         config: the run's TrainConfig. bundle: its ModelBundle. latent_shape: one sample's latent
-            shape ``(C, h, w)`` (:func:`~.buckets.sample_latent_shape`).
+            shape ``(C, h, w)`` (:func:`~..data.buckets.sample_latent_shape`).
     """
     family = bundle.family
     if family.objective != "flow":

@@ -3,10 +3,10 @@
 When a step runs out of memory and recovery is on (``on_oom=switch``), the run keeps the state of
 its last completed step, applies the next schedule of :func:`cheaper_schedules` (or the first a
 caller's policy picks, e.g. the planner's first one predicted to fit) and retries the step. The
-ladder follows the documents' decision rule (seeds/001 "How to decide"; SPEC.md "Backends"): the
-backends in their order ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth`` (more memory saved,
-more time spent, at each rung; those the family cannot run are skipped), then, with the last
-backend, a lower stride (every block checkpointed) and a lower interval (a smaller region
+ladder follows the documents' decision rule (docs/SCHEDULES.md "How to decide" and "Backends"):
+the backends in their order ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth`` (more memory
+saved, more time spent, at each rung; those the family cannot run are skipped), then, with the
+last backend, a lower stride (every block checkpointed) and a lower interval (a smaller region
 recomputed at once), then attention offload. Checkpointing never changes the gradients, so a run
 that switched equals, step for step, a run that used the new schedule from that step on.
 """

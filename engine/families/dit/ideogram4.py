@@ -75,7 +75,8 @@ def _read_output(model, output, latents: torch.Tensor) -> torch.Tensor:
 
 # block(hidden, attention_mask, (cos, sin), adaln_input) -> hidden; the mask, the rotary tuple and
 # the AdaLN input are built once before the loop, so the plain single-tensor carry is exact. No
-# attention/FFN boundary, as the documents list it (SPEC.md "Families named by the documents").
+# attention/FFN boundary, as the documents list it (docs/SCHEDULES.md "Families named by the
+# documents").
 IDEOGRAM4 = register_family(
     FamilyAdapter(
         name="ideogram4",

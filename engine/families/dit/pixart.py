@@ -1,7 +1,7 @@
 """PixArt-Alpha / PixArt-Sigma (``PixArtTransformer2DModel``): one list of DiT blocks.
 
 PixArt is a DDPM epsilon model (1000 discrete timesteps): the timestep passed is the integer DDPM
-step of sigma (:func:`.timesteps.ddpm_timesteps`), and the trainer must noise the latents with the
+step of sigma (:func:`..timesteps.ddpm_timesteps`), and the trainer must noise the latents with the
 DDPM schedule of that timestep. Released checkpoints learn the variance (``out_channels = 2C``):
 only the first ``C`` output channels are the epsilon prediction.
 """

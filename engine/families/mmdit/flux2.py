@@ -20,7 +20,7 @@ from ..packing import pack_2x2, read_packed_2x2
 # editing) is the one per-block state: the model writes kv_cache.get_double(i) / get_single(i) into
 # ONE kv_attn_kwargs dict in place before each block. The runner copies each call's argument
 # containers, so every recompute sees its own block's entry and a grouped segment sees the entry
-# change and falls back to per-block (tests/test_faults.py); training builds the text-to-image
+# change and falls back to per-block (tests/train/test_faults.py); training builds the text-to-image
 # call, where kv_attn_kwargs is None for every block.
 _DOUBLE = Carry(((0, 1), (1, 0)))
 

@@ -19,7 +19,7 @@ _S = 0.008  # offset of the cosine schedule (DDPMWuerstchenScheduler / the prior
 
 def _timestep_ratio(sigmas: torch.Tensor) -> torch.Tensor:
     """The prior pipeline's ``get_timestep_ratio_conditioning`` at the DDPM step of ``sigmas``
-    (:func:`.timesteps.ddpm_timesteps`): stage C's cosine-schedule ratio for the DDPM noise level."""
+    (:func:`..timesteps.ddpm_timesteps`): stage C's cosine-schedule ratio for the DDPM noise level."""
     var = alphas_cumprod()[ddpm_timesteps(sigmas.double())].clamp(0, 1)
     min_var = math.cos(_S / (1 + _S) * math.pi * 0.5) ** 2
     return ((var * min_var) ** 0.5).acos() / (math.pi * 0.5) * (1 + _S) - _S

@@ -2,7 +2,7 @@
 
 Source: ``diffusers/models/unets/unet_2d_condition.py``, ``unet_2d_blocks.py`` and
 ``transformers/transformer_2d.py`` (diffusers 0.42); inputs as in the SD / SDXL / Kolors pipelines.
-Epsilon objective: the timestep is the DDPM step as a float (:func:`.timesteps.scheduler_timesteps`).
+Epsilon objective: the timestep is the DDPM step as a float (:func:`..timesteps.scheduler_timesteps`).
 SDXL / Kolors (``addition_embed_type="text_time"``) also get ``text_embeds`` (pooled) and ``time_ids``
 = (H, W, 0, 0, H, W) in pixels (original size, crop top-left, target size). No text mask is passed.
 """

@@ -2,7 +2,7 @@
 
 Source read: ``diffusers/models/transformers/transformer_ltx2.py`` (diffusers 0.42.1), with
 ``pipelines/ltx2/pipeline_ltx2.py`` for how the transformer is called. The video latents go in as
-a token sequence ``(B, F*H*W, C)`` (patchified as LTX-Video's, :func:`.packing.pack_video`) and
+a token sequence ``(B, F*H*W, C)`` (patchified as LTX-Video's, :func:`..packing.pack_video`) and
 come back in the same layout; only the video prediction is read.
 """
 

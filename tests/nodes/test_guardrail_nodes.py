@@ -19,7 +19,7 @@ from segmented_checkpointing.nodes.environment import NodeError, local_host
 from segmented_checkpointing.nodes.graph import run_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "fit_guardrails.api.json"
+WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "api" / "fit_guardrails.api.json"
 
 
 @pytest.fixture

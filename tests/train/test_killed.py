@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.train.state import load_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVER = r"""
 import json, os, sys
 import torch

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("none", "torch-ffn", "torch", "interval2", "interval2-stride4", "unsloth-ffn", "unsloth")
 COLUMNS = [name for mode in MODES for name in (mode, f"{mode} +attn-offload")]
 NUMBERS = re.compile(r"^\d+\.\d+ / \d+\.\d+$")  # sec/step / peak MiB

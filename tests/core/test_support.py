@@ -16,7 +16,8 @@ from segmented_checkpointing.engine.core.support import (
 )
 from segmented_checkpointing.engine.families import family_names, get_family
 
-# SPEC.md "Families named by the documents" (and seeds/000 "Family Sweep Results"), as written there
+# docs/SCHEDULES.md "Families named by the documents" (segmented path, FFN-split and sweep
+# lists), as written there
 SPEC_NAMES = [
     "Flux.1", "Flux.2", "Flux.3 Image Klein", "HunyuanVideo", "Krea 2", "LongCat Image", "LongCat Video",
     "LTXVideo 0.9", "LTXVideo2", "Lumina2", "MageFlow", "MiniMax H3", "PixArt", "Qwen Image 2.1", "SD3",

@@ -1,6 +1,6 @@
-"""Run under ``torchrun`` by tests/test_fsdp.py: several sharded training runs in one process group.
+"""Run under ``torchrun`` by tests/model/test_distributed.py: several sharded training runs in one process group.
 
-Usage: ``torchrun --standalone --nproc-per-node 2 tests/fsdp_worker.py RUNS.json``, where the file
+Usage: ``torchrun --standalone --nproc-per-node 2 tests/model/fsdp_worker.py RUNS.json``, where the file
 holds a list of config dicts (TrainConfig keys; ``fsdp`` is set here). Runs go in order, so a
 resume follows the run it continues. Rank 0 writes each run's files; nothing else is written.
 """

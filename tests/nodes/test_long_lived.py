@@ -15,7 +15,7 @@ from segmented_checkpointing.engine.core.offload import HostPool
 from segmented_checkpointing.nodes import environment, training_nodes
 from segmented_checkpointing.nodes.graph import run_graph
 
-API = Path(__file__).resolve().parents[1] / "workflows" / "api"
+API = Path(__file__).resolve().parents[2] / "workflows" / "api"
 MIB = 1 << 20
 
 

@@ -29,7 +29,8 @@ SEGMENTED = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_check
      ["layer-torch-ffn", "layer", "layer-unsloth-ffn", "layer-unsloth", "layer-unsloth-offload-attn"]),
     ("flux", CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True),
      []),
-    # no FFN boundary and no routed attention (SPEC.md): those rungs are skipped
+    # no FFN boundary and no routed attention (docs/SCHEDULES.md "Families named by the documents"):
+    # those rungs are skipped
     ("ideogram4", SEGMENTED, ["interval2-stride4-unsloth", "interval2-unsloth", "layer-unsloth"]),
 ])
 def test_the_ladder_follows_the_documents_order_and_what_the_family_can_run(family, schedule, ladder):

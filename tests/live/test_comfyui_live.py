@@ -294,7 +294,7 @@ def test_closed_loop_trains_then_samples_with_the_lora_on_comfyuis_model(server,
     lora_file = server.base / "models" / "loras" / lora_name
     out = server.base / "comfy_deltas.safetensors"
     model_file = server.base / "models" / "diffusion_models" / TRANSFORMER
-    done = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(ROOT / "tests" / "comfy_lora_check.py"),
+    done = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(ROOT / "tests" / "live" / "comfy_lora_check.py"),
                            str(comfyui_path()), str(model_file), str(lora_file), str(out)],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

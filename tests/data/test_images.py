@@ -16,7 +16,7 @@ from PIL import Image
 from segmented_checkpointing.engine.data.folder import DatasetError, scan_dataset
 from segmented_checkpointing.engine.data.images import BACKGROUND, load_image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEN = (0, 255, 0)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACK_FOLDER = "comfyui-segmented-checkpointing"
 NODE_TYPES = ("SegCkptLoadDiffusionModel", "SegCkptImageCaptionDataset", "SegCkptSchedule", "SegCkptOffloadOptions",
               "SegCkptLoRAConfig", "SegCkptTrainLoRA", "SegCkptSaveLoRA", "SegCkptLossGraph", "SegCkptRunReport",

@@ -1,4 +1,4 @@
-"""engine/memory.py: exact byte counts of the CPU tracker, and the issue's peak-memory must-show.
+"""engine/core/memory.py: exact byte counts of the CPU tracker, and the issue's peak-memory must-show.
 
 The must-show (SD3 tiny preset, 8 blocks, 64x64 latents, one LoRA step): our ``layer`` mode's peak
 equals diffusers' own per-block checkpointing within 1%, and none > interval 2 stride 4 > layer.

@@ -10,7 +10,7 @@ import pytest
 
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 
-FOLDER = Path(__file__).resolve().parents[1] / "workflows"
+FOLDER = Path(__file__).resolve().parents[2] / "workflows"
 _SPEC = importlib.util.spec_from_file_location("make_ui", FOLDER / "make_ui.py")
 make_ui = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(make_ui)

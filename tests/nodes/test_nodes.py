@@ -18,7 +18,7 @@ from segmented_checkpointing.engine.model.bundle import ModelBundle
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
-WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "workflows" / "api").glob("*.api.json"))
+WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows" / "api").glob("*.api.json"))
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
 
 
 def _graph(name="train_segmented_lora.api.json"):
-    return load_api_graph(Path(__file__).resolve().parents[1] / "workflows" / "api" / name)
+    return load_api_graph(Path(__file__).resolve().parents[2] / "workflows" / "api" / name)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -158,7 +158,7 @@ def test_schedule_node_refuses_a_backend_the_family_cannot_run():
     ok = dict(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_interval=2,
               gradient_checkpointing_segment_stride=4, gradient_checkpointing_offload_attention=False)
     assert schedule.VALIDATE_INPUTS(family="flux", **ok) is True
-    found = verdict(schedule, family="ideogram4", **ok)  # no FFN boundary (SPEC.md)
+    found = verdict(schedule, family="ideogram4", **ok)  # no FFN boundary (docs/SCHEDULES.md)
     assert "gradient_checkpointing_backend='torch-ffn'" in found and "ideogram4" in found
     found = verdict(schedule, family="ideogram4", **{**ok, "gradient_checkpointing_backend": "torch",
                                                             "gradient_checkpointing_offload_attention": True})

@@ -27,7 +27,7 @@ EXAMPLES = int(os.environ.get("SEGCKPT_FUZZ_EXAMPLES", "60"))
 """Examples per property (CI: 60; set SEGCKPT_FUZZ_EXAMPLES=1000 for a deeper local run)."""
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # the graphs `segckpt run` validates (the closed loop also holds ComfyUI's own nodes)
-WORKFLOWS = [p for p in sorted((Path(__file__).resolve().parents[1] / "workflows" / "api").glob("*.api.json"))
+WORKFLOWS = [p for p in sorted((Path(__file__).resolve().parents[2] / "workflows" / "api").glob("*.api.json"))
              if pack_only(p)]
 
 values = st.one_of(

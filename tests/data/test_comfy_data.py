@@ -38,7 +38,7 @@ from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
 
 QUIET = {"log": lambda line: None}
-WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "api" / "train_segmented_lora.api.json"
+WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "api" / "train_segmented_lora.api.json"
 
 
 def _config(tmp_path, name, family="flux", **changes):

@@ -1,0 +1,127 @@
+"""Options are declared once: the set of options is pinned, and one declaration gives the CLI flag,
+the JSON key, the node widget with its range and README's row; seeds take ComfyUI's full range."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import OPTIONS, ConfigError, DataConfig, TrainConfig
+from segmented_checkpointing.engine.config.options import option, options_of
+from segmented_checkpointing.engine.config.table import options_table, readme_with_table
+from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
+from segmented_checkpointing.nodes.graph import validate
+from segmented_checkpointing.nodes.widgets import NodeOptions, widget
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PINNED = (
+    "family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "init_lora", "device",
+    "mixed_precision", "base_model_precision", "attention_backend",
+    "data", "resolution", "buckets", "batch_size",
+    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",
+    "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
+    "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
+    "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
+    "gradient_checkpointing_offload_pin_memory_max_buckets",
+    "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
+    "output", "resume", "overwrite", "save_every",
+    "fsdp", "fsdp_activation_checkpointing",
+    "validation_every", "validation_prompts", "validation_steps",
+    "steps", "seed", "timing_warmup_steps",
+)
+"""Every option of a run, in the order of the config tree: adding one is a deliberate edit here."""
+
+
+def test_the_set_of_options_is_pinned():
+    assert tuple(opt.key for opt in OPTIONS) == PINNED
+
+
+def test_readme_holds_the_generated_options_table():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_with_table(readme, options_table()) == readme
+
+
+def test_segckpt_options_prints_the_table(capsys):
+    assert cli.main(["options"]) == 0
+    assert capsys.readouterr().out == options_table()
+
+
+@dataclass(frozen=True)
+class _DataWithThrowaway(DataConfig):
+    throwaway_level: int = option(3, "A throwaway option of the data (test only).", "--throwaway-level", min=1,
+                                  max=9)
+
+
+@dataclass(frozen=True)
+class _RunWithThrowaway(TrainConfig):
+    data: _DataWithThrowaway = field(default_factory=_DataWithThrowaway)
+
+
+def test_one_declaration_gives_flag_json_key_widget_and_readme_row():
+    options = tuple(options_of(_RunWithThrowaway))
+    # the CLI flag
+    parser = argparse.ArgumentParser()
+    cli._add_options(parser, options=options)
+    args = parser.parse_args(["--throwaway-level", "5"])
+    assert args.throwaway_level == 5 and "--throwaway-level" in parser.format_help()
+    # the JSON key (a config file) and its validation, naming the key and what is allowed
+    config, ignored = _RunWithThrowaway.from_dict({"throwaway_level": 7, "steps": 2})
+    assert config.data.throwaway_level == 7 and not ignored and config.to_dict()["throwaway_level"] == 7
+    with pytest.raises(ConfigError, match=r"throwaway_level=12 is invalid: allowed an integer from 1 to 9"):
+        _RunWithThrowaway.create(throwaway_level=12)
+    # the node widget with its range, and the node's config from its value
+    assert widget("throwaway_level", options=options) == (
+        "INT", {"tooltip": "A throwaway option of the data (test only).", "default": 3, "min": 1, "max": 9})
+    node_options = NodeOptions({"level": "throwaway_level"})
+    assert node_options.config({"level": 4}, _RunWithThrowaway()).data.throwaway_level == 4
+    # README's row
+    assert ("| `--throwaway-level` | `throwaway_level` | 3 | an integer from 1 to 9 | A throwaway option of the data "
+            "(test only). |") in options_table(options)
+    # and the real run's options do not have it
+    assert "throwaway_level" not in {opt.key for opt in OPTIONS}
+
+
+def test_widgets_take_their_range_from_the_engine():
+    steps = NODES["SegCkptTrainLoRA"].INPUT_TYPES()["required"]["steps"]
+    assert steps == ("INT", {"tooltip": OPTIONS[PINNED.index("steps")].help, "default": 20, "min": 1, "max": 10**8})
+    resolution = NODES["SegCkptImageCaptionDataset"].INPUT_TYPES()["required"]["resolution"][1]
+    assert (resolution["min"], resolution["max"], resolution["step"]) == (16, 8192, 16)
+    interval = NODES["SegCkptSchedule"].INPUT_TYPES()["required"]["gradient_checkpointing_interval"][1]
+    assert (interval["min"], interval["max"], interval["default"]) == (0, 1024, 2)  # 0 = unset; the demo's 2
+    assert NODES["SegCkptOffloadOptions"].INPUT_TYPES()["required"]["gradient_checkpointing_backend"][1]["default"] \
+        == "unsloth"
+
+
+SEED_MAX = 2**64 - 1  # ComfyUI's seed widgets (KSampler's noise seed) give 0 .. 0xffffffffffffffff
+
+
+@pytest.mark.parametrize("node", ["SegCkptLoadDiffusionModel", "SegCkptTrainLoRA"])
+def test_seed_widgets_take_comfyuis_full_range(node):
+    assert NODES[node].INPUT_TYPES()["required"]["seed"][1] | {"tooltip": ""} == {
+        "tooltip": "", "default": 0, "min": 0, "max": SEED_MAX}
+
+
+def test_the_engine_takes_every_seed_comfyui_gives(tmp_path):
+    assert TrainConfig.create(seed=SEED_MAX).seed == SEED_MAX
+    with pytest.raises(ConfigError, match=r"seed=18446744073709551616 is invalid: allowed an integer from 0 to 2\*\*64-1"):
+        TrainConfig.create(seed=SEED_MAX + 1)
+    # derived seeds (the noise generator's seed + 1, an epoch's seed + e) wrap around
+    assert cli.main(["train", "--seed", str(SEED_MAX), "--steps", "1", "--resolution", "32", "--rank", "2",
+                     "--output", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["config"]["seed"] == SEED_MAX
+
+
+def test_a_workflow_with_a_64_bit_seed_is_accepted():
+    graph = json.loads((ROOT / "workflows" / "api" / "train_segmented_lora.api.json").read_text())
+    graph["5"]["inputs"]["seed"] = 4294967296
+    graph["1"]["inputs"]["seed"] = SEED_MAX
+    validate(graph)
+    graph["5"]["inputs"]["seed"] = SEED_MAX + 1
+    with pytest.raises(ValueError, match="seed"):
+        validate(graph)

@@ -1,0 +1,145 @@
+"""The documentation points inside the repository, at code that exists.
+
+* No file cites the outside documents the project was built from; their facts are restated in
+  docs/SCHEDULES.md, which the docstrings cite instead.
+* Every repository path named in a Python docstring or comment, or in a markdown file, exists
+  (``*`` globs and ``<family>``-style placeholders allowed).
+* Every Sphinx role in the docstrings of engine/, nodes/ and cli.py (``:func:`~.plan.effective_plan```)
+  names a module that imports and attributes it has: relative targets are resolved against the
+  module's package (``..`` goes up), bare names against the module's namespace and its classes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import io
+import re
+import subprocess
+import textwrap
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "segmented_checkpointing"
+OUTSIDE = re.compile(r"SPEC\.md|seeds/\d")
+PATH = re.compile(r"(?<![\w/.-])((?:engine|nodes|tests)/[\w/*<>.-]*\.py|docs/[\w/*<>.-]*\.md|web/[\w/*<>.-]*\.js"
+                  r"|(?:bench|workflows)/[\w/*<>.-]*)")
+OUTPUTS = {"bench/gpu_sweep_results.md", "bench/gpu_check_results.md"}
+"""Paths the bench scripts write (their default ``--out``); named in docs, never shipped."""
+ROLE = re.compile(r":(mod|func|class|meth|data|attr|exc):`~?([\w.]+)`")
+
+
+def _files(*suffixes: str) -> list[Path]:
+    """The repository's files (tracked, and new ones git does not ignore) ending with ``suffixes``."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    return [ROOT / f for f in listed if f.endswith(suffixes) and not f.startswith(".venv/") and (ROOT / f).is_file()]
+
+
+def _docstrings(tree: ast.AST) -> list[tuple[str, tuple[str, ...]]]:
+    """Every string statement (module, class, function and attribute docstrings) with the names
+    of the classes around it."""
+    found = []
+
+    def visit(node, classes):
+        for child in ast.iter_child_nodes(node):
+            value = child.value if isinstance(child, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                found.append((value.value, classes))
+            visit(child, (*classes, child.name) if isinstance(child, ast.ClassDef) else classes)
+    visit(tree, ())
+    return found
+
+
+def _prose(path: Path) -> str:
+    """A markdown file's text, or a Python file's docstrings and comments."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return text
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    return "\n".join([doc for doc, _ in _docstrings(ast.parse(text))] + comments)
+
+
+def test_no_file_cites_the_outside_documents():
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in _files(".py", ".md", ".js")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    assert hits == []
+
+
+def test_every_path_named_in_the_docs_exists():
+    missing = []
+    for path in _files(".py", ".md"):
+        for named in {m.rstrip(".,") for m in PATH.findall(_prose(path))} - OUTPUTS:
+            if not any(ROOT.glob(re.sub(r"<[^>]*>", "*", named).rstrip("/"))):
+                missing.append(f"{path.relative_to(ROOT)}: {named}")
+    assert sorted(missing) == []
+
+
+def _has(obj, name: str) -> bool:
+    """``obj.name`` exists; on a class also a field (annotation) or an attribute its methods set on ``self``."""
+    if hasattr(obj, name):
+        return True
+    if not inspect.isclass(obj):
+        return False
+    if any(name in vars(k).get("__annotations__", {}) for k in obj.__mro__):
+        return True
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == name
+               and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(tree))
+
+
+def _resolves(dotted: str) -> bool:
+    """The longest importable prefix of ``dotted`` is a module that has the rest as attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not _has(obj, name):
+                return False
+            obj = getattr(obj, name, None)
+        return True
+    return False
+
+
+def _front_and_engine_modules() -> list[Path]:
+    return [ROOT / "cli.py", *sorted((ROOT / "engine").rglob("*.py")), *sorted((ROOT / "nodes").rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", _front_and_engine_modules(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_sphinx_role_targets_resolve(path):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    name = ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+    package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+    importlib.import_module(name)  # the module itself imports
+    broken = []
+    for doc, classes in _docstrings(ast.parse(path.read_text())):
+        for role, target in ROLE.findall(doc):
+            if target.startswith("."):
+                dots = len(target) - len(target.lstrip("."))
+                base = package.split(".")[: len(package.split(".")) - dots + 1]
+                ok = _resolves(".".join((*base, target.lstrip("."))))
+            elif target.startswith(PACKAGE + "."):
+                ok = _resolves(target)
+            else:  # a bare name: the enclosing classes', then the module's, else an importable module
+                scopes = [".".join((name, *classes[:i])) for i in range(len(classes), 0, -1)] + [name]
+                first = target.split(".")[0]
+                owner = next((s for s in scopes if _resolves(f"{s}.{first}")), None)
+                ok = _resolves(f"{owner}.{target}") if owner else "." in target and _resolves(target)
+            if not ok:
+                broken.append(f":{role}:`{target}`")
+    assert broken == []
+
+
+def test_the_schedules_page_names_every_family_the_support_matrix_maps():
+    from segmented_checkpointing.engine.core.support import DOCUMENT_FAMILIES
+
+    page = (ROOT / "docs" / "SCHEDULES.md").read_text()
+    section = page.split('## Families named by the documents')[1].split("\n## ")[0]
+    assert [title for title, _ in DOCUMENT_FAMILIES if title not in section] == []

@@ -1,0 +1,40 @@
+"""A run saved by the release before the options became a tree (main at c3f2e24, in
+``tests/train/fixtures/release_c3f2e24/``: ``segckpt train --steps 2 --resolution 32 --rank 2
+--interval 2 --stride 4``) resumes under the current code, and the keys of the saved state's config
+and of ``report.json`` are the ones that release wrote."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors import safe_open
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import TrainConfig
+
+RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
+ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4"]
+
+
+def test_a_state_of_the_last_release_resumes(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(RELEASE / "training_state.safetensors", out)
+    assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *ARGS]) == 0
+    report = json.loads((out / "report.json").read_text())
+    old = json.loads((RELEASE / "report.json").read_text())
+    assert [s["step"] for s in report["steps"]] == [1, 2, 3]
+    assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
+    assert set(report) == set(old) and set(report["config"]) == set(old["config"])
+    assert set(report["totals"]) == set(old["totals"]) and set(report["memory"]) == set(old["memory"])
+
+
+def test_the_saved_config_keeps_the_flat_keys_of_the_last_release():
+    with safe_open(str(RELEASE / "training_state.safetensors"), "pt") as state:
+        saved = json.loads(state.metadata()["config"])
+    current = TrainConfig.create(resolution=32, lora_rank=2, steps=2).to_dict()
+    assert set(saved) == set(current)
+    assert set(saved["lora"]) == set(current["lora"]) and set(saved["schedule"]) == set(current["schedule"])
+    assert TrainConfig.from_dict({k: v for k, v in saved.items() if k not in ("lora", "schedule")})[1] == []
