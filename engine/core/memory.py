@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from ..config.guardrails import check_budget
 
@@ -77,6 +76,12 @@ class LiveTensorTracker(TorchDispatchMode):
         # id(storage) -> (weak reference whose callback releases it, counted bytes)
         self._live: dict[int, tuple[weakref.ref, int]] = {}
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo, a frame guard on every
+        # operator that costs more than the bookkeeping here; this mode never runs under compile
+        return False
+
     @property
     def live_storages(self) -> int:
         """Number of counted storages alive now."""
@@ -90,7 +95,7 @@ class LiveTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         input_storages: set[int] | None = None
-        for tensor in _dense_parts(tree_flatten(out)[0]):
+        for tensor in _dense_tensors(out):
             storage = _storage_of(tensor)
             if storage is None:
                 continue
@@ -100,9 +105,11 @@ class LiveTensorTracker(TorchDispatchMode):
                 if storage.nbytes() != known[1]:
                     self._count(key, known[0], storage.nbytes())
                 continue
-            if func not in _FRESH_OPS:
+            # an op whose schema says its results alias no input allocated them (the dispatcher
+            # checks that contract); a view, in-place or out= op may return an input's storage
+            if func not in _FRESH_OPS and _may_alias(func):
                 if input_storages is None:
-                    input_storages = {id(s) for s in map(_storage_of, _dense_parts(tree_flatten((args, kwargs))[0]))
+                    input_storages = {id(s) for s in map(_storage_of, _dense_tensors((args, kwargs)))
                                       if s is not None}
                 if key in input_storages:  # a view / in-place result of a storage made before us
                     continue
@@ -123,17 +130,35 @@ class LiveTensorTracker(TorchDispatchMode):
             self.current_bytes -= entry[1]
 
 
-def _dense_parts(values: list[Any]) -> list[Any]:
-    """``values`` with every wrapper tensor subclass (FSDP's DTensor, torchao's quantized
-    tensors) replaced by the dense tensors holding its data (the ops on those run below this
-    mode, so they are counted here, through the wrapper's result)."""
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
-            out.extend(_dense_parts([getattr(value, name) for name in value.__tensor_flatten__()[0]]))
-        else:
-            out.append(value)
-    return out
+@functools.lru_cache(maxsize=None)
+def _may_alias(func: Any) -> bool:
+    """Whether an operator's results may share an input's storage: its schema annotates a return
+    as an alias (``Tensor(a)``, ``Tensor(a!)``), or it has no schema to say otherwise."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _dense_tensors(value: Any) -> list[torch.Tensor]:
+    """The dense tensors in an operator's arguments or results: a tensor, or nested lists, tuples
+    (``torch.Size``, return structs) and dicts of them (what ``tree_flatten`` gives for aten
+    arguments, without its cost on every operator), with every wrapper tensor subclass (FSDP's
+    DTensor, torchao's quantized tensors) replaced by the dense tensors holding its data (the ops
+    on those run below this mode, so they are counted here, through the wrapper's result)."""
+    if type(value) is torch.Tensor:
+        return [value]
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if type(item) is not torch.Tensor and is_traceable_wrapper_subclass(item):
+                stack.extend(getattr(item, name) for name in item.__tensor_flatten__()[0])
+            else:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
 
 
 def _storage_of(value: Any) -> torch.UntypedStorage | None:

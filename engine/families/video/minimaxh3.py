@@ -9,7 +9,6 @@ packed 1-D sequence (text rows, video rows, audio rows) with full self-attention
 from __future__ import annotations
 
 import torch
-from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, patchify_video_latents
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 
@@ -30,6 +29,10 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
         raise ValueError(
             "MiniMax-H3 shares one timestep layout across the batch, so a batch cannot hold samples at "
             f"different noise levels (sigmas {sigmas.tolist()}); use batch_size=1")
+    # the modular pipeline's helpers: imported here (they pull in diffusers' whole modular-pipeline
+    # package, seconds of start-up that no other family needs)
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, patchify_video_latents
+
     b, c, f, h, w = latents.shape
     patch = tuple(model.config.patch_size)
     length = max(int(text.mask.sum(1).max()), 1)
