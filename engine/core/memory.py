@@ -75,6 +75,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_bytes = 0
         # id(storage) -> (weak reference whose callback releases it, counted bytes)
         self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._keys: dict[weakref.ref, int] = {}  # the same weak reference -> id(storage)
+        self._released = functools.partial(_released, weakref.ref(self))  # weak: storages may outlive us
+        self._aliasing: dict[Any, bool] = {}  # operator -> whether its results may alias an input
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -92,50 +95,55 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_bytes = self.current_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # runs for every operator: kept lean (the mode's own dispatch costs about as much)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         input_storages: set[int] | None = None
-        for tensor in _dense_tensors(out):
+        for tensor in [out] if type(out) is torch.Tensor else _dense_tensors(out):
             storage = _storage_of(tensor)
             if storage is None:
                 continue
-            key = id(storage)
+            key, nbytes = id(storage), storage.nbytes()
             known = self._live.get(key)
             if known is not None:  # ours already; an in-place resize may have grown it
-                if storage.nbytes() != known[1]:
-                    self._count(key, known[0], storage.nbytes())
+                if nbytes != known[1]:
+                    self._count(key, known[0], nbytes)
                 continue
             # an op whose schema says its results alias no input allocated them (the dispatcher
             # checks that contract); a view, in-place or out= op may return an input's storage
-            if func not in _FRESH_OPS and _may_alias(func):
+            if self._may_alias(func):
                 if input_storages is None:
                     input_storages = {id(s) for s in map(_storage_of, _dense_tensors((args, kwargs)))
                                       if s is not None}
                 if key in input_storages:  # a view / in-place result of a storage made before us
                     continue
             if self.exclude is None or not self.exclude(tensor):
-                ref = weakref.ref(storage, functools.partial(_released, weakref.ref(self), key))
-                self._count(key, ref, storage.nbytes())
+                ref = weakref.ref(storage, self._released)
+                self._keys[ref] = key
+                self._count(key, ref, nbytes)
         return out
+
+    def _may_alias(self, func: Any) -> bool:
+        """Whether an operator's results may share an input's storage: its schema annotates a
+        return as an alias (``Tensor(a)``, ``Tensor(a!)``) or it has no schema to say otherwise
+        (and it is not one of :data:`_FRESH_OPS`, whose result is new data)."""
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            schema = getattr(func, "_schema", None)
+            aliasing = self._aliasing[func] = func not in _FRESH_OPS and (
+                schema is None or any(r.alias_info is not None for r in schema.returns))
+        return aliasing
 
     def _count(self, key: int, ref: weakref.ref, nbytes: int) -> None:
         """Set the counted size of storage ``key`` to ``nbytes`` (bytes) and update the peak."""
         self.current_bytes += nbytes - self._live.get(key, (ref, 0))[1]
         self._live[key] = (ref, nbytes)
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
 
-    def _release(self, key: int) -> None:
-        entry = self._live.pop(key, None)
+    def _release(self, ref: weakref.ref) -> None:
+        entry = self._live.pop(self._keys.pop(ref, None), None)
         if entry is not None:
             self.current_bytes -= entry[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _may_alias(func: Any) -> bool:
-    """Whether an operator's results may share an input's storage: its schema annotates a return
-    as an alias (``Tensor(a)``, ``Tensor(a!)``), or it has no schema to say otherwise."""
-    schema = getattr(func, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
 def _dense_tensors(value: Any) -> list[torch.Tensor]:
@@ -171,11 +179,11 @@ def _storage_of(value: Any) -> torch.UntypedStorage | None:
         return None
 
 
-def _released(owner: weakref.ref, key: int, _ref: weakref.ref) -> None:
-    """Weak-reference callback: the storage ``key`` of tracker ``owner`` was freed."""
+def _released(owner: weakref.ref, ref: weakref.ref) -> None:
+    """Weak-reference callback: the storage behind ``ref``, counted by tracker ``owner``, was freed."""
     tracker = owner()
     if tracker is not None:
-        tracker._release(key)
+        tracker._release(ref)
 
 
 @dataclass

@@ -62,18 +62,27 @@ def _lora(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "lora.safetensors"))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def runs(request, tmp_path_factory):
-    """One torchrun job per family (every schedule, then a 2-step run and its resume to 3) and the
-    single-process runs of the same configs."""
-    family, root = request.param, tmp_path_factory.mktemp(f"fsdp-{request.param}")
-    sharded = [{**COMMON, **keys, "family": family, "output": str(root / f"fsdp-{name}")}
-               for name, keys in SCHEDULES.items()]
-    resumed = {**sharded[-1], "output": str(root / "fsdp-resumed")}
-    sharded += [{**resumed, "steps": 2}, {**resumed, "resume": True}]
-    spec = root / "runs.json"
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict[str, Path]:
+    """One torchrun job for every family (every schedule, then a 2-step run and its resume to 3,
+    in order): ``{family: its folder}`` (one process group: its start-up is paid once)."""
+    roots, sharded = {}, []
+    for family in FAMILIES:
+        root = roots[family] = tmp_path_factory.mktemp(f"fsdp-{family}")
+        runs = [{**COMMON, **keys, "family": family, "output": str(root / f"fsdp-{name}")}
+                for name, keys in SCHEDULES.items()]
+        resumed = {**runs[-1], "output": str(root / "fsdp-resumed")}
+        sharded += runs + [{**resumed, "steps": 2}, {**resumed, "resume": True}]
+    spec = tmp_path_factory.mktemp("fsdp") / "runs.json"
     spec.write_text(json.dumps(sharded))
     _torchrun(str(WORKER), str(spec))
+    return roots
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def runs(request, sharded):
+    """A family's sharded runs and the single-process runs of the same configs."""
+    family, root = request.param, sharded[request.param]
     for name, keys in SCHEDULES.items():
         config = TrainConfig.from_dict({**COMMON, **keys, "family": family, "output": str(root / f"one-{name}")})[0]
         train(config, log=lambda line: None)
