@@ -73,9 +73,14 @@ def run_folder(run_name: str, resume: bool) -> Path:
     return output
 
 
-def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, schedule=None) -> api.TrainConfig:
+def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, schedule=None,
+               find_run: bool = True) -> api.TrainConfig:
     """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, offload
     options, guardrails and dataset, and the model's family and base precision.
+
+    Args:
+        find_run: look up the run folder (with ``resume``, the latest run of the name must exist);
+            ``False`` (the prompt's validation): only check that the name stays inside the folder.
 
     Raises:
         ConfigError, ScheduleError, PathError: an input is invalid (named).
@@ -85,8 +90,10 @@ def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, sch
     components: dict[str, Any] = {"lora": inputs.get("lora_config") or api.LoraSettings(),
                                   "guardrails": dataclasses.replace(guardrails, on_nonfinite=nonfinite or "stop"),
                                   "resume": inputs.get("resume", False)}
-    if "run_name" in inputs:  # linked (not known yet) when the prompt is validated
+    if "run_name" in inputs and find_run:
         components["output"] = str(run_folder(inputs["run_name"], components["resume"]))
+    elif "run_name" in inputs:  # a run to resume is looked up when the node runs
+        contained(current_host().output_dir / "segckpt", inputs["run_name"], "run_name")
     if isinstance(inputs.get("dataset"), api.DataConfig):
         data = inputs["dataset"]
         components |= {"data": data.folder, "resolution": data.resolution, "buckets": data.buckets}
@@ -147,7 +154,7 @@ class TrainLoRA:
         # latent mapping is refused when the run starts, before any work. Raised, not returned:
         # ComfyUI lists a returned message once per input.
         try:
-            cls.check_inputs(**inputs)
+            run_config({k: v for k, v in inputs.items() if v is not None}, find_run=False)
             data_source("dataset" in inputs, "latent" in inputs, "conditioning" in inputs)
         except (PathError, ValueError) as exc:
             raise NodeError(current_host().public(str(exc))) from None

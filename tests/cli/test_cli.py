@@ -5,20 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import refuse_to_build_models
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import api
-from segmented_checkpointing.engine.train import setup
 from segmented_checkpointing.engine.train.state import load_state
 
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built before the options were validated")
-    monkeypatch.setattr(setup, "load_bundle", refuse)
-    monkeypatch.setattr(api, "load_bundle", refuse)
+    refuse_to_build_models(monkeypatch, "the options were validated")
 
 
 @pytest.mark.parametrize("argv, key", [

@@ -9,11 +9,10 @@ import warnings
 
 import pytest
 import torch
-from helpers import MODES, random_batch
+from helpers import MODES, random_batch, refuse_to_build_models
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.config import ConfigWarning, LoraConfigError, LoraSettings, TrainConfig
 from segmented_checkpointing.engine.core.plan import ScheduleWarning, count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
@@ -28,10 +27,7 @@ from segmented_checkpointing.engine.train.state import load_state
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built before the damaged file was reported")
-    monkeypatch.setattr(setup, "load_bundle", refuse)
-    monkeypatch.setattr(api, "load_bundle", refuse)
+    refuse_to_build_models(monkeypatch, "the damaged file was reported")
 
 
 def _short(out, *extra):
