@@ -1,9 +1,11 @@
-"""Gradient-checkpointing schedule: the six public keys, their validation, and which schedules a
-family can run.
+"""Gradient-checkpointing schedule: the six public keys, the three weight-streaming keys, their
+validation, and which schedules a family can run.
 
-The keys and their meaning come from the documents (SimpleTuner "Segmented Checkpointing" and
-"Unsloth-style Checkpointing", restated in docs/SCHEDULES.md). Their names are the public
-contract: the CLI options, the JSON config and the ComfyUI node inputs all use them.
+The six ``gradient_checkpointing_*`` keys and their meaning come from the documents (SimpleTuner
+"Segmented Checkpointing" and "Unsloth-style Checkpointing", restated in docs/SCHEDULES.md). The
+three ``weight_offload*`` keys say which blocks' frozen weights live in host memory and are streamed
+to the device before each use (docs/STREAMING.md). Their names are the public contract: the CLI
+options, the JSON config and the ComfyUI node inputs all use them.
 
 Layout: constants, :class:`CheckpointSchedule` (one validated config object whose fields declare
 their help, flag and range), :func:`check_supported` (the family's boundaries allow it).
@@ -45,7 +47,31 @@ _HELP = {
         "Pinned CPU pool for offloaded tensors, in distinct (size, dtype) buckets; 0 = ordinary "
         "pageable CPU memory."
     ),
+    "weight_offload": (
+        "Where the frozen weights of the blocks live: none = on the device; stream = in (pinned) host "
+        "memory, copied host-to-device into a small ring of device slots just before each block or "
+        "segment runs (forward, recompute and backward). Saves the streamed blocks' weight bytes on the "
+        "device at the cost of copies; LoRA weights and non-block weights stay resident."
+    ),
+    "weight_offload_blocks": (
+        "How many blocks of the family's block lists stream their frozen weights (the plan chooses "
+        "which, spread over the model so each copy can hide behind a resident block): all, or N. "
+        "Only with weight_offload=stream."
+    ),
+    "weight_offload_prefetch": (
+        "Streamed blocks (or segments) copied ahead of the one running; the device ring holds "
+        "prefetch + 1 of them. 0 = copy each when it is needed (no overlap)."
+    ),
 }
+WEIGHT_OFFLOAD = ("none", "stream")
+"""Allowed values of ``weight_offload``."""
+MAX_PREFETCH = 8
+"""The largest ``weight_offload_prefetch`` (each one more device slot)."""
+
+
+def _read_blocks(value: Any) -> Any:
+    """``weight_offload_blocks``: ``"all"`` (any case) is unset, i.e. every block."""
+    return None if isinstance(value, str) and value.strip().lower() in ("all", *UNSET_WORDS) else value
 MAX_BLOCKS = 1024
 """The largest interval, stride and pool size the options take (no model has more blocks)."""
 
@@ -60,8 +86,8 @@ def _bad(key: str, value: Any, allowed: str) -> ScheduleError:
 
 @dataclass(frozen=True)
 class CheckpointSchedule:
-    """The six gradient-checkpointing keys, validated once at construction (each field's help,
-    flag and range are in its metadata: :func:`~.options.option`).
+    """The six gradient-checkpointing keys and the three weight-streaming keys, validated once at
+    construction (each field's help, flag and range are in its metadata: :func:`~.options.option`).
 
     Attributes:
         gradient_checkpointing: master switch; ``False`` means no block is checkpointed.
@@ -70,11 +96,14 @@ class CheckpointSchedule:
         gradient_checkpointing_segment_stride: period S >= N, or ``None`` (unset, = N).
         gradient_checkpointing_offload_attention: offload attention-side saved activations.
         gradient_checkpointing_offload_pin_memory_max_buckets: distinct pinned buffer keys, >= 0.
+        weight_offload: ``none`` or ``stream`` (frozen block weights in host memory).
+        weight_offload_blocks: how many blocks stream (``None`` = all).
+        weight_offload_prefetch: streamed units copied ahead, 0..8.
 
     Raises:
         ScheduleError: interval < 1, stride < interval, stride without interval, unknown
-            backend, negative buckets, or a value of the wrong type. The message names the key,
-            the value and what is allowed.
+            backend, negative buckets, a block count without ``weight_offload=stream``, or a value
+            of the wrong type. The message names the key, the value and what is allowed.
 
     Example:
         >>> CheckpointSchedule(gradient_checkpointing_interval=2,
@@ -94,6 +123,12 @@ class CheckpointSchedule:
                                                             "--offload-attention")
     gradient_checkpointing_offload_pin_memory_max_buckets: int = option(
         12, _HELP["gradient_checkpointing_offload_pin_memory_max_buckets"], "--pin-buckets", min=0, max=MAX_BLOCKS)
+    weight_offload: str = option("none", _HELP["weight_offload"], "--weight-offload", choices=WEIGHT_OFFLOAD)
+    weight_offload_blocks: int | None = option(None, _HELP["weight_offload_blocks"], "--weight-offload-blocks", min=1,
+                                               max=MAX_BLOCKS, parse=_read_blocks,
+                                               allowed="all (or unset), or an integer from 1 to 1024")
+    weight_offload_prefetch: int = option(1, _HELP["weight_offload_prefetch"], "--weight-offload-prefetch", min=0,
+                                          max=MAX_PREFETCH)
 
     def __post_init__(self) -> None:
         check_options(self, ScheduleError)
@@ -111,6 +146,15 @@ class CheckpointSchedule:
                     stride,
                     f"an integer >= gradient_checkpointing_interval ({interval}); smaller strides overlap",
                 )
+        if self.weight_offload_blocks is not None and not self.streams:
+            raise ScheduleError(f"weight_offload_blocks={self.weight_offload_blocks!r} is invalid with "
+                                f"weight_offload={self.weight_offload!r}: allowed all (unset), or set "
+                                "weight_offload=stream")
+
+    @property
+    def streams(self) -> bool:
+        """Whether frozen block weights stream from host memory (``weight_offload=stream``)."""
+        return self.weight_offload == "stream"
 
     @property
     def backend(self) -> Backend:
@@ -131,7 +175,7 @@ class CheckpointSchedule:
     def mode(self) -> str:
         """Short name of the schedule: ``none``, ``layer``, ``interval2``, ``interval2-stride4``."""
         if not self.gradient_checkpointing:
-            return "none-offload-attn" if self.gradient_checkpointing_offload_attention else "none"
+            return ("none-offload-attn" if self.gradient_checkpointing_offload_attention else "none") + self.stream_suffix
         name = "layer" if self.interval == 1 else f"interval{self.interval}"
         if self.stride != self.interval:
             name += f"-stride{self.stride}"
@@ -139,10 +183,18 @@ class CheckpointSchedule:
             name += f"-{self.gradient_checkpointing_backend}"
         if self.gradient_checkpointing_offload_attention:
             name += "-offload-attn"
-        return name
+        return name + self.stream_suffix
+
+    @property
+    def stream_suffix(self) -> str:
+        """``""``, ``-stream`` (every block) or ``-stream8`` (8 blocks); the prefetch when not 1 (``-p2``)."""
+        if not self.streams:
+            return ""
+        suffix = "-stream" + (str(self.weight_offload_blocks) if self.weight_offload_blocks else "")
+        return suffix + (f"-p{self.weight_offload_prefetch}" if self.weight_offload_prefetch != 1 else "")
 
     def to_dict(self) -> dict[str, Any]:
-        """The six keys as a JSON-ready dict (unset values are ``None``)."""
+        """The nine keys as a JSON-ready dict (unset values are ``None``)."""
         return asdict(self)
 
     def replace(self, **changes: Any) -> "CheckpointSchedule":
@@ -155,7 +207,9 @@ class CheckpointSchedule:
 
         Keys that are not schedule keys are ignored (a training config holds many more). The
         strings ``"None"``, ``"null"`` and ``""`` mean unset; ``"true"``/``"false"`` and numeric
-        strings are accepted, as SimpleTuner's CLI-style configs write them.
+        strings are accepted, as SimpleTuner's CLI-style configs write them. SimpleTuner's
+        ``musubi_blocks_to_swap: N`` reads as ``weight_offload=stream`` with N blocks (0: none),
+        unless the config sets ``weight_offload`` itself.
 
         Raises:
             ScheduleError: a value cannot be read as its key's type, or fails validation.
@@ -164,6 +218,8 @@ class CheckpointSchedule:
         for key in KEYS:
             if key in config:
                 values[key] = _coerce(key, config[key])
+        if SWAP_ALIAS in config and "weight_offload" not in config:
+            values.update(swap_alias(config[SWAP_ALIAS]))
         return cls(**{k: v for k, v in values.items() if v is not None or k in _OPTIONAL})
 
     @classmethod
@@ -183,10 +239,30 @@ class CheckpointSchedule:
 
 
 KEYS = tuple(f.name for f in fields(CheckpointSchedule))
-"""The six keys, in the documents' order."""
+"""The nine keys: the documents' six in their order, then the three weight-streaming keys."""
+CHECKPOINT_KEYS = KEYS[:6]
+"""The six ``gradient_checkpointing_*`` keys."""
+STREAM_KEYS = KEYS[6:]
+"""The three ``weight_offload*`` keys."""
+SWAP_ALIAS = "musubi_blocks_to_swap"
+"""SimpleTuner's config key for musubi-tuner's block swap, read as the streaming keys."""
+
+
+def swap_alias(value: Any) -> dict[str, Any]:
+    """The streaming keys of ``musubi_blocks_to_swap: N``: N >= 1 streams N blocks, 0 or unset none.
+
+    Raises:
+        ScheduleError: N is not an integer from 0 to 1024.
+    """
+    blocks = _coerce("weight_offload_prefetch", value)  # read as an integer ("8", 8.0, "none")
+    if blocks is None or blocks == 0:
+        return {"weight_offload": "none", "weight_offload_blocks": None}
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 < blocks <= MAX_BLOCKS:
+        raise _bad(SWAP_ALIAS, value, f"an integer from 0 to {MAX_BLOCKS} (0 = no block swap)")
+    return {"weight_offload": "stream", "weight_offload_blocks": blocks}
 HELP = {f.name: f.metadata["help"] for f in fields(CheckpointSchedule)}
 """One help text per key: feeds ``--help`` and the node tooltips."""
-_OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
+_OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride", "weight_offload_blocks")
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -200,8 +276,10 @@ def _coerce(key: str, value: Any) -> Any:
             if text.lower() in ("false", "0", "no"):
                 return False
             raise _bad(key, value, "true or false")
-        if key == "gradient_checkpointing_backend":
+        if key in ("gradient_checkpointing_backend", "weight_offload"):
             return text
+        if key == "weight_offload_blocks" and text.lower() == "all":
+            return None
         try:
             return int(text)
         except ValueError:

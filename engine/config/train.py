@@ -27,7 +27,7 @@ from .model import ModelConfig
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
 from .outputs import OutputConfig
-from .schedule import CheckpointSchedule, check_supported
+from .schedule import SWAP_ALIAS, CheckpointSchedule, check_supported, swap_alias
 from .sharding import ShardingConfig
 from .validation import ValidationConfig
 
@@ -119,6 +119,9 @@ class TrainConfig:
             raise ConfigError("gradient_checkpointing_offload_attention=True is invalid: allowed false with fsdp (it "
                               "would copy the blocks' all-gathered weights to host memory); the unsloth backends, "
                               "which offload only the hidden states between blocks, run sharded.")
+        if self.schedule.streams:
+            raise ConfigError("weight_offload='stream' is invalid: allowed none with fsdp (FSDP already shards the "
+                              "frozen weights over the processes and gathers each block's before it runs).")
         if self.data.buckets:
             raise ConfigError("buckets=True is invalid: allowed false with fsdp (a bucket's short batch would not "
                               "split evenly over the processes).")
@@ -180,6 +183,8 @@ class TrainConfig:
         changes: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
         ignored = []
+        if SWAP_ALIAS in values and "weight_offload" not in values:
+            values = {**{k: v for k, v in values.items() if k != SWAP_ALIAS}, **swap_alias(values[SWAP_ALIAS])}
         for key, value in values.items():
             key = ALIASES.get(key, key)
             if key in components and (is_dataclass(value) or key == "guardrails" and value is None):

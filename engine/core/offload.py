@@ -90,11 +90,15 @@ class HostPool:
         self.max_buckets = max_buckets
         self.pinned = bool(max_buckets > 0 and (torch.cuda.is_available() if pin is None else pin))
         if max_buckets > 0 and not self.pinned:
-            warnings.warn("pinned host memory is not available without CUDA: offloaded activations "
-                          "use pageable host memory", PinnedMemoryWarning, stacklevel=3)
+            warnings.warn("pinned host memory is not available without CUDA: offloaded activations and streamed "
+                          "weights use pageable host memory", PinnedMemoryWarning, stacklevel=3)
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._storages: set[int] = set()
         self.pool_bytes = 0
+        self.held_bytes = 0
+        """Bytes of the host copies :meth:`hold` keeps for the run (streamed weights)."""
+        self.pinned_held_bytes = 0
+        self._pin_held = torch.cuda.is_available() if pin is None else pin
         self.pinned_buffers = 0
         self._allocating = False
 
@@ -145,6 +149,40 @@ class HostPool:
             return torch.empty(numel, dtype=dtype)
         finally:
             self._allocating = False
+
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The run-long host copy of ``tensor`` (a streamed frozen weight): a pinned copy where the
+        device allows; without pinning, a host tensor is its own copy (on a machine without CUDA,
+        the weight itself) and a device tensor gets a pageable copy. Its storage counts as host
+        memory (:meth:`is_host`); bytes in :attr:`held_bytes`.
+
+        Args:
+            tensor: a plain (not wrapper-subclass) tensor, any device.
+        """
+        if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._storages:
+            return tensor  # already held (a runner rebuilt after a fallback)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pin_held:
+            try:
+                self._allocating = True
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self.pinned_held_bytes += nbytes
+            except RuntimeError as exc:
+                self._pin_held = False
+                warnings.warn(f"pinned host memory could not be allocated ({exc}); streamed weights use pageable "
+                              "host memory", PinnedMemoryWarning, stacklevel=3)
+            finally:
+                self._allocating = False
+        if not self._pin_held:
+            if tensor.device.type == "cpu" and tensor.is_contiguous():
+                host = tensor
+            else:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        if host is not tensor:
+            host.copy_(tensor)
+        self._storages.add(host.untyped_storage().data_ptr())
+        self.held_bytes += nbytes
+        return host
 
     def give_back(self, buffer: torch.Tensor, pooled: bool, event: Any = None) -> None:
         """Return a buffer: a pooled one is handed out again only once ``event`` (if any)
@@ -208,6 +246,9 @@ class Offloader:
 
     def __init__(self, pool: HostPool, recomputing=lambda: False, resident: set[int] | None = None):
         self.pool, self.recomputing, self.resident = pool, recomputing, resident or set()
+        self.weights: Any = None
+        """The run's :class:`~.streaming.WeightStreamer`, if weights stream: a saved view of a
+        streamed weight is handed to it (packed as a handle, never copied to the host)."""
         self.stats = OffloadStats()
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -226,6 +267,10 @@ class Offloader:
         regions: dict[tuple, tuple[torch.Tensor, _Region]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
+            if self.weights is not None:
+                packed = self.weights.pack(tensor)
+                if packed is not tensor:
+                    return packed
             if self.recomputing():
                 self.stats.packed_in_recompute += 1
                 return tensor
@@ -277,7 +322,7 @@ class Offloader:
         with its original shape and strides (kernels, and checkpoint's recompute check, can
         depend on the layout)."""
         if not isinstance(saved, _Saved):
-            return saved
+            return self.weights.unpack(saved) if self.weights is not None else saved
         region = saved.region
         if region.uses <= 0:
             raise RuntimeError("an offloaded activation was unpacked more often than it was saved "

@@ -27,6 +27,8 @@ FSDP_WRAPPER = "fsdp checkpoint_wrapper"
 """Who applies a plan (:attr:`ModelPlan.applied_by`): the engine's :class:`~.runner.SegmentRunner`
 through diffusers' checkpoint hook, or FSDP-style ``checkpoint_wrapper`` around every block
 (``fsdp_activation_checkpointing``; the runner then checkpoints nothing)."""
+STREAM_LEGEND = "S = frozen weights streamed from host memory, . = frozen weights resident on the device"
+"""Legend of :meth:`ModelPlan.stream_maps` (``weight_offload=stream``)."""
 LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
           "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
           "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
@@ -83,6 +85,18 @@ class ModelPlan:
             lists.append(plan)
         return replace(self, lists=tuple(lists))
 
+    @property
+    def streamed_blocks(self) -> int:
+        """Total number of blocks whose frozen weights stream from host memory."""
+        return sum(len(p.streamed) for p in self.lists)
+
+    def stream_maps(self) -> dict[str, str]:
+        """Per list, one character per block: ``S`` streamed frozen weights, ``.`` resident
+        (see :data:`STREAM_LEGEND`); empty when nothing streams."""
+        if not self.streamed_blocks:
+            return {}
+        return {p.name: "".join("S" if i in set(p.streamed) else "." for i in range(p.num_blocks)) for p in self.lists}
+
     def block_maps(self) -> dict[str, str]:
         """Per list, one character per block (see :data:`LEGEND`)."""
         mark = self.schedule.backend.mark
@@ -97,13 +111,19 @@ class ModelPlan:
         maps = self.block_maps()
         width = max([len(p.name) for p in self.lists] + [4])
         by = f", applied by {self.applied_by}" if self.applied_by != RUNNER else ""
+        streams = self.stream_maps()
         lines = [f"plan ({self.family}, {self.mode}{by}):"]
         for plan in self.lists:
             segs = " ".join(f"{s}-{e - 1}" if e - s > 1 else f"{s}" for s, e in plan.segments) or "none"
             lines.append(f"  {plan.name:<{width}}  {maps[plan.name]}  segments: {segs}")
+            if streams:
+                lines.append(f"  {'':<{width}}  {streams[plan.name]}  weights streamed: {len(plan.streamed)} of "
+                             f"{plan.num_blocks}")
             lines.extend(f"  {'':<{width}}  note: {note}" for note in plan.notes)
         lines.extend(f"  note: {note}" for note in self.notes)
         lines.append(f"  legend: {LEGEND}")
+        if streams:
+            lines.append(f"  weights: {STREAM_LEGEND}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +136,9 @@ class ModelPlan:
             "lists": [p.to_dict() for p in self.lists],
             "block_map": self.block_maps(),
             "legend": LEGEND,
+            "stream_map": self.stream_maps(),
+            "stream_legend": STREAM_LEGEND,
+            "streamed_blocks": self.streamed_blocks,
             "notes": list(self.notes),
         }
 
@@ -170,10 +193,44 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
         notes.append("gradient_checkpointing_offload_attention acts on blocks outside whole-block "
                      "checkpoint regions (the plain ones); inside a region the attention activations "
                      "are not kept at all, so there is nothing to offload")
+    lists, stream_notes = choose_streamed(lists, schedule)
+    notes += stream_notes
     if warn:
         for note in notes:
             warnings.warn(note, ScheduleWarning, stacklevel=2)
     return ModelPlan(family.name, schedule, tuple(lists), plan_notes + tuple(notes))
+
+
+def choose_streamed(lists: list["ListPlan"], schedule: CheckpointSchedule) -> tuple[list["ListPlan"], list[str]]:
+    """The blocks whose frozen weights stream (``weight_offload=stream``), marked in each list.
+
+    Every routed block streams by default; with ``weight_offload_blocks`` = N below that, the N
+    streamed blocks are spread evenly over the model's blocks in forward order (block
+    ``floor((k + 1/2) * total / N)`` for k = 0..N-1), so that each copy can run while a resident
+    block computes. Blocks of a list the model's loop calls directly are never seen by the runner
+    and stay resident (noted).
+
+    Returns:
+        ``(lists with ListPlan.streamed set, notes)``.
+    """
+    if not schedule.streams:
+        return lists, []
+    routed = [(li, bi) for li, lp in enumerate(lists) if lp.routed for bi in range(lp.num_blocks)]
+    notes = []
+    want = schedule.weight_offload_blocks
+    if want is None or want >= len(routed):
+        if want is not None and want > len(routed):
+            notes.append(f"weight_offload_blocks={want} is more than the {len(routed)} blocks the runner sees: all of "
+                         "them stream")
+        chosen = set(routed)
+    else:
+        chosen = {routed[int((k + 0.5) * len(routed) / want)] for k in range(want)}
+    if any(not lp.routed for lp in lists):
+        notes.append("weight_offload=stream: block lists the model's loop calls directly ("
+                     + ", ".join(lp.name for lp in lists if not lp.routed) + ") keep their weights on the device")
+    out = [replace(lp, streamed=tuple(bi for bi in range(lp.num_blocks) if (li, bi) in chosen))
+           for li, lp in enumerate(lists)]
+    return out, notes
 
 
 def fsdp_plan(family: FamilyAdapter, schedule: CheckpointSchedule, num_blocks: Mapping[str, int],
@@ -214,6 +271,7 @@ class ListPlan:
         notes: why the plan differs from what the schedule asked, if it does.
         routed: ``False`` for a list the model's loop calls directly, never through the
             checkpoint function: no schedule or offload option can act on it.
+        streamed: indices of blocks whose frozen weights stream from host memory.
     """
 
     name: str
@@ -221,6 +279,7 @@ class ListPlan:
     segments: tuple[tuple[int, int], ...]
     notes: tuple[str, ...] = field(default=())
     routed: bool = True
+    streamed: tuple[int, ...] = ()
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -247,6 +306,7 @@ class ListPlan:
             "checkpointed": list(self.checkpointed),
             "plain": list(self.plain),
             "routed": self.routed,
+            "streamed": list(self.streamed),
             "notes": list(self.notes),
         }
 

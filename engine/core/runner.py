@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from ..families.base import BlockList, Carry, FamilyAdapter
 from .offload import HostPool, Offloader, resident_storages
 from .plan import RUNNER, ModelPlan, ScheduleWarning
+from .streaming import WeightStreamer, frozen_device_bytes
 
 
 class CarryMismatch(RuntimeError):
@@ -155,15 +156,18 @@ class _Region:
 class _FfnRegion:
     """The function an FFN-only checkpoint call runs: the block's original FFN forward(s)."""
 
-    def __init__(self, runner: "SegmentRunner", forwards: list[Callable[..., Any]], where: tuple[str, int]):
+    def __init__(self, runner: "SegmentRunner", forwards: list[Callable[..., Any]], where: tuple[str, int],
+                 list_index: int):
         self.runner, self.forwards, self.runs = runner, forwards, 0
         self.list_name, self.block = where
+        self.list_index = list_index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
         recompute = self.runs > 1
         with self.runner._in_region(recompute):
             if recompute:
+                self.runner._stream_in(self.list_index, self.block)  # the block's own pre-hook does not run
                 self.runner.stats.recomputed_ffn += 1
                 self.runner.last_recompute = (self.list_name, (self.block, self.block + 1), self.block, True)
             output = self.forwards[0](*args, **kwargs)
@@ -201,6 +205,9 @@ class SegmentRunner:
     cannot span blocks, since attention runs between them), offloading the FFN input for
     ``unsloth-ffn``. With ``gradient_checkpointing_offload_attention`` every block that is not
     inside a whole-block region runs its attention sub-block with its saved activations offloaded.
+    With ``weight_offload=stream`` the plan's streamed blocks keep their frozen weights in host
+    memory and :attr:`streamer` (:class:`~.streaming.WeightStreamer`) brings each segment or plain
+    block in before it runs, is recomputed or runs backward.
 
     Args:
         model: a diffusers model of ``family`` (our training copy: installing changes its
@@ -211,10 +218,14 @@ class SegmentRunner:
         checkpoint_fn: the checkpoint implementation, ``checkpoint(fn, *args, **kwargs)``;
             defaults to non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG state
             preserved (so dropout recomputes identically).
+        device: where streamed weights are used (default: that of the model's trainable
+            parameters, else of its first parameter).
+        strict_streaming: see :class:`~.streaming.WeightStreamer` (tests).
     """
 
     def __init__(self, model: torch.nn.Module, family: FamilyAdapter, plan: ModelPlan,
-                 checkpoint_fn: Callable[..., Any] | None = None):
+                 checkpoint_fn: Callable[..., Any] | None = None, device: torch.device | None = None,
+                 strict_streaming: bool = False):
         self.model, self.family, self.plan = model, family, plan
         self.stats = RunnerStats()
         self._checkpoint = checkpoint_fn or functools.partial(
@@ -234,9 +245,16 @@ class SegmentRunner:
         self.offload_inputs = bool(self.backend and self.backend.offload_inputs)
         self.offload_attention = schedule.gradient_checkpointing_offload_attention
         self.offloader: Offloader | None = None
+        self.pool: HostPool | None = None
+        if self.offload_inputs or self.offload_attention or schedule.streams:
+            self.pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
         if self.offload_inputs or self.offload_attention:
-            pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
-            self.offloader = Offloader(pool, lambda: self.recomputing, resident_storages(model))
+            self.offloader = Offloader(self.pool, lambda: self.recomputing, resident_storages(model))
+        params = list(model.parameters())
+        self.device = device or next((p.device for p in params if p.requires_grad), params[0].device if params
+                                     else torch.device("cpu"))
+        self._strict = strict_streaming
+        self.streamer: WeightStreamer | None = None
         self._index_plan()
 
     @property
@@ -257,18 +275,73 @@ class SegmentRunner:
     def _index_plan(self) -> None:
         self._segment_end = [dict(lp.segments) for lp in self.plan.lists]
         self._ffn_blocks = [set(lp.checkpointed) for lp in self.plan.lists] if self.ffn_scope else None
+        self._streamed = [set(lp.streamed) for lp in self.plan.lists]
+        if self.streamer is not None:  # a fallback changed the segments: new units
+            self.streamer.close()
+            self.streamer = None
+        if self.plan.streamed_blocks:
+            schedule = self.plan.schedule
+            stream = self.offloader._stream if self.offloader is not None else None
+            self.streamer = WeightStreamer(self._stream_units(), self.pool, self.device,
+                                           schedule.weight_offload_prefetch, lambda: self.recomputing, stream,
+                                           self._strict)
+        if self.offloader is not None:
+            self.offloader.weights = self.streamer
+
+    def weight_receipt(self) -> dict[str, int | float]:
+        """The step's weight-streaming figures (report.json): ``weight_h2d_bytes``,
+        ``weight_copies``, ``weight_d2h_bytes`` (0: frozen weights never go back),
+        ``weight_stall_s`` (seconds compute waited on weight copies), ``resident_frozen_bytes``
+        (frozen bytes on the device: resident weights and the ring), ``streamed_frozen_bytes``
+        (their host copies) and ``pinned_host_bytes`` (pinned host memory: weights and activations).
+        All 0 for a streamer-less run except ``resident_frozen_bytes``."""
+        streamer, pool = self.streamer, self.pool
+        is_host = pool.is_host if pool is not None else (lambda t: False)
+        ring = set(streamer.slot_storages) if streamer is not None else set()
+        resident = frozen_device_bytes(self.model, is_host, ring) + (streamer.resident_slot_bytes if streamer else 0)
+        stats = streamer.stats if streamer is not None else None
+        pinned = (pool.pinned_held_bytes + (pool.pool_bytes if pool.pinned else 0)) if pool is not None else 0
+        return {"weight_h2d_bytes": stats.h2d_bytes if stats else 0, "weight_copies": stats.copies if stats else 0,
+                "weight_d2h_bytes": stats.d2h_bytes if stats else 0,
+                "weight_stall_s": round(stats.stall_s, 6) if stats else 0.0,
+                "resident_frozen_bytes": resident, "streamed_frozen_bytes": streamer.streamed_bytes if streamer else 0,
+                "pinned_host_bytes": pinned}
+
+    def _stream_units(self) -> list[tuple[tuple[tuple[int, int], ...], list[torch.nn.Module]]]:
+        """The plan's streamed blocks grouped into what runs at once, in forward order: the
+        streamed blocks of one whole-block segment, or one plain (or FFN-checkpointed) block."""
+        units = []
+        for li, (lp, blocks) in enumerate(zip(self.plan.lists, self._lists)):
+            ends = {} if self.ffn_scope else self._segment_end[li]
+            bi = 0
+            while bi < lp.num_blocks:
+                end = ends.get(bi, bi + 1)
+                members = [b for b in range(bi, end) if b in self._streamed[li]]
+                if members:
+                    units.append((tuple((li, b) for b in members), [blocks[b] for b in members]))
+                bi = end
+        return units
+
+    def _stream_in(self, list_index: int, block_index: int) -> None:
+        """Bring a streamed block's unit in for a recompute (backward order)."""
+        if self.streamer is not None and block_index in self._streamed[list_index]:
+            self.streamer.activate(self.streamer.by_block[(list_index, block_index)], backward=True)
 
     def install(self) -> "SegmentRunner":
         """Route the model's block calls through this runner (or disable checkpointing when
         nothing is checkpointed or offloaded, or when FSDP's ``checkpoint_wrapper`` applies the plan)."""
-        if self.plan.applied_by != RUNNER or (self.plan.checkpointed_blocks == 0 and not self.offload_attention):
+        if self.plan.applied_by != RUNNER or (self.plan.checkpointed_blocks == 0 and not self.offload_attention
+                                              and self.streamer is None):
             self.model.disable_gradient_checkpointing()
         else:
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self)
         return self
 
     def close(self) -> None:
-        """Release run-owned resources (the host pool); the runner must not be used afterwards."""
+        """Release run-owned resources (the host pool; streamed weights go back to their host
+        copies); the runner must not be used afterwards."""
+        if self.streamer is not None:
+            self.streamer.close()
         self.offloader = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -349,9 +422,13 @@ class SegmentRunner:
 
     @contextlib.contextmanager
     def _block_scope(self, list_index: int, block_index: int, block: torch.nn.Module) -> Iterator[None]:
-        """Swap in the FFN checkpoint and the attention offload for one plain block call."""
+        """Swap in the FFN checkpoint and the attention offload for one plain block call; a
+        streamed block's saved weights are packed as handles that stream it in again."""
         block_list = self.family.block_lists[list_index]
         with contextlib.ExitStack() as stack:
+            if (self.streamer is not None and block_index in self._streamed[list_index] and self._region_depth == 0
+                    and torch.is_grad_enabled()):
+                stack.enter_context(self.streamer.hooks())
             if self._ffn_blocks is not None and block_index in self._ffn_blocks[list_index]:
                 self._wrap_ffn(stack, block, block_list)
             if self.offload_attention and block_list.attention and self._region_depth == 0:
@@ -368,7 +445,8 @@ class SegmentRunner:
     def _wrap_ffn(self, stack: contextlib.ExitStack, block: torch.nn.Module, block_list: BlockList) -> None:
         names = (block_list.ffn,) if isinstance(block_list.ffn, str) else tuple(block_list.ffn)
         modules = [block.get_submodule(n) for n in names]
-        region = _FfnRegion(self, [m.forward for m in modules], (block_list.name, self._where[id(block)][1]))
+        list_index, block_index = self._where[id(block)]
+        region = _FfnRegion(self, [m.forward for m in modules], (block_list.name, block_index), list_index)
         unsloth = self.offload_inputs
 
         def checkpointed_ffn(*a: Any, **kw: Any) -> Any:

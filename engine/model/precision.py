@@ -134,28 +134,35 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.weight, ctx.input_dtype = weight, x.dtype
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                ready: Any = None) -> torch.Tensor:
+        ctx.weight, ctx.input_dtype, ctx.ready = weight, x.dtype, ready
         return F.linear(x.to(weight.dtype), weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
+        if ctx.ready is not None:  # a streamed weight: bring it onto the device again
+            ctx.ready()
         weight = ctx.weight.dequantize()  # (out, in), transient
-        return (grad_out.to(weight.dtype) @ weight).to(ctx.input_dtype), None, None
+        return (grad_out.to(weight.dtype) @ weight).to(ctx.input_dtype), None, None, None
 
 
 class QuantizedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose frozen weight is a torchao weight-only quantized tensor.
 
     Same parameters and state-dict names as the Linear it was made from (its class is swapped in
-    place on our training copy); computes in the weight's logical dtype.
+    place on our training copy); computes in the weight's logical dtype. ``weight_ready``: set by
+    weight streaming (engine/core/streaming.py) on the layers of a streamed block, a callable that
+    brings the weight onto the device before backward reads it again.
     """
+
+    weight_ready = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., in_features) -> (..., out_features)``."""
-        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
+        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias, self.weight_ready)
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,23 @@ def _in_keep(name: str, keep: list[str]) -> bool:
     return any(k in parts or name == k or name.startswith(k + ".") for k in keep)
 
 
-def apply_base_precision(model: torch.nn.Module, precision: Precision, device: torch.device) -> BaseWeights:
+def host_parameters(modules: list[torch.nn.Module]) -> set[int]:
+    """``id`` of the frozen parameters of ``modules`` (what :func:`move_to` keeps on the host)."""
+    return {id(p) for m in modules for p in m.parameters() if not p.requires_grad}
+
+
+def move_to(model: torch.nn.Module, device: torch.device, keep: set[int] = frozenset()) -> torch.nn.Module:
+    """``model.to(device)`` except the parameters whose ``id`` is in ``keep``: the frozen weights of
+    the blocks that stream from host memory stay there (they never have to fit on the device)."""
+    if not keep:
+        return model.to(device)
+    for module in model.modules():
+        module._apply(lambda t: t if id(t) in keep else t.to(device), recurse=False)
+    return model
+
+
+def apply_base_precision(model: torch.nn.Module, precision: Precision, device: torch.device,
+                         host_modules: list[torch.nn.Module] = ()) -> BaseWeights:
     """Bring the frozen base of ``model`` to ``precision`` on ``device`` (idempotent).
 
     Floating parameters and buffers go to ``precision.storage_dtype`` (modules the class lists
@@ -205,6 +228,11 @@ def apply_base_precision(model: torch.nn.Module, precision: Precision, device: t
     is quantized weight-only, one layer at a time on ``device`` (the full-precision base never
     has to fit on the device at once), and becomes a :class:`QuantizedLinear`. Call it before
     the LoRA is added: LoRA layers are never quantized.
+
+    Args:
+        host_modules: blocks whose frozen weights stream from host memory (``weight_offload``):
+            quantized one block at a time on ``device`` and brought back to the host, and not
+            moved to the device.
 
     Raises:
         PrecisionError: torchao is not installed for a quantized precision.
@@ -222,17 +250,22 @@ def apply_base_precision(model: torch.nn.Module, precision: Precision, device: t
     if precision.quantized:
         quantize, config = _torchao(precision.base)
 
+        names = {id(m): n for n, m in model.named_modules()}
+
         def wanted(module: torch.nn.Module, name: str) -> bool:
             return (type(module) is torch.nn.Linear and not is_traceable_wrapper_subclass(module.weight)
-                    and not _in_keep(name, keep))
+                    and not _in_keep(names.get(id(module), name), keep))
 
         with quiet_torchao():
+            for block in host_modules:  # one block on the device at a time, then back to the host
+                quantize(block, config, filter_fn=wanted, device=device)
+                block.to("cpu")
             quantize(model, config, filter_fn=wanted, device=device)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and is_traceable_wrapper_subclass(module.weight):
                 module.__class__ = QuantizedLinear
                 quantized += 1
-    model.to(device)
+    move_to(model, device, host_parameters(host_modules))
     linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     return BaseWeights(linear, quantized, frozen_bytes(model))
 

@@ -212,11 +212,11 @@ class TrainingRun:
         if state is not None:
             self.history = opt.history
             log(f"resumed at step {opt.start} from {self.output}")
-        offloader, model = trainable.runner.offloader, trainable.model
+        model = trainable.model
         self.context = StepContext(
             config, model, self.bundle.family, trainable.runner, opt.optimizer, opt.scaler, opt.sampler, cache,
             opt.noise_gen, device, self.precision, self.kernels,
-            PeakMemory(device, exclude=offloader.pool.is_host if offloader else None),
+            PeakMemory(device, exclude=trainable.runner.pool.is_host if trainable.runner.pool else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist)
         if config.validation.validation_every:

@@ -11,6 +11,9 @@ from .previews import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews
 from .step import StepRecord
 from .watchdog import Watchdog, device_at_capacity
 
+STALL_SHARE = 0.25
+"""Share of a step spent waiting on weight copies above which a run says so (once)."""
+
 
 class StepMonitor:
     """Logs, watches and previews each step of one run.
@@ -29,12 +32,16 @@ class StepMonitor:
         self.watchdog = Watchdog(config.timing_warmup_steps, guards.watchdog_slowdown, guards.watchdog_window,
                                  at_capacity=device_at_capacity(device))
         self.validation_peak = 0
+        self.stall_warned = False
 
     def after(self, ctx, record: StepRecord, history: list[dict[str, Any]]) -> None:
         """The step's log line and record, the watchdog's reports and the previews due after it."""
         history.append(vars(record))
         offload = (f"  offload {record.offloaded_bytes / 2**20:.1f} MiB, pool {record.pool_bytes / 2**20:.1f} MiB"
                    if ctx.runner.offloader else "")
+        if ctx.runner.streamer:
+            offload += (f"  weights in {record.weight_h2d_bytes / 2**20:.1f} MiB ({record.weight_copies} copies, "
+                        f"stall {record.weight_stall_s:.3f} s)")
         self.log(f"step {record.step:>4}/{self.config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
                  f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
         if record.skipped:
@@ -44,7 +51,20 @@ class StepMonitor:
         record.watchdog = self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape)
         for found in record.watchdog:  # the history entry is the record's own dict: it has them too
             self.log(f"segckpt: warning: {found['message']}")
+        self._stall(ctx, record)
         self._previews(ctx, record)
+
+    def _stall(self, ctx, record: StepRecord) -> None:
+        """Say once per run when compute waited on weight copies for over a quarter of a step
+        (after the timing warm-up)."""
+        if (self.stall_warned or not ctx.runner.streamer or record.step <= self.config.timing_warmup_steps
+                or record.weight_stall_s <= STALL_SHARE * record.seconds):
+            return
+        self.stall_warned = True
+        share = record.weight_stall_s / record.seconds
+        self.log(f"segckpt: warning: step {record.step} waited {record.weight_stall_s:.3f} s of {record.seconds:.3f} s "
+                 f"({share:.0%}) on weight copies: stream fewer blocks (weight_offload_blocks), copy further ahead "
+                 "(weight_offload_prefetch), or use a schedule with more compute per streamed block (a larger interval)")
 
     def _previews(self, ctx, record: StepRecord) -> None:
         """Sample and save the previews due after ``record``'s step; their paths go in the record."""

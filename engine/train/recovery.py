@@ -7,7 +7,8 @@ ladder follows the documents' decision rule (docs/SCHEDULES.md "How to decide" a
 the backends in their order ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth`` (more memory
 saved, more time spent, at each rung; those the family cannot run are skipped), then, with the
 last backend, a lower stride (every block checkpointed) and a lower interval (a smaller region
-recomputed at once), then attention offload. Checkpointing never changes the gradients, so a run
+recomputed at once), then attention offload, then streaming every block's frozen weights from host
+memory (docs/STREAMING.md). Checkpointing and streaming never change the gradients, so a run
 that switched equals, step for step, a run that used the new schedule from that step on.
 """
 
@@ -57,7 +58,10 @@ def _rungs(schedule: CheckpointSchedule) -> Iterator[CheckpointSchedule]:
                                   gradient_checkpointing_segment_stride=None)
         yield current
     if not current.gradient_checkpointing_offload_attention:
-        yield current.replace(gradient_checkpointing_offload_attention=True)
+        current = current.replace(gradient_checkpointing_offload_attention=True)
+        yield current
+    if not current.streams or current.weight_offload_blocks is not None:
+        yield current.replace(weight_offload="stream", weight_offload_blocks=None)
 
 
 def cheaper_schedules(schedule: CheckpointSchedule, family: FamilyAdapter) -> list[CheckpointSchedule]:
@@ -66,14 +70,20 @@ def cheaper_schedules(schedule: CheckpointSchedule, family: FamilyAdapter) -> li
 
     Example: ``interval2-stride4`` (torch) on Flux gives ``interval2-stride4-unsloth-ffn``,
     ``interval2-stride4-unsloth``, ``interval2-unsloth``, ``layer-unsloth``,
-    ``layer-unsloth-offload-attn``.
+    ``layer-unsloth-offload-attn``, ``layer-unsloth-offload-attn-stream``.
     """
     found = []
     for candidate in _rungs(schedule):
         try:
             check_supported(family, candidate)
         except ScheduleError:
-            continue
+            if not candidate.streams or not candidate.gradient_checkpointing_offload_attention:
+                continue
+            candidate = candidate.replace(gradient_checkpointing_offload_attention=False)  # stream without it
+            try:
+                check_supported(family, candidate)
+            except ScheduleError:
+                continue
         if candidate != schedule and candidate not in found:
             found.append(candidate)
     return found
@@ -107,7 +117,7 @@ def switch_schedule(ctx, schedule: CheckpointSchedule) -> None:
     and a memory meter that excludes the new pool."""
     ctx.runner.close()
     runner = ctx.runner = apply_checkpointing(ctx.model, ctx.family, schedule)
-    ctx.memory = PeakMemory(ctx.device, exclude=runner.offloader.pool.is_host if runner.offloader else None)
+    ctx.memory = PeakMemory(ctx.device, exclude=runner.pool.is_host if runner.pool else None)
     ctx.config = ctx.config.replace(schedule=schedule)
 
 

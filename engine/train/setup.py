@@ -30,7 +30,7 @@ from ..model.bundle import ModelBundle
 from ..model.distributed import Distributed, shard_model, shard_optimizer_state
 from ..model.loading import load_bundle
 from ..model.lora_files import add_lora, load_lora_file, load_lora_state_dict
-from ..model.precision import BaseWeights, Precision, apply_base_precision
+from ..model.precision import BaseWeights, Precision, apply_base_precision, host_parameters, move_to
 from .optim import make_optimizer
 from .state import TrainingState, set_rng_state
 
@@ -42,6 +42,14 @@ def load_model(config: TrainConfig, precision: Precision, log: Callable[[str], N
         ModelLoadError: the folder or file cannot be used.
     """
     return load_bundle(config.model, config.seed, precision, log)
+
+
+def streamed_modules(family: FamilyAdapter, model: torch.nn.Module, schedule: CheckpointSchedule) -> list[torch.nn.Module]:
+    """The blocks whose frozen weights the plan of ``schedule`` streams (empty without streaming)."""
+    if not schedule.streams:
+        return []
+    plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    return [family.blocks(model, bl)[i] for bl, lp in zip(family.block_lists, plan.lists) for i in lp.streamed]
 
 
 def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule: CheckpointSchedule,
@@ -95,7 +103,8 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
         LoraConfigError: no module matches the LoRA targets; an ``init_lora`` of another shape.
     """
     model = bundle.transformer
-    base = apply_base_precision(model, precision, device)
+    host = streamed_modules(bundle.family, model, config.schedule)  # their frozen weights stay on the host
+    base = apply_base_precision(model, precision, device, host)
     # peft initialises lora_A from torch's global generator: seed it, or two runs with one
     # seed in one process (a ComfyUI server, a sweep) would start from different adapters
     torch.manual_seed(config.seed)
@@ -105,7 +114,7 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
             f"{config.model.init_lora}")
     if state is not None:
         load_lora_state_dict(model, state.lora)
-    model.to(device).train()
+    move_to(model, device, host_parameters(host)).train()
     blocks = sum(count_blocks(bundle.family, model).values())
     runner = apply_checkpointing(model, bundle.family, config.schedule, config.sharding, dist)
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: DTensor shards

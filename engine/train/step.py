@@ -55,6 +55,12 @@ class StepRecord:
         schedule_switches: out-of-memory recoveries of this step (``{"step", "from", "to", "error",
             ...}``): it ran again under the schedule ``to``.
         watchdog: the watchdog's reports made after this step (``{"kind", "step", "message", ...}``).
+        weight_h2d_bytes, weight_copies, weight_d2h_bytes, weight_stall_s, resident_frozen_bytes,
+            streamed_frozen_bytes, pinned_host_bytes: weight streaming's figures of the step
+            (:meth:`~..core.runner.SegmentRunner.weight_receipt`).
+        device_peak_bytes: the step's peak with everything the device holds: on CUDA
+            ``peak_bytes``; on the CPU ``peak_bytes`` plus the frozen bytes resident on the
+            "device" and the trainable parameters (what a budget is compared with).
     """
 
     step: int
@@ -74,6 +80,14 @@ class StepRecord:
     previews: list[str] = field(default_factory=list)
     schedule_switches: list[dict] = field(default_factory=list)
     watchdog: list[dict] = field(default_factory=list)
+    weight_h2d_bytes: int = 0
+    weight_copies: int = 0
+    weight_d2h_bytes: int = 0
+    weight_stall_s: float = 0.0
+    resident_frozen_bytes: int = 0
+    streamed_frozen_bytes: int = 0
+    pinned_host_bytes: int = 0
+    device_peak_bytes: int = 0
 
 
 @dataclass
@@ -130,6 +144,8 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     runner.stats.reset()
     if runner.offloader:
         runner.offloader.stats.reset()
+    if runner.streamer:
+        runner.streamer.stats.reset()
     with ctx.memory.measure() as reading, ctx.timer.step():
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -178,11 +194,17 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         ctx.optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
         seconds = time.perf_counter() - started
     stats, off = runner.stats, runner.offloader
+    if runner.streamer:
+        runner.streamer.stats.settle()  # the step synchronised: its copy waits can be read
+    weights = runner.weight_receipt()
+    device_peak = reading.peak_bytes
+    if device.type != "cuda":  # the tracker counts what the step creates: add what the device holds
+        device_peak += weights["resident_frozen_bytes"] + sum(p.numel() * p.element_size() for _, p in ctx.named_params)
     return StepRecord(step + 1, check.loss, lr, seconds, reading.peak_bytes, stats.checkpoint_calls,
                       stats.recomputed_blocks, stats.recomputed_ffn,
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
-                      reading.baseline_bytes, skipped)
+                      reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak)
 
 
 def _recompute_message(ctx: StepContext, mismatch: RecomputeMismatch, step: int) -> str:

@@ -29,6 +29,7 @@ PINNED = (
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
     "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
     "gradient_checkpointing_offload_pin_memory_max_buckets",
+    "weight_offload", "weight_offload_blocks", "weight_offload_prefetch",
     "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
     "output", "resume", "overwrite", "save_every",
     "fsdp", "fsdp_activation_checkpointing",

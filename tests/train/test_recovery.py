@@ -24,14 +24,17 @@ SEGMENTED = CheckpointSchedule(gradient_checkpointing_interval=2, gradient_check
 
 @pytest.mark.parametrize("family, schedule, ladder", [
     ("flux", SEGMENTED, ["interval2-stride4-unsloth-ffn", "interval2-stride4-unsloth", "interval2-unsloth",
-                         "layer-unsloth", "layer-unsloth-offload-attn"]),
+                         "layer-unsloth", "layer-unsloth-offload-attn", "layer-unsloth-offload-attn-stream"]),
     ("flux", CheckpointSchedule(gradient_checkpointing=False),
-     ["layer-torch-ffn", "layer", "layer-unsloth-ffn", "layer-unsloth", "layer-unsloth-offload-attn"]),
+     ["layer-torch-ffn", "layer", "layer-unsloth-ffn", "layer-unsloth", "layer-unsloth-offload-attn",
+      "layer-unsloth-offload-attn-stream"]),
     ("flux", CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True),
-     []),
+     ["layer-unsloth-offload-attn-stream"]),
+    ("flux", CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True,
+                                weight_offload="stream"), []),
     # no FFN boundary and no routed attention (docs/SCHEDULES.md "Families named by the documents"):
     # those rungs are skipped
-    ("ideogram4", SEGMENTED, ["interval2-stride4-unsloth", "interval2-unsloth", "layer-unsloth"]),
+    ("ideogram4", SEGMENTED, ["interval2-stride4-unsloth", "interval2-unsloth", "layer-unsloth", "layer-unsloth-stream"]),
 ])
 def test_the_ladder_follows_the_documents_order_and_what_the_family_can_run(family, schedule, ladder):
     assert [s.mode for s in cheaper_schedules(schedule, get_family(family))] == ladder
@@ -134,9 +137,10 @@ def test_oom_in_the_optimizer_update_is_not_retried(data_dir):
 
 
 def test_oom_with_no_cheaper_schedule_names_the_last_one(data_dir):
-    last = CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True)
+    last = CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True,
+                              weight_offload="stream")
     run = _quiet_run(_config(data_dir, "bottom", schedule=last))
-    with pytest.raises(OutOfMemoryStop, match="no schedule saves more memory than layer-unsloth-offload-attn"):
+    with pytest.raises(OutOfMemoryStop, match="no schedule saves more memory than layer-unsloth-offload-attn-stream"):
         for record in run:
             if record.step == 1:
                 _oom_in_recompute_at_step(run, 2, last)

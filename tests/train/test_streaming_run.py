@@ -1,0 +1,58 @@
+"""A training run that streams its frozen weights: the same losses, a receipt of the copies, and a
+resume that does not care whether the saved run streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from segmented_checkpointing.engine import api
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.core.streaming import predicted_copies
+
+QUIET = {"log": lambda line: None}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from segmented_checkpointing.engine.data.folder import write_sample_dataset
+
+    root = tmp_path_factory.mktemp("stream")
+    write_sample_dataset(root / "data")
+    return root
+
+
+def _run(root, name, steps=3, **changes):
+    config = TrainConfig.create(output=str(root / name), resolution=64, steps=steps, batch_size=2,
+                                data=str(root / "data"), timing_warmup_steps=1, family="flux", **changes)
+    lines = []
+    api.train(config, log=lines.append)
+    return json.loads((root / name / "report.json").read_text()), "\n".join(lines)
+
+
+def test_losses_equal_and_the_report_counts_the_copies(data_dir):
+    resident, _ = _run(data_dir, "resident")
+    streamed, log = _run(data_dir, "streamed", weight_offload="stream")
+    assert [s["loss"] for s in streamed["steps"]] == [s["loss"] for s in resident["steps"]]
+    assert "SSSSSSSS  weights streamed: 8 of 8" in log and "weights in" in log
+    units = 12  # the demo schedule (interval 2 stride 4): segments 0-1 and 4-5 are one unit each
+    assert [s["weight_copies"] for s in streamed["steps"]] == [predicted_copies(units, 1, s == 0) for s in range(3)]
+    for step in streamed["steps"]:
+        assert step["weight_d2h_bytes"] == 0 and step["weight_h2d_bytes"] > 0 and step["weight_stall_s"] >= 0
+        assert step["streamed_frozen_bytes"] > 0 and step["pinned_host_bytes"] == 0  # nothing pinned on a CPU
+    for step in resident["steps"]:
+        assert step["weight_copies"] == step["weight_h2d_bytes"] == step["streamed_frozen_bytes"] == 0
+    # the device holds the non-block weights and a ring of two units instead of every block's weights
+    saved = resident["steps"][-1]["resident_frozen_bytes"] - streamed["steps"][-1]["resident_frozen_bytes"]
+    assert saved > 0.5 * streamed["steps"][-1]["streamed_frozen_bytes"]
+    assert streamed["steps"][-1]["device_peak_bytes"] == resident["steps"][-1]["device_peak_bytes"] - saved
+    assert streamed["config"]["schedule"]["weight_offload"] == "stream"
+    assert streamed["plan"]["stream_map"] == {"double": "S" * 8, "single": "S" * 8}
+
+
+def test_a_streamed_run_resumes_without_streaming(data_dir):
+    straight, _ = _run(data_dir, "straight", steps=3)
+    _run(data_dir, "halves", steps=2, weight_offload="stream", weight_offload_blocks=4)
+    resumed, _ = _run(data_dir, "halves", steps=3, resume=True)
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
