@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
     plan.add_argument("--budget", dest="plan_budget", required=True,
                       help="Memory budget in GiB, or 'device' (fit this device's memory).")
+    plan.add_argument("--host-budget", dest="plan_host_budget", default=None,
+                      help="Host memory for streamed weights and offloaded activations, GiB, or 'free' (the "
+                           "host's available memory now); default: the available memory less 10%%.")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
                       help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
                            "before deciding (0 = predict only; default 3).")
@@ -69,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="Memory budget drawn as a line on the plot, GiB.")
     sweep.add_argument("--no-attention-offload", dest="sweep_attention", action="store_false", default=True,
                        help="Leave out the attention-offload modes (halves the sweep).")
+    sweep.add_argument("--stream", dest="sweep_stream", action="store_true", default=False,
+                       help="Add the four base modes with every block's frozen weights streamed from host memory "
+                            "(weight H2D GiB/step and stall %% columns).")
     run = sub.add_parser("run", help="Run an API-format workflow in-process with this pack's nodes.",
                          description="Run an API-format workflow (ComfyUI 'Save (API)') without ComfyUI. "
                                      "Folders follow ComfyUI's layout under --base-dir: input/, "
@@ -216,7 +222,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
-    cells = api.sweep(config, bundle, api.sweep_schedules(args.sweep_attention), args.sweep_warmup,
+    cells = api.sweep(config, bundle, api.sweep_schedules(args.sweep_attention, args.sweep_stream), args.sweep_warmup,
                       args.sweep_measure)
     budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
     paths = api.write_sweep(cells, Path(config.outputs.output), bundle.family.name, budget)
@@ -231,14 +237,15 @@ def _plan(args: argparse.Namespace) -> int:
             args.output = "output/plan"
         config = config_from_args(args)
         budget = api.budget(args.plan_budget, config, key="--budget")
+        host_budget = api.host_budget(args.plan_host_budget, config)  # before any model is built
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
         api.check_input_paths(config)
         _check_vae(config)
         bundle = api.load_model(config)
         if args.plan_check:
-            return _preflight(config, bundle, budget)
-        choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure)
+            return _preflight(config, bundle, budget, host_budget)
+        choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
@@ -248,10 +255,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(config: api.TrainConfig, bundle, budget: int) -> int:
+def _preflight(config: api.TrainConfig, bundle, budget: int, host_budget: int | None = None) -> int:
     """``segckpt plan --check``: print the verdict, write ``preflight.json`` (and the schedule that
     would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not."""
-    verdict = api.check_fit(config, bundle, budget)
+    verdict = api.check_fit(config, bundle, budget, host_budget_bytes=host_budget)
     print(verdict.render())
     paths = api.write_fit(verdict, Path(config.outputs.output))
     if verdict.suggestion is not None:

@@ -40,6 +40,7 @@ from .data.comfy_data import PreparedData, prepare_comfy_data
 from .data.folder import write_sample_dataset
 from .families import FamilyAdapter, family_names, get_family
 from .files.atomic import atomic_write_bytes, atomic_write_text
+from .measure.host import HostBudgetError, check_host_budget, host_budget_bytes
 from .measure.planner import PlanChoice, PlannerError, plan_for_budget, predict, write_choice
 from .measure.plots import loss_curve_rgb
 from .measure.preflight import PreflightRefused, Verdict, preflight
@@ -60,6 +61,7 @@ from .train.recovery import cheaper_schedules
 from .train.report import write_report
 
 __all__ = [
+    "HostBudgetError", "host_budget",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
@@ -107,6 +109,19 @@ def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -
         ConfigError: not a budget; the message names ``key``.
     """
     return budget_bytes(value, resolve_device(config.model), key)
+
+
+def host_budget(value: str | float | None, config: TrainConfig) -> int:
+    """The host budget in bytes (``--host-budget``: GiB, ``free``, ``device``; default the host's
+    available memory less a margin), refused before any model is built when ``config`` streams
+    more frozen weights than it holds (``engine/measure/host.py``).
+
+    Raises:
+        HostBudgetError: an invalid value, or one below the streamed bytes (named).
+    """
+    budget_bytes_ = host_budget_bytes(value)
+    check_host_budget(config, budget_bytes_, value)
+    return budget_bytes_
 
 
 def _recovery_guided_by(verdict: Verdict) -> Callable[[CheckpointSchedule, Any], CheckpointSchedule | None]:
@@ -168,8 +183,8 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
 
 def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **probing: Any) -> Verdict:
     """The pre-flight verdict of ``config``'s schedule against ``budget_bytes`` in every phase
-    (each batch shape, the previews); ``probing``: ``warmup_steps``, ``prepared``, ``on_step``,
-    ``should_stop`` (``engine/measure/preflight.py``).
+    (each batch shape, the previews) and of its host memory; ``probing``: ``warmup_steps``,
+    ``prepared``, ``on_step``, ``should_stop``, ``host_budget_bytes`` (``engine/measure/preflight.py``).
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
@@ -195,8 +210,8 @@ def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
 def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_steps: int = 0,
          **measuring: Any) -> PlanChoice:
     """The fastest schedule predicted to fit ``budget_bytes`` (timed head to head over
-    ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``
-    (``engine/measure/planner.py``).
+    ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``,
+    ``host_budget_bytes`` (``engine/measure/planner.py``).
 
     Raises:
         PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.

@@ -4,7 +4,7 @@ from .guardrail_nodes import FitGuardrails
 from .model_nodes import ImageCaptionDataset, LoadDiffusionModel, LoRAConfig
 from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
-from .schedule_nodes import ActivationOffloadOptions, GradientCheckpointingSchedule
+from .schedule_nodes import ActivationOffloadOptions, GradientCheckpointingSchedule, WeightOffloadOptions
 from .training_nodes import SaveLoRA, TrainLoRA
 
 _NODES = {
@@ -12,6 +12,7 @@ _NODES = {
     "SegCkptImageCaptionDataset": (ImageCaptionDataset, "Image+Caption Dataset"),
     "SegCkptSchedule": (GradientCheckpointingSchedule, "Gradient Checkpointing Schedule"),
     "SegCkptOffloadOptions": (ActivationOffloadOptions, "Activation Offload Options"),
+    "SegCkptWeightOffload": (WeightOffloadOptions, "Weight Offload Options (stream frozen weights)"),
     "SegCkptLoRAConfig": (LoRAConfig, "LoRA Config"),
     "SegCkptFitGuardrails": (FitGuardrails, "Fit Guardrails (pre-flight, OOM recovery, watchdog)"),
     "SegCkptTrainLoRA": (TrainLoRA, "Train LoRA (gradient checkpointing)"),

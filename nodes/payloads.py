@@ -2,7 +2,7 @@
 
 ``SEGCKPT_MODEL``: the engine's ``ModelBundle``; ``SEGCKPT_DATASET``: its ``DataConfig``;
 ``SEGCKPT_LORA_CONFIG``: ``LoraSettings``; ``SEGCKPT_GUARDRAILS``: ``GuardrailsConfig``;
-``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the two below.
+``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the three below.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..engine import api
 CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
 OFFLOAD, LORA_CONFIG, RUN = "SEGCKPT_OFFLOAD", "SEGCKPT_LORA_CONFIG", "SEGCKPT_TRAINING_RUN"
-GUARDRAILS = "SEGCKPT_GUARDRAILS"
+GUARDRAILS, WEIGHT_OFFLOAD = "SEGCKPT_GUARDRAILS", "SEGCKPT_WEIGHT_OFFLOAD"
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,29 @@ class OffloadOptions:
 
         Raises:
             ScheduleError: the combination is invalid.
+        """
+        return schedule.replace(**vars(self))
+
+
+@dataclass(frozen=True)
+class WeightOffload:
+    """The Weight Offload Options node's keys, which override a schedule's (``SEGCKPT_WEIGHT_OFFLOAD``).
+
+    Attributes:
+        weight_offload: ``none`` or ``stream`` (frozen block weights in host memory).
+        weight_offload_blocks: how many blocks stream; ``None`` = all of them.
+        weight_offload_prefetch: streamed blocks (or segments) copied ahead, 0..8.
+    """
+
+    weight_offload: str
+    weight_offload_blocks: int | None
+    weight_offload_prefetch: int
+
+    def apply(self, schedule: api.CheckpointSchedule) -> api.CheckpointSchedule:
+        """``schedule`` with these keys (its checkpointing keys unchanged).
+
+        Raises:
+            ScheduleError: the combination is invalid (a block count with ``weight_offload=none``).
         """
         return schedule.replace(**vars(self))
 

@@ -1,17 +1,18 @@
-"""The nodes that choose how activations are kept: Gradient Checkpointing Schedule and Activation
-Offload Options."""
+"""The nodes that choose how activations and frozen weights are kept: Gradient Checkpointing
+Schedule, Activation Offload Options and Weight Offload Options."""
 
 from __future__ import annotations
 
 from ..engine import api
 from .environment import NodeError
-from .payloads import CATEGORY, OFFLOAD, SCHEDULE, FamilySchedule, OffloadOptions
+from .payloads import CATEGORY, OFFLOAD, SCHEDULE, WEIGHT_OFFLOAD, FamilySchedule, OffloadOptions, WeightOffload
 from .widgets import NodeOptions, tip, widget
 
 _KEYS = ("gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
          "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
          "gradient_checkpointing_offload_pin_memory_max_buckets")
 _OFFLOAD = _KEYS[1:2] + _KEYS[4:]
+_STREAM = ("weight_offload", "weight_offload_blocks", "weight_offload_prefetch")
 
 
 class GradientCheckpointingSchedule:
@@ -80,4 +81,29 @@ class ActivationOffloadOptions:
         return (OffloadOptions(**keys),)
 
 
-__all__ = ["ActivationOffloadOptions", "GradientCheckpointingSchedule", "tip"]
+class WeightOffloadOptions:
+    """Weight-streaming options that override the schedule's when connected to Train LoRA: the frozen
+    weights of some or all blocks live in host memory and are copied to the device before each use.
+    0 = all blocks for ``weight_offload_blocks``. Outputs a :class:`~.payloads.WeightOffload`."""
+
+    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (WEIGHT_OFFLOAD,), ("weight_offload",)
+    OPTIONS = NodeOptions({key: key for key in _STREAM}, zero_unset=_STREAM[1:2])
+    DEFAULTS = {"weight_offload": "stream"}
+    """This node's defaults: streaming on (the schedule's own default keeps every weight resident)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {key: widget(key, extra=" 0 = all." if key in cls.OPTIONS.zero_unset else "",
+                                         zero_unset=key in cls.OPTIONS.zero_unset,
+                                         **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
+                             for key in _STREAM}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        return cls.OPTIONS.validate(inputs)
+
+    def build(self, **keys):
+        return (WeightOffload(**self.OPTIONS.values(keys)),)
+
+
+__all__ = ["ActivationOffloadOptions", "GradientCheckpointingSchedule", "WeightOffloadOptions", "tip"]

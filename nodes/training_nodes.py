@@ -27,7 +27,18 @@ from .environment import (
     public_errors,
 )
 from .live import LiveRun
-from .payloads import CATEGORY, DATASET, GUARDRAILS, LORA_CONFIG, MODEL, OFFLOAD, RUN, SCHEDULE, AnyType
+from .payloads import (
+    CATEGORY,
+    DATASET,
+    GUARDRAILS,
+    LORA_CONFIG,
+    MODEL,
+    OFFLOAD,
+    RUN,
+    SCHEDULE,
+    WEIGHT_OFFLOAD,
+    AnyType,
+)
 from .widgets import NodeOptions, tip, widget
 
 OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_scheduler": "lr_scheduler",
@@ -76,7 +87,10 @@ def run_folder(run_name: str, resume: bool) -> Path:
 def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, schedule=None,
                find_run: bool = True) -> api.TrainConfig:
     """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, offload
-    options, guardrails and dataset, and the model's family and base precision.
+    options, weight-offload options, guardrails and dataset, and the model's family and base precision.
+
+    The schedule's keys are overridden by the activation offload options' (``offload``), then by the
+    weight offload options' (``weight_offload``).
 
     Args:
         find_run: look up the run folder (with ``resume``, the latest run of the name must exist);
@@ -100,8 +114,10 @@ def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, sch
     if model is not None:
         components |= {"family": model.family.name, "base_model_precision": model.base_precision or "auto"}
     if schedule is not None:
-        offload = inputs.get("offload")
-        components["schedule"] = offload.apply(schedule.schedule) if offload else schedule.schedule
+        chosen = schedule.schedule
+        for override in (inputs.get("offload"), inputs.get("weight_offload")):  # in this order
+            chosen = override.apply(chosen) if override else chosen
+        components["schedule"] = chosen
     return OPTIONS.config({k: v for k, v in inputs.items() if k != "on_nonfinite"}, **components)
 
 
@@ -133,6 +149,10 @@ class TrainLoRA:
                     "in the latents' order (as ComfyUI's own Train LoRA). Families without a ComfyUI latent "
                     "mapping are refused when the run starts.")),
                 "offload": (OFFLOAD, tip("Optional: overrides the schedule's backend and offload keys.")),
+                "weight_offload": (WEIGHT_OFFLOAD, tip(
+                    "Optional, from Weight Offload Options: the blocks' frozen weights stay in host memory and "
+                    "stream to the device before each use (saves device memory, costs copies); overrides the "
+                    "schedule's weight_offload keys.")),
                 "lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16.")),
                 "guardrails": (GUARDRAILS, tip("Optional, from Fit Guardrails: a pre-flight memory verdict before "
                                                "step 1, out-of-memory recovery, the slowdown watchdog.")),

@@ -1,14 +1,16 @@
 // Gradient Checkpointing Schedule node: draws its effective per-block plan as a strip of cells
 // per block list, from GET /segckpt/plan (the engine's plan; one source of truth), refreshed when
-// a widget changes.
+// a widget changes. Blocks whose frozen weights stream from host memory get a band in the stream
+// colour along their top.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
 import {
-  linkedTrainInput, MARKS, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, stripLayout, TINY_PRESET, widgetValue,
+  linkedTrainInput, MARKS, markStyle, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, STREAM_KEYS, STREAM_MARK, STREAM_STYLE,
+  stripLayout, TINY_PRESET, widgetValue,
 } from "./segckpt_common.js";
 
-const ROW = 12, GAP = 3, LEGEND_ROW = 14, HEADER = 16;
+const ROW = 12, GAP = 3, LEGEND_ROW = 14, HEADER = 16, BAND = 4;
 
 function panelHeight(node) {
   const state = node.segckpt;
@@ -23,6 +25,13 @@ function currentQuery(node) {
   for (const key of SCHEDULE_KEYS) values[key] = widgetValue(node, key);
   const offload = linkedTrainInput(node, "offload"); // Train LoRA applies its keys over ours
   if (offload) for (const key of OFFLOAD_KEYS) values[key] = widgetValue(offload, key) ?? values[key];
+  const weights = linkedTrainInput(node, "weight_offload"); // and then the weight offload node's
+  if (weights) {
+    for (const key of STREAM_KEYS) {
+      const value = widgetValue(weights, key);
+      if (value !== undefined) values[key] = value;
+    }
+  }
   const loader = linkedTrainInput(node, "model");
   const size = widgetValue(loader, "source") === TINY_PRESET ? "tiny" : "full";
   return { query: planQuery(values, size), loaderFamily: widgetValue(loader, "family"), offload: !!offload };
@@ -43,6 +52,12 @@ async function refresh(node, query) {
   fitHeight(node);
 }
 
+// a band in the stream colour along the top of a streamed block's cell (or legend swatch)
+function drawStreamBand(ctx, x, y, w) {
+  ctx.fillStyle = STREAM_STYLE.color;
+  ctx.fillRect(x, y, w, BAND);
+}
+
 function draw(node, ctx, area) {
   const state = (node.segckpt ??= { query: null, plan: null, error: null, timer: null });
   const { query, loaderFamily, offload } = currentQuery(node);
@@ -57,6 +72,7 @@ function draw(node, ctx, area) {
   ctx.fillStyle = "#a1a1aa";
   const family = widgetValue(node, "family");
   let header = state.plan ? `plan: ${state.plan.mode}, ${state.plan.size} ${state.plan.family}` : "plan: …";
+  if (state.plan?.streamed_blocks > 0) header += " (weights streamed)";
   if (state.plan && offload) header += " (with the offload options)";
   if (loaderFamily && family && loaderFamily !== family) {
     header = `model is ${loaderFamily}: set family to match`;
@@ -76,16 +92,19 @@ function draw(node, ctx, area) {
       for (const cell of row.cells) {
         ctx.fillStyle = MARKS[cell.mark]?.color ?? "#000";
         ctx.fillRect(area.x + cell.x, y, cell.w, ROW);
+        if (cell.streamed) drawStreamBand(ctx, area.x + cell.x, y, cell.w);
       }
     }
     const top = area.y + HEADER + layout.height + 4;
     layout.legend.forEach((mark, i) => {
       const x = area.x + (i % 2) * (area.w / 2);
       const y = top + Math.floor(i / 2) * LEGEND_ROW;
-      ctx.fillStyle = MARKS[mark].color;
+      const style = markStyle(mark);
+      ctx.fillStyle = mark === STREAM_MARK ? MARKS["."].color : style.color; // a plain block with the band
       ctx.fillRect(x, y + 3, 9, 9);
+      if (mark === STREAM_MARK) drawStreamBand(ctx, x, y + 3, 9);
       ctx.fillStyle = "#d4d4d8";
-      fillText(ctx, MARKS[mark].label, x + 13, y + 8, area.w / 2 - 16);
+      fillText(ctx, style.label, x + 13, y + 8, area.w / 2 - 16);
     });
   }
   ctx.restore();

@@ -11,6 +11,12 @@ export const SCHEDULE_KEYS = [
   "gradient_checkpointing_offload_pin_memory_max_buckets",
 ];
 
+/**
+ * The three weight-streaming keys, in the order of the Weight Offload Options node's widgets
+ * (weight_offload_blocks 0 = all blocks).
+ */
+export const STREAM_KEYS = ["weight_offload", "weight_offload_blocks", "weight_offload_prefetch"];
+
 /** Block-map marks (engine/core/plan.py LEGEND): fill colour and short label. */
 export const MARKS = {
   C: { color: "#3b82f6", label: "checkpointed" },
@@ -21,22 +27,40 @@ export const MARKS = {
   ".": { color: "#52525b", label: "plain" },
 };
 
+/** The stream-map mark of a block whose frozen weights stream from host memory (plan.stream_map). */
+export const STREAM_MARK = "S";
+
+/** How a streamed block is drawn (a band over its cell) and named in the legend. */
+export const STREAM_STYLE = { color: "#f472b6", label: "frozen weights streamed" };
+
+/**
+ * Colour and label of a legend entry: a block-map mark, or STREAM_MARK.
+ * @param {string} mark
+ * @returns {{color: string, label: string}|undefined} undefined for an unknown mark
+ */
+export function markStyle(mark) {
+  return mark === STREAM_MARK ? STREAM_STYLE : MARKS[mark];
+}
+
 export const TINY_PRESET = "(tiny preset)";
 
 /**
- * Query string of GET /segckpt/plan for the schedule node's widget values.
- * @param {Record<string, unknown>} values widget name -> value (interval/stride 0 = unset)
+ * Query string of GET /segckpt/plan for the schedule node's widget values (and the weight offload
+ * node's, when one is linked).
+ * @param {Record<string, unknown>} values widget name -> value (interval/stride 0 = unset;
+ *     weight_offload_blocks 0 = all); a key that is absent is not sent (the engine's default)
  * @param {"full"|"tiny"} size reference model size
- * @returns {string} e.g. "family=flux&size=tiny&gradient_checkpointing=true&..."
+ * @returns {string} e.g. "family=flux&size=tiny&gradient_checkpointing=true&...&weight_offload_blocks=all"
  */
 export function planQuery(values, size = "full") {
   const params = new URLSearchParams();
   params.set("family", String(values.family ?? ""));
   params.set("size", size);
-  for (const key of SCHEDULE_KEYS) {
+  for (const key of [...SCHEDULE_KEYS, ...STREAM_KEYS]) {
     if (!(key in values)) continue;
     let value = values[key];
     if ((key.endsWith("_interval") || key.endsWith("_stride")) && Number(value) === 0) value = "";
+    if (key === "weight_offload_blocks" && Number(value) === 0) value = "all";
     params.set(key, String(value));
   }
   return params.toString();
@@ -44,32 +68,39 @@ export function planQuery(values, size = "full") {
 
 /**
  * Layout of the block strip: one row per block list, one cell per block.
- * @param {{block_map: Record<string, string>}} plan the route's answer
+ * @param {{block_map: Record<string, string>, stream_map?: Record<string, string>}} plan the route's
+ *     answer (stream_map: "S" = that block's frozen weights stream, "." = resident; empty or absent
+ *     when nothing streams)
  * @param {number} width pixels available
  * @param {{label?: number, row?: number, gap?: number}} opts label column width, row height, gap
- * @returns {{rows: {name: string, y: number, cells: {x: number, w: number, mark: string}[]}[],
- *            legend: string[], height: number}} cells in pixels relative to the strip's origin;
- *          legend = marks present, in MARKS order.
+ * @returns {{rows: {name: string, y: number, cells: {x: number, w: number, mark: string,
+ *            streamed: boolean}[]}[], legend: string[], height: number}} cells in pixels relative to
+ *          the strip's origin; legend = marks present, in MARKS order, then STREAM_MARK when a
+ *          block streams.
  */
 export function stripLayout(plan, width, opts = {}) {
   const label = opts.label ?? 64, row = opts.row ?? 14, gap = opts.gap ?? 4;
   const rows = [];
   const used = new Set();
-  let y = 0;
+  let y = 0, streams = false;
   for (const [name, map] of Object.entries(plan.block_map ?? {})) {
     const n = map.length;
+    const streamMap = plan.stream_map?.[name] ?? "";
     const span = Math.max(0, width - label);
     const cells = [];
     for (let i = 0; i < n; i++) {
       const x0 = label + Math.floor((i * span) / n);
       const x1 = label + Math.floor(((i + 1) * span) / n);
-      cells.push({ x: x0, w: Math.max(1, x1 - x0 - (span / n >= 4 ? 1 : 0)), mark: map[i] });
+      const streamed = streamMap[i] === STREAM_MARK;
+      cells.push({ x: x0, w: Math.max(1, x1 - x0 - (span / n >= 4 ? 1 : 0)), mark: map[i], streamed });
       used.add(map[i]);
+      streams ||= streamed;
     }
     rows.push({ name, y, cells });
     y += row + gap;
   }
   const legend = Object.keys(MARKS).filter((m) => used.has(m));
+  if (streams) legend.push(STREAM_MARK);
   return { rows, legend, height: y };
 }
 
@@ -109,7 +140,8 @@ export function lossPoints(history, box, total) {
 
 /**
  * The node wired into input `name` of the Train node that this schedule node feeds, if any:
- * "model" gives the Load Diffusion Model node, "offload" the Activation Offload Options node.
+ * "model" gives the Load Diffusion Model node, "offload" the Activation Offload Options node,
+ * "weight_offload" the Weight Offload Options node.
  * Uses only LiteGraph's getOutputNodes / getInputNode / inputs, present in every frontend.
  * @returns {object|null} that node, or null when not wired that way
  */

@@ -90,6 +90,23 @@ class ModelPlan:
         """Total number of blocks whose frozen weights stream from host memory."""
         return sum(len(p.streamed) for p in self.lists)
 
+    def stream_units(self) -> list[tuple[tuple[int, int], ...]]:
+        """The streamed blocks grouped into what is copied at once, in forward order, as
+        ``(list index, block index)`` tuples: the streamed blocks of one whole-block segment, or
+        one block that runs plainly (or with only its FFN checkpointed)."""
+        ffn_scope = self.schedule.gradient_checkpointing and self.schedule.backend.ffn_scope
+        units = []
+        for li, lp in enumerate(self.lists):
+            ends = {} if ffn_scope else dict(lp.segments)
+            streamed, bi = set(lp.streamed), 0
+            while bi < lp.num_blocks:
+                end = ends.get(bi, bi + 1)
+                members = tuple((li, b) for b in range(bi, end) if b in streamed)
+                if members:
+                    units.append(members)
+                bi = end
+        return units
+
     def stream_maps(self) -> dict[str, str]:
         """Per list, one character per block: ``S`` streamed frozen weights, ``.`` resident
         (see :data:`STREAM_LEGEND`); empty when nothing streams."""

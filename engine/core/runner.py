@@ -308,19 +308,8 @@ class SegmentRunner:
                 "pinned_host_bytes": pinned}
 
     def _stream_units(self) -> list[tuple[tuple[tuple[int, int], ...], list[torch.nn.Module]]]:
-        """The plan's streamed blocks grouped into what runs at once, in forward order: the
-        streamed blocks of one whole-block segment, or one plain (or FFN-checkpointed) block."""
-        units = []
-        for li, (lp, blocks) in enumerate(zip(self.plan.lists, self._lists)):
-            ends = {} if self.ffn_scope else self._segment_end[li]
-            bi = 0
-            while bi < lp.num_blocks:
-                end = ends.get(bi, bi + 1)
-                members = [b for b in range(bi, end) if b in self._streamed[li]]
-                if members:
-                    units.append((tuple((li, b) for b in members), [blocks[b] for b in members]))
-                bi = end
-        return units
+        """The plan's units (:meth:`~.plan.ModelPlan.stream_units`) with their block modules."""
+        return [(unit, [self._lists[li][bi] for li, bi in unit]) for unit in self.plan.stream_units()]
 
     def _stream_in(self, list_index: int, block_index: int) -> None:
         """Bring a streamed block's unit in for a recompute (backward order)."""
@@ -342,7 +331,7 @@ class SegmentRunner:
         copies); the runner must not be used afterwards."""
         if self.streamer is not None:
             self.streamer.close()
-        self.offloader = None
+        self.offloader = self.pool = self.streamer = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model; on a :class:`CarryMismatch`, fall back to per-block for that list and retry.

@@ -117,6 +117,8 @@ def _leaves(param: torch.Tensor) -> Iterable[tuple[Any, str | None, torch.Tensor
         return
     for name in param.__tensor_flatten__()[0]:
         inner = getattr(param, name)
+        if not isinstance(inner, torch.Tensor):  # e.g. a DTensor's mesh
+            continue
         if is_traceable_wrapper_subclass(inner):
             yield from ((o, n, t) for o, n, t in _leaves(inner))
         else:

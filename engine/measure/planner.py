@@ -57,7 +57,7 @@ from typing import Callable
 import torch
 
 from ..config import TrainConfig
-from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
+from ..config.schedule import MAX_BLOCKS, CheckpointSchedule, ScheduleError, check_supported
 from ..core.memory import budget_bytes
 from ..core.plan import effective_plan
 from ..families import get_family
@@ -83,6 +83,8 @@ class Prediction:
     Attributes:
         offloaded_tensors: tensors per step the plan copies to host memory (0: the offloader
             has nothing to do, e.g. attention offload when every block is checkpointed).
+        host_bytes: host memory it needs: streamed weights' host copies plus offloaded activations.
+        streamed_bytes: frozen bytes it streams; weight_h2d_bytes: its weight copies per step.
         measured_sec_per_step: median seconds per step after warm-up (lockstep run), or None.
         measured_peak_bytes: largest peak of the steps after warm-up, or None.
         relative_time: median of its step times over the fastest-predicted contender's,
@@ -94,6 +96,9 @@ class Prediction:
     sec_per_step: float
     fits: bool = False
     offloaded_tensors: int = 0
+    host_bytes: int = 0
+    streamed_bytes: int = 0
+    weight_h2d_bytes: int = 0
     measured_sec_per_step: float | None = None
     measured_peak_bytes: int | None = None
     relative_time: float | None = None
@@ -116,11 +121,13 @@ class PlanChoice:
     measured_sec_per_step: float | None = None
     measured_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    host_budget_bytes: int | None = None
 
     def render(self) -> str:
         """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
         the chosen one marked."""
-        lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB; probe: {self.probe.sec_per_step:.3f} sec/step, "
+        host = (f", host budget {self.host_budget_bytes / 2**30:.4g} GiB" if self.host_budget_bytes is not None else "")
+        lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB{host}; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
                  f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   {'measured (x the predicted choice)':>33}",
                  f"{'':2}(-> chosen, x predicted over the budget less {MARGIN:.0%} headroom)"]
@@ -130,7 +137,9 @@ class PlanChoice:
             if p.measured_sec_per_step is not None:
                 measured = (f"   {p.measured_sec_per_step:>9.3f} / {p.measured_peak_bytes / 2**30:.4g}"
                             + (f" (x{p.relative_time:.3f})" if p.relative_time is not None else ""))
-            lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:<18.4g}{measured}")
+            streamed = f"   streams {p.streamed_bytes / 2**30:.4g} GiB" if p.streamed_bytes else ""
+            lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:<18.4g}{measured}"
+                         f"{streamed}")
         if self.measured_sec_per_step is not None:
             lines.append(f"measured {self.chosen.schedule.mode}: {self.measured_sec_per_step:.3f} sec/step / "
                          f"{self.measured_peak_bytes / 2**30:.4g} GiB")
@@ -207,14 +216,43 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
             i += 1
     peak = max(probe_.base_bytes + max(worst, kept_before), probe_.forward_base_bytes + forward_worst)
     seconds += tensors * probe_.offload_s_per_tensor + copied * probe_.offload_s_per_byte
-    return Prediction(schedule, int(peak), seconds, offloaded_tensors=tensors)
+    prediction = Prediction(schedule, int(peak), seconds, offloaded_tensors=tensors, host_bytes=copied)
+    return _with_streaming(probe_, plan, prediction) if plan.streamed_blocks else prediction
+
+
+def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
+    """Weight streaming's share of a prediction (docs/STREAMING.md "What it costs"): the streamed
+    blocks' frozen bytes leave the device peak and a ring of ``prefetch + 1`` of the largest unit
+    joins it; each unit is copied in forward and again in backward. On CUDA a copy ahead overlaps
+    the compute of the unit before it (forward) or after it (backward, about twice the forward
+    time): only what it does not cover is added; on the CPU (or with prefetch 0) copies run inline."""
+    schedule = plan.schedule
+    names = [lp.name for lp in plan.lists]
+    frozen = probe_.frozen_block_bytes
+    units = plan.stream_units()
+    size = [sum(frozen[names[li]][bi] for li, bi in unit) for unit in units]
+    compute = [sum(probe_.blocks[names[li]][bi].fwd_s for li, bi in unit) for unit in units]
+    streamed = sum(size)
+    ring = max(size) * (schedule.weight_offload_prefetch + 1)
+    copy = [b * probe_.h2d_s_per_byte for b in size]
+    if probe_.device == "cuda" and schedule.weight_offload_prefetch > 0:
+        exposed = sum(max(0.0, c - (compute[k - 1] if k else 0.0)) for k, c in enumerate(copy))
+        exposed += sum(max(0.0, c - (2 * compute[k + 1] if k + 1 < len(copy) else 0.0)) for k, c in enumerate(copy))
+    else:
+        exposed = 2 * sum(copy)
+    return dataclasses.replace(prediction, peak_bytes=int(prediction.peak_bytes - streamed + ring),
+                               sec_per_step=prediction.sec_per_step + exposed,
+                               host_bytes=prediction.host_bytes + streamed, streamed_bytes=streamed,
+                               weight_h2d_bytes=2 * streamed)
 
 
 def preference(schedule: CheckpointSchedule) -> tuple:
-    """The documents' decision rule as a sort key (smaller = preferred on a tie)."""
+    """The documents' decision rule as a sort key (smaller = preferred on a tie); resident
+    weights before streamed ones, fewer streamed blocks before more."""
+    streams = (schedule.streams, schedule.weight_offload_blocks or MAX_BLOCKS + 1) if schedule.streams else (False, 0)
     if not schedule.gradient_checkpointing:
-        return (0,)
-    return (1, schedule.gradient_checkpointing_offload_attention,
+        return (0, *streams)
+    return (1, *streams, schedule.gradient_checkpointing_offload_attention,
             schedule.backend.preference, -schedule.interval, -schedule.stride)
 
 
@@ -223,32 +261,73 @@ MARGIN = 0.05
 
 
 def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule] | None = None,
-           margin: float = MARGIN) -> PlanChoice:
-    """The fastest schedule whose predicted peak fits ``budget_bytes`` with ``margin`` headroom.
+           margin: float = MARGIN, host_budget_bytes: int | None = None) -> PlanChoice:
+    """The fastest schedule whose predicted peak fits ``budget_bytes`` with ``margin`` headroom,
+    and whose host memory (streamed weights, offloaded activations) fits ``host_budget_bytes``.
+
+    Weight streaming is the planner's answer when no candidate (default:
+    :func:`~.sweep.sweep_schedules`) fits with its frozen weights on the device: then each is
+    tried streaming the fewest blocks that make it fit (:func:`fewest_streamed`), so the fraction
+    is chosen, not asked for. (Its copy cost is predicted from a memcpy rate, not measured in
+    lockstep like the offloader's, so it does not compete with recompute while weights fit.)
 
     Raises:
         PlannerError: no supported candidate is predicted to fit (the message gives the
-            smallest predicted peak).
+            smallest predicted peak, or the host memory the smallest device fit needs).
     """
     family = get_family(probe_.family)
-    predictions = []
+    supported = []
     for schedule in candidates or sweep_schedules():
         try:
             check_supported(family, schedule)
         except ScheduleError:
             continue
-        prediction = predict(probe_, schedule)
-        prediction.fits = prediction.peak_bytes <= budget_bytes * (1 - margin)
-        predictions.append(prediction)
+        supported.append(schedule)
+    limit = budget_bytes * (1 - margin)
+    predictions = [predict(probe_, schedule) for schedule in supported]
+    if not any(p.peak_bytes <= limit for p in predictions if not p.schedule.streams):
+        # nothing fits with the weights on the device: stream the fewest blocks that make each fit
+        predictions += [q for p in predictions if not p.schedule.streams
+                        for q in fewest_streamed(probe_, p.schedule, limit)]
+    for prediction in predictions:
+        prediction.fits = prediction.peak_bytes <= limit and (host_budget_bytes is None
+                                                             or prediction.host_bytes <= host_budget_bytes)
     fitting = [p for p in predictions if p.fits]
     if not fitting:
+        on_device = [p for p in predictions if p.peak_bytes <= limit]
+        if on_device:
+            least = min(on_device, key=lambda p: p.host_bytes)
+            raise PlannerError(f"--host-budget={host_budget_bytes / 2**30:.4g} GiB is too small: the schedules that fit "
+                               f"the device need at least {least.host_bytes / 2**30:.4g} GiB of host memory "
+                               f"({least.schedule.mode})")
         smallest = min(predictions, key=lambda p: p.peak_bytes)
         raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB is too small: the smallest predicted peak is "
                            f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})")
     fastest = min(p.sec_per_step for p in fitting)
     tied = [p for p in fitting if p.sec_per_step <= fastest * (1 + TIE)]
     chosen = min(tied, key=lambda p: preference(p.schedule))
-    return PlanChoice(budget_bytes, chosen, predictions, probe_)
+    return PlanChoice(budget_bytes, chosen, predictions, probe_, host_budget_bytes=host_budget_bytes)
+
+
+def fewest_streamed(probe_: Probe, schedule: CheckpointSchedule, limit: float) -> list[Prediction]:
+    """``schedule`` streaming the fewest blocks whose predicted peak is at most ``limit`` bytes
+    (a bisection over the block count: the peak falls as blocks stream), or nothing when even
+    streaming every block does not fit or streaming cannot help."""
+    total = sum(len(costs) for costs in probe_.blocks.values())
+    if not total or not probe_.frozen_block_bytes:
+        return []
+    every = predict(probe_, schedule.replace(weight_offload="stream"))
+    if every.peak_bytes > limit:
+        return [every]
+    low, high = 1, total
+    while low < high:
+        middle = (low + high) // 2
+        if predict(probe_, schedule.replace(weight_offload="stream", weight_offload_blocks=middle)).peak_bytes <= limit:
+            high = middle
+        else:
+            low = middle + 1
+    return [predict(probe_, schedule.replace(weight_offload="stream",
+                                             weight_offload_blocks=None if low == total else low))]
 
 
 def parse_budget(value: str | float | int, device: str | torch.device = "cpu", key: str = "budget") -> int:
@@ -287,7 +366,9 @@ def contenders(choice: PlanChoice) -> list[Prediction]:
     for factor in SENSITIVITY:
         shifted = dataclasses.replace(choice.probe, offload_s_per_tensor=choice.probe.offload_s_per_tensor * factor,
                                       offload_s_per_byte=choice.probe.offload_s_per_byte * factor)
-        best = min(fitting, key=lambda p: predict(shifted, p.schedule).sec_per_step)
+        times = {id(p): predict(shifted, p.schedule).sec_per_step for p in fitting}
+        fastest = min(times.values())  # the choice :func:`choose` would make under that calibration
+        best = min((p for p in fitting if times[id(p)] <= fastest * (1 + TIE)), key=lambda p: preference(p.schedule))
         if all(best is not q for q in picked):
             picked.append(best)
     return picked
@@ -315,7 +396,7 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, start_run: StartRun | None = None,
                     max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[], None] | None = None,
-                    should_stop: Callable[[], bool] | None = None) -> PlanChoice:
+                    should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
     With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
@@ -325,6 +406,7 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     are marked as not fitting and the choice repeats without them, at most ``max_tries`` times.
     ``probe_``: a probe of the same model and settings to reuse (several budgets), else one runs.
     ``on_step`` / ``should_stop``: progress and Cancel after every step of every run.
+    ``host_budget_bytes``: host memory the streamed weights and offloaded activations may use.
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
@@ -332,16 +414,17 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     """
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
-                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace)
+                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes)
 
 
 def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,
-          measured_probe: Probe, workspace: RunWorkspace) -> PlanChoice:
+          measured_probe: Probe, workspace: RunWorkspace, host_budget_bytes: int | None = None) -> PlanChoice:
     excluded: list[str] = []
     notes: list[str] = []
     for _ in range(max_tries):
         candidates = [s for s in sweep_schedules() if s.mode not in excluded]
-        choice = choose(measured_probe, budget_bytes, candidates)
+        choice = choose(measured_probe, budget_bytes, candidates, host_budget_bytes=host_budget_bytes)
+        choice.candidates = [p for p in choice.candidates if p.schedule.mode not in excluded]
         choice.notes = notes
         if measure_steps <= 0:
             return choice

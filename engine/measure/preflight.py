@@ -25,7 +25,7 @@ from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..data.buckets import shape_classes
 from ..data.comfy_data import PreparedData
 from ..families import get_family
-from .planner import MARGIN, TIE, Prediction, predict, preference
+from .planner import MARGIN, TIE, Prediction, fewest_streamed, predict, preference
 from .probe import Probe, probe
 from .runs import RunWorkspace, StartRun
 from .sweep import sweep_schedules
@@ -80,11 +80,20 @@ class Verdict:
     suggested: list[Phase] = field(default_factory=list)
     probes: dict[str, Probe] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    """Host memory the schedule keeps (streamed weights' host copies, offloaded activations), bytes."""
+    streamed_bytes: int = 0
+    host_budget_bytes: int | None = None
+
+    @property
+    def host_fits(self) -> bool:
+        """The host memory the schedule keeps fits the host budget (True without one)."""
+        return self.host_budget_bytes is None or self.host_bytes <= self.host_budget_bytes
 
     @property
     def fits(self) -> bool:
-        """Every phase fits."""
-        return all(p.fits for p in self.phases)
+        """Every phase fits, on the device and on the host."""
+        return all(p.fits for p in self.phases) and self.host_fits
 
     def render(self) -> str:
         """The verdict as lines: one per phase, then the schedule that would fit."""
@@ -94,6 +103,11 @@ class Verdict:
         for phase in self.phases:
             share = f", {phase.share:.0%} of the samples" if phase.kind == "train" else ""
             lines.append(f"  {'ok ' if phase.fits else 'NO '} {phase.name:<34} {_gib(phase.peak_bytes)}{share}")
+        host = f" of {_gib(self.host_budget_bytes)} host budget" if self.host_budget_bytes is not None else ""
+        if self.host_bytes or self.host_budget_bytes is not None:  # nothing waits on the host otherwise
+            lines.append(f"  {'ok ' if self.host_fits else 'NO '} {'host memory':<34} {_gib(self.host_bytes)}{host} "
+                         f"(streamed weights {_gib(self.streamed_bytes)}, offloaded activations "
+                         f"{_gib(self.host_bytes - self.streamed_bytes)})")
         if self.suggestion is not None:
             peaks = ", ".join(f"{p.name} {_gib(p.peak_bytes)}" for p in self.suggested if p.kind == "train")
             lines.append(f"  fits: {self.suggestion.mode} ({peaks}); its keys: "
@@ -107,7 +121,9 @@ class Verdict:
                 "phases": [_phase_dict(p) for p in self.phases],
                 "suggestion": self.suggestion.to_dict() if self.suggestion else None,
                 "suggestion_mode": self.suggestion.mode if self.suggestion else None,
-                "suggested_phases": [_phase_dict(p) for p in self.suggested], "notes": self.notes}
+                "suggested_phases": [_phase_dict(p) for p in self.suggested], "notes": self.notes,
+                "host_bytes": self.host_bytes, "streamed_bytes": self.streamed_bytes,
+                "host_budget_bytes": self.host_budget_bytes, "host_fits": self.host_fits}
 
 
 def _gib(n: int) -> str:
@@ -152,6 +168,12 @@ def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: in
             smallest = worst
         if all(_fits(p.peak_bytes, budget_bytes) for p in predictions.values()):
             scored.append((sum(shares[k] * p.sec_per_step for k, p in predictions.items()), schedule))
+    if not scored and candidates is None:  # nothing fits with the weights on the device: stream them
+        largest = max(probes.values(), key=lambda p: p.peak_bytes)
+        streamed = [q.schedule for s in sweep_schedules()
+                    for q in _fewest(largest, family, s, budget_bytes * (1 - MARGIN))]
+        if streamed:
+            return suggest(probes, shares, budget_bytes, streamed)
     if not scored:
         return None, (f"no schedule is predicted to fit every shape: the smallest predicted peak is "
                       f"{_gib(smallest.peak_bytes)} ({smallest.schedule.mode}); lower the resolution or batch size")
@@ -159,9 +181,19 @@ def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: in
     return min((s for t, s in scored if t <= fastest * (1 + TIE)), key=preference), None
 
 
+def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float) -> list[Prediction]:
+    """:func:`~.planner.fewest_streamed` of a schedule the family can run (else nothing)."""
+    try:
+        check_supported(family, schedule)
+    except ScheduleError:
+        return []
+    return fewest_streamed(probe_, schedule, limit)
+
+
 def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
               prepared: PreparedData | None = None, start_run: StartRun | None = None,
-              on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None) -> Verdict:
+              on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+              host_budget_bytes: int | None = None) -> Verdict:
     """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
     schedule against ``budget_bytes``.
 
@@ -172,6 +204,7 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         warmup_steps: probe steps before the measured one.
         prepared: ComfyUI's latents and text, when the run trains on them.
         start_run, on_step, should_stop: see :class:`~.runs.RunWorkspace`.
+        host_budget_bytes: the host memory the streamed weights and offloaded activations may use.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
@@ -192,7 +225,10 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
             calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
             probes[key], shares[key] = measured, len(rows) / total
     phases = training_phases(probes, shares, config.schedule, budget_bytes)
-    verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes)
+    on_host = [predict(measured, config.schedule) for measured in probes.values()]
+    verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes,
+                      host_bytes=max(p.host_bytes for p in on_host), streamed_bytes=max(p.streamed_bytes for p in on_host),
+                      host_budget_bytes=host_budget_bytes)
     validation = next(iter(probes.values())).validation_peak_bytes
     if config.validation.validation_every and validation:
         phases.append(Phase("validation", "", 0.0, validation, _fits(validation, budget_bytes)))

@@ -25,6 +25,7 @@ from ..core.memory import PeakMemory
 from ..core.offload import resident_storages
 from ..families import get_family
 from ..families.base import FamilyAdapter
+from ..model.precision import tensor_bytes
 from ..train.loop import resolve_device
 from .lockstep import lockstep_runs, paired_difference
 from .runs import RunWorkspace, StartRun
@@ -56,7 +57,8 @@ class Probe:
     Attributes:
         family: family name. device: ``cpu`` or ``cuda``.
         blocks: per-list block costs, in forward order of the lists.
-        peak_bytes: the probe step's peak (same scope as a sweep cell). sec_per_step: its time.
+        peak_bytes: the probe step's device peak (same scope as a sweep cell: with the weights the
+            device holds, on the CPU too). sec_per_step: its time.
         offload_s_per_tensor / offload_s_per_byte: cost of one tensor kept in host memory by the
             engine's offloader (pack and unpack), calibrated by two short runs in lockstep.
         blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
@@ -72,6 +74,13 @@ class Probe:
     blocks_end_bytes: int | None = None
     validation_peak_bytes: int = 0
     """Peak of the preview phase when the probe run sampled previews (else 0)."""
+    frozen_block_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Per list, per block: bytes of the block's frozen weights (what streaming takes off the device)."""
+    h2d_s_per_byte: float = 0.0
+    """Seconds per byte of one host-to-device copy on this machine (weight streaming's cost)."""
+    held_bytes: int = 0
+    """Device bytes held before the step starts (weights, LoRA, optimizer state): part of
+    ``peak_bytes``, which no schedule changes (streaming moves the frozen part to the host)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -329,6 +338,14 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
     attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
     per_tensor, per_byte = calibration or _offload_cost(config, bundle, warmup_steps, workspace,
                                                         sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
-    return Probe(family.name, device.type, costs, max(recorded["peak_bytes"], clean["peak_bytes"]),
-                 clean["seconds"], per_tensor, per_byte, collector.blocks_end_bytes,
-                 result.report["memory"]["validation_peak_bytes"])
+    # device terms (a sweep cell's): on the CPU the tracker's figures plus what the device holds
+    held = recorded["device_peak_bytes"] - recorded["peak_bytes"]
+    blocks_end = None if collector.blocks_end_bytes is None else collector.blocks_end_bytes + held
+    model = run.bundle.transformer
+    frozen = {bl.name: [sum(tensor_bytes(p) for p in block.parameters() if not p.requires_grad)
+                        for block in family.blocks(model, bl)] for bl in family.block_lists}
+    return Probe(family.name, device.type, costs, max(recorded["device_peak_bytes"], clean["device_peak_bytes"]),
+                 clean["seconds"], per_tensor, per_byte, blocks_end,
+                 result.report["memory"]["validation_peak_bytes"], frozen,
+                 per_byte / 2 if per_byte else _copy_seconds_per_byte(device) / 2,
+                 recorded["start_bytes"] if device.type == "cuda" else held)

@@ -141,4 +141,4 @@ def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_
 def peak_after_warmup(result: TrainResult, warmup_steps: int) -> int:
     """The largest peak (bytes) of a run's steps after ``warmup_steps`` (step 1 also allocates
     the optimizer state, once)."""
-    return max(h["peak_bytes"] for h in result.history[warmup_steps:])
+    return max(h.get("device_peak_bytes") or h["peak_bytes"] for h in result.history[warmup_steps:])

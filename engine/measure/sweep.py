@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import io
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -53,9 +54,10 @@ NOISE = 0.05
 """Relative difference under which two cells' sec/step count as equal (same-process noise)."""
 
 
-def sweep_schedules(offload_attention: bool = True) -> list[CheckpointSchedule]:
+def sweep_schedules(offload_attention: bool = True, streaming: bool = False) -> list[CheckpointSchedule]:
     """Every mode of the sweep: the four base schedules x the four backends (checkpointed
-    schedules only) x attention offload off/on."""
+    schedules only) x attention offload off/on; then (``streaming``) the four base schedules with
+    every block's frozen weights streamed (``-stream``)."""
     schedules = []
     for name, base in BASE_MODES.items():
         backends = (DEFAULT.name,) if name == "none" else BACKENDS
@@ -63,6 +65,8 @@ def sweep_schedules(offload_attention: bool = True) -> list[CheckpointSchedule]:
             for attention in (False, True) if offload_attention else (False,):
                 schedules.append(base.replace(gradient_checkpointing_backend=backend,
                                               gradient_checkpointing_offload_attention=attention))
+    if streaming:
+        schedules += [base.replace(weight_offload="stream") for base in BASE_MODES.values()]
     return schedules
 
 
@@ -72,10 +76,14 @@ class SweepCell:
 
     Attributes:
         mode: the schedule's short name (``interval2-stride4-unsloth-offload-attn``).
-        schedule: the six keys.
+        schedule: the schedule's keys.
         status: one of :data:`STATUSES`.
         sec_per_step: median seconds per optimizer step after warm-up (``ok`` only).
-        peak_bytes: the largest peak of the steps after warm-up, bytes (``ok`` only).
+        peak_bytes: the largest device peak of the steps after warm-up, bytes (``ok`` only; on
+            the CPU too it counts the weights the "device" holds).
+        weight_h2d_bytes: frozen-weight bytes streamed host-to-device per step (median after
+            warm-up; 0 without streaming). stall_share: the share of the step compute waited on
+            those copies.
         block_map: the plan the run applied (per list, see ``plan.LEGEND``).
         error: the error message of ``OOM`` / ``failed`` / ``unsupported`` cells.
         flags: notes such as "option may not have taken effect".
@@ -86,6 +94,8 @@ class SweepCell:
     status: str
     sec_per_step: float | None = None
     peak_bytes: int | None = None
+    weight_h2d_bytes: int = 0
+    stall_share: float = 0.0
     block_map: dict[str, str] = field(default_factory=dict)
     error: str = ""
     flags: list[str] = field(default_factory=list)
@@ -173,6 +183,9 @@ def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSched
     # post-warm-up figures: step 1 also allocates the optimizer state once
     cell.sec_per_step = totals["sec_per_step"]
     cell.peak_bytes = peak_after_warmup(result, warmup_steps)
+    after = result.history[warmup_steps:]
+    cell.weight_h2d_bytes = int(statistics.median(h.get("weight_h2d_bytes", 0) for h in after))
+    cell.stall_share = round(statistics.median(h.get("weight_stall_s", 0.0) / h["seconds"] for h in after), 4)
     cell.block_map = result.plan.block_maps()
 
 
@@ -195,12 +208,15 @@ def flag_ineffective(cells: list[SweepCell], noise: float = NOISE) -> None:
 def to_markdown(cells: list[SweepCell], family: str) -> str:
     """The sweep as a markdown table in the documents' cell format."""
     lines = [f"# Checkpointing sweep: {family}", "", "Cells: `sec/step / peak GiB`, or OOM / failed / "
-             "unsupported / not run.", "", "| mode | backend | attention offload | result | notes |",
-             "|---|---|---|---|---|"]
+             "unsupported / not run. Weights: `weight H2D GiB/step, stall %` of the streaming modes.", "",
+             "| mode | backend | attention offload | result | weights | notes |", "|---|---|---|---|---|---|"]
     for c in cells:
         notes = "; ".join(c.flags + ([c.error.splitlines()[0][:160]] if c.error else []))
+        weights = (f"{c.weight_h2d_bytes / 2**30:.4g}, {c.stall_share:.0%}"
+                   if c.schedule.get("weight_offload") == "stream" and c.status == "ok" else "")
         lines.append(f"| {c.mode} | {c.schedule['gradient_checkpointing_backend']} | "
-                     f"{'yes' if c.schedule['gradient_checkpointing_offload_attention'] else 'no'} | {c.text()} | {notes} |")
+                     f"{'yes' if c.schedule['gradient_checkpointing_offload_attention'] else 'no'} | {c.text()} | "
+                     f"{weights} | {notes} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,10 +224,12 @@ def to_csv(cells: list[SweepCell]) -> str:
     """The sweep as CSV: one row per cell (sec/step, peak bytes and GiB, status, error, flags)."""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(["mode", "status", "sec_per_step", "peak_bytes", "peak_gib", "cell", "error", "flags"])
+    writer.writerow(["mode", "status", "sec_per_step", "peak_bytes", "peak_gib", "weight_h2d_bytes", "stall_share",
+                     "cell", "error", "flags"])
     for c in cells:
         writer.writerow([c.mode, c.status, c.sec_per_step, c.peak_bytes,
-                         None if c.peak_bytes is None else c.peak_bytes / 2**30, c.text(), c.error, "; ".join(c.flags)])
+                         None if c.peak_bytes is None else c.peak_bytes / 2**30, c.weight_h2d_bytes, c.stall_share,
+                         c.text(), c.error, "; ".join(c.flags)])
     return out.getvalue()
 
 

@@ -19,19 +19,20 @@ from segmented_checkpointing.engine.model.lora_files import add_lora
 from segmented_checkpointing.engine.model.precision import apply_base_precision, resolve_precision
 
 STRIDE = MODES["interval2-stride4"]
-CASES = {
-    **{f"{mode}": MODES[mode].replace(weight_offload="stream") for mode in ("none", "layer", "interval2",
-                                                                              "interval2-stride4")},
-    **{f"stride-{b}": STRIDE.replace(weight_offload="stream", gradient_checkpointing_backend=b)
-       for b in ("unsloth", "torch-ffn", "unsloth-ffn")},
-    "layer-unsloth-ffn": MODES["layer"].replace(weight_offload="stream", gradient_checkpointing_backend="unsloth-ffn"),
-    "none-offload-attn": MODES["none"].replace(weight_offload="stream", gradient_checkpointing_offload_attention=True),
-    "stride-offload-attn": STRIDE.replace(weight_offload="stream", gradient_checkpointing_offload_attention=True),
-    "stride-blocks2": STRIDE.replace(weight_offload="stream", weight_offload_blocks=2),
-    "layer-blocks2-p2": MODES["layer"].replace(weight_offload="stream", weight_offload_blocks=2,
-                                               weight_offload_prefetch=2),
-    "interval2-p2": MODES["interval2"].replace(weight_offload="stream", weight_offload_prefetch=2),
-    "none-p0": MODES["none"].replace(weight_offload="stream", weight_offload_prefetch=0),
+_S = {"weight_offload": "stream"}
+CASES = {  # every schedule, backend, attention offload, block count (all, 2) and prefetch (0, 1, 2)
+    "none": MODES["none"].replace(**_S),
+    "none-offload-attn-blocks2": MODES["none"].replace(**_S, gradient_checkpointing_offload_attention=True,
+                                                       weight_offload_blocks=2),
+    "layer-p0": MODES["layer"].replace(**_S, weight_offload_prefetch=0),
+    "layer-unsloth-ffn-p2": MODES["layer"].replace(**_S, gradient_checkpointing_backend="unsloth-ffn",
+                                                   weight_offload_prefetch=2),
+    "interval2-p2": MODES["interval2"].replace(**_S, weight_offload_prefetch=2),
+    "interval2-unsloth": MODES["interval2"].replace(**_S, gradient_checkpointing_backend="unsloth"),
+    "stride": STRIDE.replace(**_S),
+    "stride-unsloth-blocks2": STRIDE.replace(**_S, gradient_checkpointing_backend="unsloth", weight_offload_blocks=2),
+    "stride-torch-ffn-offload-attn": STRIDE.replace(**_S, gradient_checkpointing_backend="torch-ffn",
+                                                    gradient_checkpointing_offload_attention=True),
 }
 _REFERENCE: dict = {}
 

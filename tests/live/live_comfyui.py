@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACK_FOLDER = "comfyui-segmented-checkpointing"
 NODE_TYPES = ("SegCkptLoadDiffusionModel", "SegCkptImageCaptionDataset", "SegCkptSchedule", "SegCkptOffloadOptions",
               "SegCkptLoRAConfig", "SegCkptTrainLoRA", "SegCkptSaveLoRA", "SegCkptLossGraph", "SegCkptRunReport",
-              "SegCkptSweep", "SegCkptSchedulePlanner", "SegCkptFitGuardrails")
+              "SegCkptSweep", "SegCkptSchedulePlanner", "SegCkptFitGuardrails", "SegCkptWeightOffload")
 
 
 def comfyui_path() -> Path:

@@ -65,8 +65,14 @@ def test_gpu_check_smoke_passes_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "## (a) Gradient equality, fp32, mid-size Flux: pass" in text
-    assert text.count("| ok |") == 25  # every checkpointed candidate against none
+    assert text.count("| ok |") == 25 + 4 + 3  # every checkpointed candidate, the streamed ones, against none
     assert "## (b) The main job: pass" in text and text.count("2 steps, finite") == 3
+    streaming = text.split("## (f) Weight streaming")[1].split("## Notes")[0]
+    for base in ("bf16", "int8-torchao"):
+        assert f"| {base} | resident per-block | layer | " in streaming and "1.00x / 1.00x" in streaming
+        assert f"| {base} | stream all, interval 1 | layer-stream | " in streaming
+        assert f"| {base} | stream all, interval 2 stride 4 | interval2-stride4-stream | " in streaming
+        assert streaming.count(f"| {base} | planner, ") == 3
     header, body = _table(text, "sec/step / peak MiB")
     assert [row[0] for row in body] == ["bf16", "int8-torchao", "fp8-torchao"]
     assert header[1:] == ["none", "torch", "interval2", "interval2-stride4", "torch-ffn", "unsloth", "unsloth-ffn",

@@ -41,6 +41,21 @@ def test_full_size_uses_the_class_defaults():
     assert status == 200 and plan["block_map"]["single"] == "." * 38
 
 
+@pytest.mark.parametrize("blocks", ["all", "", "3"])
+def test_plan_route_shows_the_streamed_blocks(blocks):
+    # what the block strip sends with a Weight Offload Options node (blocks 0 = "all")
+    query = {"family": "flux", "size": "tiny", "gradient_checkpointing_interval": "2", "weight_offload": "stream",
+             "weight_offload_blocks": blocks, "weight_offload_prefetch": "1"}
+    status, plan = _get(query)
+    assert status == 200 and plan == plan_for_query(query)
+    assert set(plan["stream_map"]) == set(plan["block_map"])
+    marks = "".join(plan["stream_map"].values())
+    assert set(marks) <= {"S", "."} and marks.count("S") == plan["streamed_blocks"] == (3 if blocks == "3" else 16)
+    assert plan["mode"] == "interval2" + ("-stream3" if blocks == "3" else "-stream")
+    status, plain = _get({"family": "flux", "size": "tiny"})
+    assert status == 200 and plain["stream_map"] == {} and plain["streamed_blocks"] == 0
+
+
 @pytest.mark.parametrize("query, text", [
     ({"family": "nope"}, "family='nope' is invalid"),
     ({}, "family='' is invalid"),
@@ -51,6 +66,9 @@ def test_full_size_uses_the_class_defaults():
      "gradient_checkpointing_segment_stride=1"),
     ({"family": "flux", "gradient_checkpointing_offload_pin_memory_max_buckets": "-1"},
      "gradient_checkpointing_offload_pin_memory_max_buckets=-1"),
+    ({"family": "flux", "weight_offload": "swap"}, "weight_offload='swap'"),
+    ({"family": "flux", "weight_offload": "stream", "weight_offload_prefetch": "9"}, "weight_offload_prefetch=9"),
+    ({"family": "flux", "weight_offload_blocks": "4"}, "weight_offload_blocks=4"),
 ])
 def test_bad_parameters_answer_400_naming_them(query, text):
     status, body = _get(query)

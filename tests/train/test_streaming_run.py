@@ -56,3 +56,56 @@ def test_a_streamed_run_resumes_without_streaming(data_dir):
     _run(data_dir, "halves", steps=2, weight_offload="stream", weight_offload_blocks=4)
     resumed, _ = _run(data_dir, "halves", steps=3, resume=True)
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
+
+
+def test_out_of_memory_on_the_last_schedule_rung_switches_to_streaming(data_dir):
+    """Streaming is the ladder's rung after attention offload: the run streams from the failed step
+    on and its losses equal an uninterrupted run's (neither changes the gradients)."""
+    import torch
+
+    from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+    from segmented_checkpointing.engine.model.bundle import build_preset
+    from segmented_checkpointing.engine.train.loop import TrainingRun
+
+    last = CheckpointSchedule(gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True)
+    config = TrainConfig.create(output=str(data_dir / "oom"), resolution=64, steps=3, batch_size=2, family="flux",
+                                data=str(data_dir / "data"), timing_warmup_steps=1, schedule=last)
+    run = TrainingRun(config, bundle=build_preset("flux"), log=lambda line: None)
+    records = []
+    for record in run:
+        records.append(record)
+        if record.step == 1:
+            ctx = run.context
+            first = ctx.family.blocks(ctx.model, ctx.family.block_lists[0])[0]
+
+            def hook(_module, _args, ctx=ctx):
+                if not ctx.config.schedule.streams and ctx.runner.stats.recomputed_blocks > 0:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+            first.register_forward_pre_hook(hook)
+    switch = records[1].schedule_switches[0]
+    assert (switch["from"], switch["to"]) == ("layer-unsloth-offload-attn", "layer-unsloth-offload-attn-stream")
+    assert [r.weight_copies > 0 for r in records] == [False, True, True]
+    plain, _ = _run(data_dir, "oom-reference", schedule=last)
+    assert [r.loss for r in records] == [s["loss"] for s in plain["steps"]]
+
+
+def test_previews_sample_the_same_images_while_streaming(data_dir, monkeypatch):
+    """The sampler streams too: with every weight out of the ring poisoned (strict), the previews
+    are the resident run's, byte for byte."""
+    from segmented_checkpointing.engine.core.runner import SegmentRunner
+    from segmented_checkpointing.engine.train import setup
+
+    class Strict(SegmentRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, strict_streaming=True)
+
+    previews = {"validation_every": 2, "validation_steps": 2}
+    resident, _ = _run(data_dir, "previews-resident", steps=2, **previews)
+    monkeypatch.setattr(setup, "SegmentRunner", Strict)
+    streamed, _ = _run(data_dir, "previews-streamed", steps=2, weight_offload="stream", weight_offload_blocks=5,
+                       **previews)
+    files = resident["steps"][-1]["previews"]
+    assert files and files == streamed["steps"][-1]["previews"]
+    for name in files:
+        assert (data_dir / "previews-streamed" / name).read_bytes() == (data_dir / "previews-resident" / name).read_bytes()

@@ -1,0 +1,119 @@
+"""Host memory in the plan: the host budget (``--host-budget``) and the host bytes a streamed
+schedule needs, known before any model is built.
+
+Weight streaming (docs/STREAMING.md) keeps one host copy of every streamed block's frozen
+weights; offloaded activations wait in host memory too. The planner counts both against the host
+budget; :func:`check_host_budget` refuses a run that asks for more streaming than the host holds
+before a weight is read, from the model's config alone (the class is instantiated on the ``meta``
+device: no memory is allocated, no file but ``config.json`` is read).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..config import TrainConfig
+from ..config.guardrails import check_budget
+from ..core.memory import device_budget, free_memory
+from ..core.plan import count_blocks, effective_plan
+from ..families import get_family
+from ..model.loading import resolve_device, run_precision
+
+HOST_MARGIN = 0.10
+"""The default host budget leaves this share of the available host memory free (the OS, the
+data loader, the pinned-memory bookkeeping)."""
+
+
+class HostBudgetError(ValueError):
+    """The host budget is invalid or smaller than what the schedule keeps in host memory."""
+
+
+def host_budget_bytes(value: str | float | None = None, key: str = "--host-budget") -> int:
+    """The host budget in bytes: a number of GiB, ``free`` (the host's available memory now),
+    ``device`` (its total memory), or by default the available memory less :data:`HOST_MARGIN`.
+
+    Raises:
+        HostBudgetError: not a budget; the message names ``key``, the value and what is allowed.
+    """
+    if value is None:
+        return int(free_memory("cpu") * (1 - HOST_MARGIN))
+    try:
+        checked = check_budget(value, key)
+    except ValueError as exc:
+        raise HostBudgetError(str(exc).replace("its total memory", "the host's total memory")) from None
+    if isinstance(checked, str):
+        return free_memory("cpu") if checked == "free" else device_budget("cpu")
+    return int(checked * 2**30)
+
+
+def streamed_bytes_estimate(config: TrainConfig) -> int | None:
+    """Host bytes of the frozen weights ``config``'s schedule streams, from the model's config
+    on the ``meta`` device at the run's storage precision (a quantized base: 1 byte per weight
+    plus a 4-byte scale and, for int8, a 1-byte zero point per output row, as torchao stores them).
+
+    Returns:
+        The bytes, 0 without streaming, or None when only the weights could tell (a single file).
+    """
+    schedule = config.schedule
+    if not schedule.streams:
+        return 0
+    model_cfg = config.model
+    family = get_family(model_cfg.family)
+    if model_cfg.model_file:
+        return None
+    if model_cfg.model_path:
+        root = Path(model_cfg.model_path)
+        folder = root / "transformer" if (root / "model_index.json").is_file() else root
+        try:
+            values = family.model_cls().load_config(str(folder))
+        except (OSError, ValueError):
+            return None  # the run's own checks name what is wrong with the folder
+    else:
+        values = dict(family.tiny_config)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = family.model_cls().from_config(values) if model_cfg.model_path else family.model_cls()(**values)
+    precision = run_precision(model_cfg, resolve_device(model_cfg))
+    plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    total = 0
+    for block_list, list_plan in zip(family.block_lists, plan.lists):
+        blocks = family.blocks(model, block_list)
+        for index in list_plan.streamed:
+            total += _block_bytes(blocks[index], precision)
+    return total
+
+
+def _block_bytes(block: torch.nn.Module, precision) -> int:
+    total = 0
+    for module in block.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if precision.quantized and isinstance(module, torch.nn.Linear) and name == "weight":
+                rows = param.shape[0]
+                total += param.numel() + rows * (5 if precision.base == "int8-torchao" else 4)
+            else:
+                total += param.numel() * (precision.storage_dtype.itemsize if param.is_floating_point()
+                                          else param.element_size())
+    return total
+
+
+def check_host_budget(config: TrainConfig, budget_bytes: int, value: str | float | None = None) -> int | None:
+    """Refuse, before any model is built, a streamed schedule whose host copies exceed the host
+    budget.
+
+    Returns:
+        The streamed bytes (None when unknown before the weights are read).
+
+    Raises:
+        HostBudgetError: in one line naming ``--host-budget``, the value and the bytes needed.
+    """
+    needed = streamed_bytes_estimate(config)
+    if needed is not None and needed > budget_bytes:
+        shown = value if value is not None else f"default ({budget_bytes / 2**30:.4g} GiB)"
+        raise HostBudgetError(
+            f"--host-budget={shown} is too small: weight_offload=stream ({config.schedule.mode}) keeps "
+            f"{needed} bytes ({needed / 2**30:.4g} GiB) of frozen weights in host memory; allowed a host budget of "
+            f"at least that, or fewer streamed blocks (weight_offload_blocks)")
+    return needed

@@ -1,0 +1,54 @@
+"""The planner plans device and host memory together: a device budget below the frozen weights
+streams the fewest blocks that fit, and a host budget below the streamed bytes is refused before
+any model is built."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import refuse_to_build_models
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.measure.host import HostBudgetError, host_budget_bytes
+from segmented_checkpointing.engine.measure.planner import PlannerError, choose
+from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
+from segmented_checkpointing.engine.model.bundle import build_preset
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
+    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"))
+    bundle = build_preset("flux")
+    with RunWorkspace(config, bundle) as workspace:
+        measured = probe(config, bundle, workspace=workspace)
+        frozen = sum(sum(per_block) for per_block in measured.frozen_block_bytes.values())
+        budget = int(0.8 * frozen)  # below the blocks' frozen weights alone: no resident schedule can fit
+        choice = choose(measured, budget)
+        chosen = choice.chosen
+        assert chosen.schedule.streams and chosen.streamed_bytes > 0.2 * frozen
+        assert all(not p.fits for p in choice.candidates if not p.schedule.streams)
+        assert "streams" in choice.render()
+        real = peak_after_warmup(workspace.run(chosen.schedule, 1, 1), 1)
+        assert real <= budget, (chosen.schedule.mode, real, budget)
+        # the host copies count against a host budget: below them, only schedules that stream less fit
+        with pytest.raises(PlannerError, match=r"--host-budget=.* is too small: the schedules that fit the device "
+                                               r"need at least"):
+            choose(measured, budget, host_budget_bytes=int(0.1 * frozen))
+
+
+def test_a_host_budget_below_the_streamed_bytes_is_refused_before_any_model_is_built(monkeypatch, capsys, tmp_path):
+    refuse_to_build_models(monkeypatch, "the host budget was checked")
+    status = cli.main(["plan", "--family", "flux", "--weight-offload", "stream", "--host-budget", "0.0001",
+                       "--budget", "1", "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert "--host-budget=0.0001 is too small: weight_offload=stream (interval2-stride4-stream) keeps" in err
+    assert "bytes" in err and "of frozen weights in host memory" in err
+
+
+def test_host_budget_values():
+    assert host_budget_bytes("2") == 2 * 2**30 and host_budget_bytes("free") > 0 and host_budget_bytes() > 0
+    with pytest.raises(HostBudgetError, match=r"--host-budget='lots' is invalid: allowed a number of GiB"):
+        host_budget_bytes("lots")
