@@ -18,8 +18,10 @@ numbers are measured exactly like a sweep cell) measures, per block of every blo
   activations plus transient tensors such as attention scores), from the CPU live-tensor tracker
   (0 on CUDA, where the allocator's peak cannot be read per block without losing the step's).
 
-plus the step's peak and sec/step. ``base`` = probe peak - all blocks' ``act`` is what the step
-holds besides block activations. For a candidate schedule the model then predicts (see
+plus the step's peak and sec/step (when the plain step does not fit the device, measured on a copy
+with two blocks per list and extrapolated: :func:`~.probe.shallow_probe`). ``base`` = probe peak -
+all blocks' ``act`` is what the step holds besides block activations, the weights included (a
+schedule that streams subtracts the streamed blocks' frozen bytes and adds its device ring). For a candidate schedule the model then predicts (see
 :func:`predict`):
 
 * what each block keeps until backward: ``act`` when plain (minus ``attn`` with attention
@@ -140,6 +142,9 @@ class PlanChoice:
             streamed = f"   streams {p.streamed_bytes / 2**30:.4g} GiB" if p.streamed_bytes else ""
             lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:<18.4g}{measured}"
                          f"{streamed}")
+        if self.probe.extrapolated_from:
+            lines.append(f"probe: the plain step did not fit; measured a copy with {self.probe.extrapolated_from} "
+                         "blocks per list, its last block standing for the others")
         if self.measured_sec_per_step is not None:
             lines.append(f"measured {self.chosen.schedule.mode}: {self.measured_sec_per_step:.3f} sec/step / "
                          f"{self.measured_peak_bytes / 2**30:.4g} GiB")

@@ -11,6 +11,9 @@ and without attention offload, calibrate the offloader's cost per tensor on this
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,10 +26,12 @@ from ..config import TrainConfig
 from ..config.schedule import CheckpointSchedule
 from ..core.memory import PeakMemory
 from ..core.offload import resident_storages
+from ..core.plan import count_blocks
 from ..families import get_family
 from ..families.base import FamilyAdapter
 from ..model.precision import tensor_bytes
 from ..train.loop import resolve_device
+from ..train.recovery import OutOfMemoryStop
 from .lockstep import lockstep_runs, paired_difference
 from .runs import RunWorkspace, StartRun
 
@@ -81,6 +86,10 @@ class Probe:
     held_bytes: int = 0
     """Device bytes held before the step starts (weights, LoRA, optimizer state): part of
     ``peak_bytes``, which no schedule changes (streaming moves the frozen part to the host)."""
+    extrapolated_from: int = 0
+    """0: every block was measured. k: the plain step did not fit, so a copy of the model with its
+    first k blocks per list was measured and its last block stands for the others
+    (:func:`shallow_probe`)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -288,10 +297,18 @@ def _copy_seconds_per_byte(device: torch.device) -> float:
     return best / source.nbytes
 
 
+SHALLOW_BLOCKS = 2
+"""Blocks per list of the copy :func:`shallow_probe` measures when the plain step does not fit."""
+
+
 def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRun | None = None,
           workspace: RunWorkspace | None = None, rows: list[int] | None = None,
-          calibration: tuple[float, float] | None = None, **changes) -> Probe:
+          calibration: tuple[float, float] | None = None, shallow: int | None = None, **changes) -> Probe:
     """Measure per-block activation bytes and forward time on one step without checkpointing.
+
+    When that step runs out of memory (the weights and every block's activations do not fit the
+    device at once), the probe measures a copy of the model with :data:`SHALLOW_BLOCKS` blocks per
+    list instead (:func:`shallow_probe`); ``shallow`` = k asks for that directly.
 
     Args:
         config: the run settings (data, resolution, batch, device, ...); the schedule, steps
@@ -313,7 +330,95 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
                          "the run set up its LoRA)")
     if workspace is None:
         with RunWorkspace(config, bundle, start_run) as own:
-            return probe(config, bundle, warmup_steps, start_run, own, rows, calibration, **changes)
+            return probe(config, bundle, warmup_steps, start_run, own, rows, calibration, shallow, **changes)
+    if shallow:
+        return shallow_probe(config, bundle, shallow, warmup_steps, workspace, rows, calibration, **changes)
+    try:
+        return _probe_plain(config, bundle, warmup_steps, workspace, rows, calibration, **changes)
+    except (OutOfMemoryStop, torch.OutOfMemoryError) as exc:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            return shallow_probe(config, bundle, SHALLOW_BLOCKS, warmup_steps, workspace, rows, calibration,
+                                 **changes)
+        except ShallowProbeError:
+            raise exc from None
+
+
+class ShallowProbeError(ValueError):
+    """The model's block lists cannot be shortened for a shallow probe (a list is not a plain
+    ``nn.ModuleList`` attribute of the model)."""
+
+
+def shallow_copy(model: torch.nn.Module, family: FamilyAdapter, keep: int) -> torch.nn.Module:
+    """A deep copy of ``model`` with only the first ``keep`` blocks of each of ``family``'s lists
+    (same widths, same weights); the model itself is left as it was.
+
+    Raises:
+        ShallowProbeError: a list is not an ``nn.ModuleList`` attribute of the model.
+    """
+    lists = {}
+    for block_list in family.block_lists:
+        blocks = getattr(model, block_list.attr, None) if "." not in block_list.attr else None
+        if not isinstance(blocks, torch.nn.ModuleList):
+            raise ShallowProbeError(f"{family.name} list {block_list.name!r} ({block_list.attr}) is not a ModuleList "
+                                    "of the model: no shallow probe")
+        lists[block_list.attr] = blocks
+    try:
+        for attr, blocks in lists.items():
+            model._modules[attr] = torch.nn.ModuleList(list(blocks)[:keep])
+        with torch.inference_mode(False):
+            return copy.deepcopy(model)
+    finally:
+        for attr, blocks in lists.items():
+            model._modules[attr] = blocks
+
+
+def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, workspace: RunWorkspace,
+                  rows: list[int] | None = None, calibration: tuple[float, float] | None = None,
+                  **changes) -> Probe:
+    """The probe of a model whose plain step does not fit: one plain step of a copy with the first
+    ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
+    blocks have the same shapes and widths, so the same activation bytes, forward time, LoRA and
+    frozen bytes). The left-out blocks add their activations, their frozen and LoRA bytes (with
+    AdamW's two moments on CUDA, where they are held) to the peak and three forward times each
+    (forward and about twice that in backward) to sec/step.
+
+    Raises:
+        ShallowProbeError: see :func:`shallow_copy`.
+    """
+    family = get_family(bundle.family.name)
+    counts = count_blocks(family, bundle.transformer)
+    small = dataclasses.replace(bundle, transformer=shallow_copy(bundle.transformer, family, keep))
+    original, workspace.bundle = workspace.bundle, small
+    try:
+        measured = _probe_plain(config, small, warmup_steps, workspace, rows, calibration, **changes)
+    finally:
+        workspace.bundle = original
+    blocks, frozen = {}, {}
+    added_act = added_lora = added_frozen = 0
+    added_s = 0.0
+    for name, costs in measured.blocks.items():
+        template, extra = costs[-1], counts[name] - len(costs)
+        blocks[name] = costs + [dataclasses.replace(template, index=i) for i in range(len(costs), counts[name])]
+        frozen[name] = measured.frozen_block_bytes[name] + [measured.frozen_block_bytes[name][-1]] * extra
+        added_act += extra * template.act
+        added_lora += extra * template.grad
+        added_frozen += extra * frozen[name][-1]
+        added_s += extra * 3 * template.fwd_s
+    held = added_frozen + added_lora * (3 if measured.device == "cuda" else 1)
+    grow = held + added_act
+    return dataclasses.replace(
+        measured, blocks=blocks, frozen_block_bytes=frozen, peak_bytes=measured.peak_bytes + grow,
+        sec_per_step=measured.sec_per_step + added_s, held_bytes=measured.held_bytes + held,
+        blocks_end_bytes=None if measured.blocks_end_bytes is None else measured.blocks_end_bytes + grow,
+        extrapolated_from=keep)
+
+
+def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace,
+                 rows: list[int] | None, calibration: tuple[float, float] | None, **changes) -> Probe:
+    """One plain step of ``bundle``'s model in ``workspace``, recorded block by block."""
     family = get_family(bundle.family.name)
     device = resolve_device(config.model)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

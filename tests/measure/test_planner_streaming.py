@@ -52,3 +52,37 @@ def test_host_budget_values():
     assert host_budget_bytes("2") == 2 * 2**30 and host_budget_bytes("free") > 0 and host_budget_bytes() > 0
     with pytest.raises(HostBudgetError, match=r"--host-budget='lots' is invalid: allowed a number of GiB"):
         host_budget_bytes("lots")
+
+
+def test_a_plain_step_that_does_not_fit_is_probed_on_a_shallow_copy(tmp_path):
+    """The probe works where the no-checkpoint step runs out of memory: it measures a copy with
+    two blocks per list and extrapolates; its predictions match the full probe's."""
+    import torch
+
+    from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+    from segmented_checkpointing.engine.measure.planner import predict
+    from segmented_checkpointing.engine.train.loop import TrainingRun
+
+    class SmallDevice(TrainingRun):  # the plain step of the whole model does not fit
+        def __iter__(self):
+            blocks = sum(len(self.bundle.family.blocks(self.bundle.transformer, bl))
+                         for bl in self.bundle.family.block_lists)
+            if not self.config.schedule.gradient_checkpointing and blocks > 4:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            yield from super().__iter__()
+
+    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"))
+    bundle = build_preset("flux")
+    with RunWorkspace(config, bundle) as workspace:
+        full = probe(config, bundle, workspace=workspace)
+    with RunWorkspace(config, bundle, SmallDevice) as workspace:
+        shallow = probe(config, bundle, workspace=workspace)
+    assert shallow.extrapolated_from == 2 and full.extrapolated_from == 0
+    assert {k: len(v) for k, v in shallow.blocks.items()} == {"double": 8, "single": 8}
+    assert shallow.frozen_block_bytes == full.frozen_block_bytes
+    for schedule in (CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule(),
+                     CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4),
+                     CheckpointSchedule(weight_offload="stream")):
+        guess, real = predict(shallow, schedule).peak_bytes, predict(full, schedule).peak_bytes
+        assert abs(guess - real) <= 0.05 * real, (schedule.mode, guess, real)
+    assert "measured a copy with 2 blocks per list" in choose(shallow, full.peak_bytes * 2).render()
