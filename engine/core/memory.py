@@ -314,10 +314,25 @@ def device_budget(device: str | torch.device) -> int:
 
 
 def free_memory(device: str | torch.device) -> int:
-    """Memory free now, bytes: the CUDA driver's free device memory, else available system memory."""
+    """Memory free now, bytes: the CUDA driver's free device memory, else the host's available
+    memory (the kernel's ``MemAvailable`` in ``/proc/meminfo``: free pages plus the page cache and
+    buffers it can reclaim; the bare "free" figure leaves those out and reads a fraction of what a
+    run can use), or the free pages where that file does not exist."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return host_available_bytes()
+
+
+def host_available_bytes(meminfo: str | os.PathLike = "/proc/meminfo") -> int:
+    """The host's available memory, bytes (see :func:`free_memory`)."""
+    try:
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 

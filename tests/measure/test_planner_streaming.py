@@ -86,3 +86,12 @@ def test_a_plain_step_that_does_not_fit_is_probed_on_a_shallow_copy(tmp_path):
         guess, real = predict(shallow, schedule).peak_bytes, predict(full, schedule).peak_bytes
         assert abs(guess - real) <= 0.05 * real, (schedule.mode, guess, real)
     assert "measured a copy with 2 blocks per list" in choose(shallow, full.peak_bytes * 2).render()
+
+
+def test_free_host_memory_is_the_kernels_available_figure(tmp_path):
+    from segmented_checkpointing.engine.core.memory import host_available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          700000 kB\nMemAvailable:   17000000 kB\n")
+    assert host_available_bytes(meminfo) == 17000000 * 1024
+    assert host_available_bytes(tmp_path / "missing") > 0  # the free pages, where the file does not exist
