@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", dest="plan_budget", required=True,
                       help="Memory budget in GiB, or 'device' (fit this device's memory).")
     plan.add_argument("--host-budget", dest="plan_host_budget", default=None,
-                      help="Host memory for streamed weights and offloaded activations, GiB, or 'free' (the "
-                           "host's available memory now); default: the available memory less 10%%.")
+                      help="Host memory for streamed weights and offloaded activations, GiB, 'free' (the host's "
+                           "available memory now) or 'device' (its total memory); default: the available memory "
+                           "less 10%%.")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
                       help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
                            "before deciding (0 = predict only; default 3).")
@@ -115,7 +116,7 @@ def _help(opt: api.Option) -> str:
     text = opt.help
     if opt.choices is not None and not callable(opt.meta["choices"]):
         text += f" One of: {', '.join(map(str, opt.choices))}."
-    elif opt.optional and opt.path[0] == SCHEDULE_GROUP:
+    elif opt.optional and opt.path[0] == SCHEDULE_GROUP and opt.meta["parse"] is None:
         text += " 'none' = unset."
     if opt.default is not None and opt.default is not False and opt.type is not bool:
         text += f" Default: {opt.default}."

@@ -153,9 +153,13 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
     Raises:
         PreflightRefused: a phase is predicted not to fit and ``start_anyway`` is off (nothing
             is trained or written).
+        HostBudgetError: the streamed weights' host copies would exceed the host's available
+            memory less a margin (``engine/measure/host.py``), before any model is built.
         See ``engine/train/loop.py`` (``TrainingRun``) for the rest.
     """
     verdict, guards = None, config.guards
+    if config.schedule.streams:  # the host must hold the streamed weights: refused before any model is built
+        check_host_budget(config, host_budget_bytes())
     if guards.memory_budget is not None:
         bundle = bundle or load_model(config, log)
         verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"),

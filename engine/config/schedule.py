@@ -70,8 +70,9 @@ MAX_PREFETCH = 8
 
 
 def _read_blocks(value: Any) -> Any:
-    """``weight_offload_blocks``: ``"all"`` (any case) is unset, i.e. every block."""
-    return None if isinstance(value, str) and value.strip().lower() in ("all", *UNSET_WORDS) else value
+    """``weight_offload_blocks``: ``"all"`` (any case) is unset, i.e. every block; other strings
+    (``"none"`` too: it would read as "no block") are refused by the range check."""
+    return None if isinstance(value, str) and value.strip().lower() == "all" else value
 MAX_BLOCKS = 1024
 """The largest interval, stride and pool size the options take (no model has more blocks)."""
 
@@ -146,6 +147,10 @@ class CheckpointSchedule:
                     stride,
                     f"an integer >= gradient_checkpointing_interval ({interval}); smaller strides overlap",
                 )
+        if self.weight_offload_prefetch != 1 and not self.streams:
+            raise ScheduleError(f"weight_offload_prefetch={self.weight_offload_prefetch!r} is invalid with "
+                                f"weight_offload={self.weight_offload!r}: allowed 1 (the default), or set "
+                                "weight_offload=stream")
         if self.weight_offload_blocks is not None and not self.streams:
             raise ScheduleError(f"weight_offload_blocks={self.weight_offload_blocks!r} is invalid with "
                                 f"weight_offload={self.weight_offload!r}: allowed all (unset), or set "
@@ -254,7 +259,10 @@ def swap_alias(value: Any) -> dict[str, Any]:
     Raises:
         ScheduleError: N is not an integer from 0 to 1024.
     """
-    blocks = _coerce("weight_offload_prefetch", value)  # read as an integer ("8", 8.0, "none")
+    try:
+        blocks = _coerce("weight_offload_prefetch", value)  # read as an integer ("8", 8.0, "none")
+    except ScheduleError:
+        blocks = -1
     if blocks is None or blocks == 0:
         return {"weight_offload": "none", "weight_offload_blocks": None}
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 < blocks <= MAX_BLOCKS:
@@ -268,6 +276,13 @@ _OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_
 def _coerce(key: str, value: Any) -> Any:
     if isinstance(value, str):
         text = value.strip()
+        if key == "weight_offload_blocks":  # "none" would read as "no block": only "all" means every block
+            if text.lower() in ("all", ""):
+                return None
+            try:
+                return int(text)
+            except ValueError:
+                raise _bad(key, value, "all, or an integer from 1 to 1024") from None
         if text.lower() in UNSET_WORDS:
             return None
         if key in ("gradient_checkpointing", "gradient_checkpointing_offload_attention"):
@@ -278,8 +293,6 @@ def _coerce(key: str, value: Any) -> Any:
             raise _bad(key, value, "true or false")
         if key in ("gradient_checkpointing_backend", "weight_offload"):
             return text
-        if key == "weight_offload_blocks" and text.lower() == "all":
-            return None
         try:
             return int(text)
         except ValueError:

@@ -225,6 +225,9 @@ def _apply(base: TrainConfig, whole: dict[str, Any], changes: dict[str, dict[str
                 # A new interval alone means "every block, in groups of N": the base's stride (the
                 # demo's 4) is not carried over to a width it was not chosen for.
                 values.setdefault("gradient_checkpointing_segment_stride", None)
+            if values.get("weight_offload") == "none":  # streaming off: its count and prefetch go with it
+                values.setdefault("weight_offload_blocks", None)
+                values.setdefault("weight_offload_prefetch", 1)
             root[group] = CheckpointSchedule.from_config({**current.to_dict(), **values})
         elif group == "guardrails" and current is None:
             root[group] = GuardrailsConfig(**values)

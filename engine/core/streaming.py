@@ -23,6 +23,7 @@ and a region's nodes were created after those of the region before it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -30,6 +31,11 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .offload import HostPool
+
+
+class StreamingWarning(UserWarning):
+    """Weight streaming runs, but not as its options suggest (it saves nothing, say)."""
+
 
 ALIGN = 256
 """Byte alignment of a tensor inside a device slot (CUDA's allocator alignment)."""
@@ -136,7 +142,7 @@ class WeightStreamer:
         units: per unit in forward order, its blocks ``(list index, block index)`` and modules.
         pool: the run's host pool (master copies are held there: pinned on CUDA).
         device: where the slots live.
-        prefetch: ``weight_offload_prefetch``; the ring has ``prefetch + 1`` slots.
+        prefetch: ``weight_offload_prefetch``; the ring has ``prefetch + 1`` slots (at most one per unit).
         recomputing: callable, True while the runner recomputes a region (backward order).
         stream: the copy stream to share (the activation offloader's); default: a new one on CUDA.
         strict: point the leaves of a unit that is not in a slot at NaN-filled copies instead of
@@ -167,10 +173,15 @@ class WeightStreamer:
             self.by_block.update({b: unit for b in blocks})
         self.streamed_bytes = sum(leaf.nbytes for u in self.units for leaf in u.leaves)
         self.slot_bytes = max((u.nbytes for u in self.units), default=0)
-        count = prefetch + 1 if self.units else 0
+        count = min(prefetch + 1, len(self.units))  # more slots than units would hold nothing new
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(count)]
         self.slot_storages = [s.untyped_storage().data_ptr() for s in self.slots]
         self._slot_of_ptr = {ptr: k for k, ptr in enumerate(self.slot_storages)}
+        if self.units and self.resident_slot_bytes >= self.streamed_bytes:
+            warnings.warn(f"weight_offload=stream saves no device memory here: the ring of {count} slot(s) of "
+                          f"{self.slot_bytes} bytes holds as much as the {len(self.units)} streamed unit(s) "
+                          f"({self.streamed_bytes} bytes); stream more blocks (weight_offload_blocks) or copy fewer "
+                          "ahead (weight_offload_prefetch)", StreamingWarning, stacklevel=3)
         self._slot_unit: list[_Unit | None] = [None] * count
         self._events: list[Any] = [None] * count
         self.active: _Unit | None = None

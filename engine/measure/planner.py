@@ -132,16 +132,21 @@ class PlanChoice:
         lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB{host}; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
                  f"{'':2}{'mode':<44} {'predicted sec/step / peak GiB':>30}   {'measured (x the predicted choice)':>33}",
-                 f"{'':2}(-> chosen, x predicted over the budget less {MARGIN:.0%} headroom)"]
+                 f"{'':2}(-> chosen, x predicted over the budget less {MARGIN:.0%} headroom"
+                 + (", or over the host budget" if self.host_budget_bytes is not None else "") + ")"]
         for p in sorted(self.candidates, key=lambda p: p.sec_per_step):
             mark = "->" if p is self.chosen else ("  " if p.fits else " x")
             measured = ""
             if p.measured_sec_per_step is not None:
                 measured = (f"   {p.measured_sec_per_step:>9.3f} / {p.measured_peak_bytes / 2**30:.4g}"
                             + (f" (x{p.relative_time:.3f})" if p.relative_time is not None else ""))
-            streamed = f"   streams {p.streamed_bytes / 2**30:.4g} GiB" if p.streamed_bytes else ""
+            streamed = (f"   host {p.host_bytes / 2**30:.4g} GiB (weights {p.streamed_bytes / 2**30:.4g})"
+                        if p.host_bytes else "")
             lines.append(f"{mark}{p.schedule.mode:<44} {p.sec_per_step:>9.3f} / {p.peak_bytes / 2**30:<18.4g}{measured}"
                          f"{streamed}")
+        if self.chosen.schedule.streams:  # which blocks stream
+            counts = {name: len(costs) for name, costs in self.probe.blocks.items()}
+            lines.append(effective_plan(get_family(self.probe.family), self.chosen.schedule, counts, warn=False).render())
         if self.probe.extrapolated_from:
             lines.append(f"probe: the plain step did not fit; measured a copy with {self.probe.extrapolated_from} "
                          "blocks per list, its last block standing for the others")
@@ -238,7 +243,7 @@ def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
     size = [sum(frozen[names[li]][bi] for li, bi in unit) for unit in units]
     compute = [sum(probe_.blocks[names[li]][bi].fwd_s for li, bi in unit) for unit in units]
     streamed = sum(size)
-    ring = max(size) * (schedule.weight_offload_prefetch + 1)
+    ring = max(size) * min(schedule.weight_offload_prefetch + 1, len(size))
     copy = [b * probe_.h2d_s_per_byte for b in size]
     if probe_.device == "cuda" and schedule.weight_offload_prefetch > 0:
         exposed = sum(max(0.0, c - (compute[k - 1] if k else 0.0)) for k, c in enumerate(copy))

@@ -382,7 +382,7 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
     ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
     blocks have the same shapes and widths, so the same activation bytes, forward time, LoRA and
     frozen bytes). The left-out blocks add their activations, their frozen and LoRA bytes (with
-    AdamW's two moments on CUDA, where they are held) to the peak and three forward times each
+    AdamW's two moments of the LoRA) to the peak and three forward times each
     (forward and about twice that in backward) to sec/step.
 
     Raises:
@@ -407,7 +407,7 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
         added_lora += extra * template.grad
         added_frozen += extra * frozen[name][-1]
         added_s += extra * 3 * template.fwd_s
-    held = added_frozen + added_lora * (3 if measured.device == "cuda" else 1)
+    held = added_frozen + added_lora * 3  # the LoRA and AdamW's two moments of it
     grow = held + added_act
     return dataclasses.replace(
         measured, blocks=blocks, frozen_block_bytes=frozen, peak_bytes=measured.peak_bytes + grow,

@@ -41,7 +41,8 @@ class StepMonitor:
                    if ctx.runner.offloader else "")
         if ctx.runner.streamer:
             offload += (f"  weights in {record.weight_h2d_bytes / 2**20:.1f} MiB ({record.weight_copies} copies, "
-                        f"stall {record.weight_stall_s:.3f} s)")
+                        f"stall {record.weight_stall_s:.3f} s), device peak {record.device_peak_bytes / 2**20:.1f} MiB "
+                        f"with {record.resident_frozen_bytes / 2**20:.1f} MiB frozen resident")
         self.log(f"step {record.step:>4}/{self.config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
                  f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
         if record.skipped:

@@ -60,7 +60,8 @@ class StepRecord:
             (:meth:`~..core.runner.SegmentRunner.weight_receipt`).
         device_peak_bytes: the step's peak with everything the device holds: on CUDA
             ``peak_bytes``; on the CPU ``peak_bytes`` plus the frozen bytes resident on the
-            "device" and the trainable parameters (what a budget is compared with).
+            "device", the trainable parameters and the optimizer state that existed before the
+            step (what a budget is compared with).
     """
 
     step: int
@@ -142,6 +143,8 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr
     runner.stats.reset()
+    # optimizer state that exists before the step is held on the device (the CPU tracker misses it)
+    held_state = _state_bytes(ctx.optimizer) if device.type != "cuda" else 0
     if runner.offloader:
         runner.offloader.stats.reset()
     if runner.streamer:
@@ -199,12 +202,19 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     weights = runner.weight_receipt()
     device_peak = reading.peak_bytes
     if device.type != "cuda":  # the tracker counts what the step creates: add what the device holds
-        device_peak += weights["resident_frozen_bytes"] + sum(p.numel() * p.element_size() for _, p in ctx.named_params)
+        device_peak += (weights["resident_frozen_bytes"] + sum(p.numel() * p.element_size() for _, p in ctx.named_params)
+                        + held_state)
     return StepRecord(step + 1, check.loss, lr, seconds, reading.peak_bytes, stats.checkpoint_calls,
                       stats.recomputed_blocks, stats.recomputed_ffn,
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
                       reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (AdamW's two moments)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor))
 
 
 def _recompute_message(ctx: StepContext, mismatch: RecomputeMismatch, step: int) -> str:

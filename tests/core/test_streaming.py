@@ -148,3 +148,14 @@ def test_predicted_copies():
 def test_no_stream_no_streamer():
     _, _, runner = one_step("flux", CheckpointSchedule())
     assert runner.streamer is None and runner.weight_receipt()["weight_h2d_bytes"] == 0
+
+
+def test_the_ring_never_holds_more_slots_than_units_and_says_when_it_saves_nothing():
+    from segmented_checkpointing.engine.core.streaming import StreamingWarning
+
+    family, model = tiny_model("flux")
+    schedule = MODES["layer"].replace(weight_offload="stream", weight_offload_blocks=2, weight_offload_prefetch=8)
+    plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    with pytest.warns(StreamingWarning, match="saves no device memory here: the ring of 2 slot"):
+        runner = SegmentRunner(model, family, plan)
+    assert len(runner.streamer.slots) == len(runner.streamer.units) == 2

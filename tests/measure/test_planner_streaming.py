@@ -24,12 +24,12 @@ def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
     with RunWorkspace(config, bundle) as workspace:
         measured = probe(config, bundle, workspace=workspace)
         frozen = sum(sum(per_block) for per_block in measured.frozen_block_bytes.values())
-        budget = int(0.8 * frozen)  # below the blocks' frozen weights alone: no resident schedule can fit
+        budget = int(0.97 * frozen)  # below the blocks' frozen weights alone: no resident schedule can fit
         choice = choose(measured, budget)
         chosen = choice.chosen
         assert chosen.schedule.streams and chosen.streamed_bytes > 0.2 * frozen
         assert all(not p.fits for p in choice.candidates if not p.schedule.streams)
-        assert "streams" in choice.render()
+        assert "host " in choice.render() and "weights streamed:" in choice.render()
         real = peak_after_warmup(workspace.run(chosen.schedule, 1, 1), 1)
         assert real <= budget, (chosen.schedule.mode, real, budget)
         # the host copies count against a host budget: below them, only schedules that stream less fit

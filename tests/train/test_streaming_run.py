@@ -109,3 +109,14 @@ def test_previews_sample_the_same_images_while_streaming(data_dir, monkeypatch):
     assert files and files == streamed["steps"][-1]["previews"]
     for name in files:
         assert (data_dir / "previews-streamed" / name).read_bytes() == (data_dir / "previews-resident" / name).read_bytes()
+
+
+def test_a_stream_the_host_cannot_hold_is_refused_before_any_model_is_built(data_dir, monkeypatch):
+    from helpers import refuse_to_build_models
+
+    refuse_to_build_models(monkeypatch, "the host memory was checked")
+    monkeypatch.setattr(api, "host_budget_bytes", lambda *a: 1000)
+    config = TrainConfig.create(output=str(data_dir / "host"), data=str(data_dir / "data"), weight_offload="stream")
+    with pytest.raises(api.HostBudgetError, match=r"--host-budget=default \(9.313e-07 GiB\) is too small: "
+                                                  r"weight_offload=stream \(interval2-stride4-stream\) keeps \d+ bytes"):
+        api.train(config, **QUIET)
