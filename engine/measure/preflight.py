@@ -99,7 +99,7 @@ class Verdict:
         """The verdict as lines: one per phase, then the schedule that would fit."""
         head = "fits" if self.fits else "does NOT fit"
         lines = [f"pre-flight: {self.schedule.mode} {head} in {self.budget_bytes / 2**30:.4g} GiB "
-                 f"(less {MARGIN:.0%} headroom)"]
+                 f"(less {MARGIN:.0%} headroom; {PEAK_SCOPE})"]
         for phase in self.phases:
             share = f", {phase.share:.0%} of the samples" if phase.kind == "train" else ""
             lines.append(f"  {'ok ' if phase.fits else 'NO '} {phase.name:<34} {_gib(phase.peak_bytes)}{share}")
@@ -118,12 +118,17 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``report.json`` ``preflight``)."""
         return {"budget_bytes": self.budget_bytes, "schedule": self.schedule.mode, "fits": self.fits,
+                "peak_scope": PEAK_SCOPE,
                 "phases": [_phase_dict(p) for p in self.phases],
                 "suggestion": self.suggestion.to_dict() if self.suggestion else None,
                 "suggestion_mode": self.suggestion.mode if self.suggestion else None,
                 "suggested_phases": [_phase_dict(p) for p in self.suggested], "notes": self.notes,
                 "host_bytes": self.host_bytes, "streamed_bytes": self.streamed_bytes,
                 "host_budget_bytes": self.host_budget_bytes, "host_fits": self.host_fits}
+
+
+PEAK_SCOPE = "each peak counts what the device holds: weights, LoRA and optimizer state included"
+"""What a phase's peak is, on every device (the CPU tracker's step peak plus what it leaves out)."""
 
 
 def _gib(n: int) -> str:

@@ -127,3 +127,14 @@ def test_the_receipt_weighs_each_active_option_against_its_neighbour(data_dir, r
     whole = CheckpointSchedule(gradient_checkpointing_offload_attention=True)
     offload = {e["option"]: e for e in option_effects(roomy, whole)}["gradient_checkpointing_offload_attention"]
     assert offload["saved_bytes"] == 0 and offload["no_effect"] is True
+
+
+def test_a_budget_below_the_weights_does_not_fit_on_the_cpu_either(data_dir, roomy):
+    """Budgets mean one thing everywhere: on the CPU the peaks hold the weights, the LoRA and the
+    optimizer state too, so a budget below the frozen weights alone never fits a resident schedule."""
+    frozen = sum(sum(per_block) for per_block in roomy.probes[next(iter(roomy.probes))].frozen_block_bytes.values())
+    verdict = preflight(_config(data_dir), build_preset("flux"), int(0.9 * frozen))
+    assert not verdict.fits and all(not p.fits for p in verdict.phases if p.kind == "train")
+    assert all(p.peak_bytes > frozen for p in roomy.phases if p.kind == "train")
+    assert "weights, LoRA and optimizer state included" in verdict.render()
+    assert verdict.to_dict()["peak_scope"].startswith("each peak counts what the device holds")
