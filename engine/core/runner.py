@@ -10,7 +10,8 @@ outputs to the next through the list's carry map, and answers the loop's calls f
 
 Safety net: before passing a result through, the runner checks that the loop called the next
 block of the list with exactly the arguments the carry map predicts (carried tensors by identity,
-everything else unchanged). If the loop changed state between two blocks (a ControlNet residual,
+everything else unchanged) and that it changed none of the segment's output tensors in place (their
+version counters). If the loop changed state between two blocks (a ControlNet residual,
 a per-block modulation slice, ...), the values already returned are wrong, so the runner aborts
 that forward pass, switches the list to per-block checkpointing with a warning naming the family
 and the list, restores the RNG state and runs the forward again (see :meth:`SegmentRunner.forward`).
@@ -82,6 +83,20 @@ class _Pending:
     output: Any
     args: tuple
     kwargs: dict
+    versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """The segment's output tensors and their version counters when it returned: the loop may not
+    change them in place before it calls the segment's next block."""
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a block's output (tuples, lists and dicts walked)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def _snapshot(value: Any) -> Any:
@@ -390,7 +405,8 @@ class SegmentRunner:
         with self._offload_boundary(block_list.carry.carried_inputs(args, kwargs)):
             output = self._checkpoint(region, *args, **kwargs)
         if end - block_index > 1:
-            self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs)
+            self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs,
+                                     [(t, t._version) for t in _tensors(output)])
         return output
 
     def recompute_mismatch(self, error: Exception) -> RecomputeMismatch:
@@ -456,6 +472,10 @@ class SegmentRunner:
         if (list_index, block_index) != (pending.list_index, pending.next_block):
             raise CarryMismatch(name, f"expected block {pending.next_block}, the loop called "
                                       f"block {block_index} of list {self.family.block_lists[list_index].name!r}")
+        changed = [t for t, version in pending.versions if t._version != version]
+        if changed:  # e.g. a residual added into the carried hidden state with an in-place op
+            raise CarryMismatch(name, f"the loop changed block {block_index - 1}'s output in place before it "
+                                      f"called block {block_index}")
         carry = self.family.block_lists[list_index].carry
         want_args, want_kwargs = carry.apply(pending.output, pending.args, pending.kwargs)
         if not (same_arguments(args, want_args) and same_arguments(kwargs, want_kwargs)):

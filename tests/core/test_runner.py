@@ -90,3 +90,42 @@ def test_recomputing_flag_is_set_only_during_recompute():
     runner.forward(torch.randn(2, 8), torch.randn(2, 8)).sum().backward()
     assert seen == [False, True]
     assert not runner.recomputing
+
+
+class InPlaceResidualModel(ToyModel):
+    """A loop that adds a residual into the carried hidden state in place between two blocks (as
+    a ControlNet-style residual written with ``+=`` would)."""
+
+    def __init__(self, n: int = 6):
+        super().__init__(n)
+        self.register_buffer("residual", torch.linspace(-1, 1, 8))
+
+    def forward(self, hidden, context):
+        for block in self.blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                hidden, context = self._gradient_checkpointing_func(block, hidden, None, scale=0.5, context=context)
+            else:
+                hidden, context = block(hidden, None, scale=0.5, context=context)
+            hidden.add_(self.residual)
+        return hidden
+
+
+def test_a_loop_that_changes_the_carried_state_in_place_falls_back_with_equal_gradients():
+    def grads(schedule):
+        torch.manual_seed(0)
+        model = InPlaceResidualModel()
+        model.requires_grad_(False)
+        for block in model.blocks:
+            block.lin.weight.requires_grad_(True)
+        model.eval()  # no dropout: the two runs draw differently once one falls back
+        hidden, context = torch.randn(3, 8), torch.randn(3, 8, requires_grad=True)
+        runner = SegmentRunner(model, TOY, effective_plan(TOY, schedule, {"blocks": 6}, warn=False)).install()
+        runner.forward(hidden, context).square().sum().backward()
+        return [b.lin.weight.grad for b in model.blocks], runner
+
+    reference, _ = grads(CheckpointSchedule(gradient_checkpointing=False))
+    with pytest.warns(UserWarning, match="changed block 0's output in place before it called block 1"):
+        got, runner = grads(CheckpointSchedule(gradient_checkpointing_interval=3))
+    assert runner.plan.list_plan("blocks").segments == tuple((i, i + 1) for i in range(6))
+    for a, b in zip(got, reference):
+        assert torch.allclose(a, b, atol=1e-6)
