@@ -161,7 +161,17 @@ def _check_vae(config: api.TrainConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``segckpt`` console script; returns the exit status."""
+    """Entry point of the ``segckpt`` console script; returns the exit status (130 after Ctrl-C,
+    which ends any command with one line, never a traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("segckpt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` without its Ctrl-C handling."""
     args = _parser().parse_args(argv)
     _console_messages()
     if args.command == "train":
@@ -223,10 +233,21 @@ def _sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
-    cells = api.sweep(config, bundle, api.sweep_schedules(args.sweep_attention, args.sweep_stream), args.sweep_warmup,
-                      args.sweep_measure)
     budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
-    paths = api.write_sweep(cells, Path(config.outputs.output), bundle.family.name, budget)
+    folder, done = Path(config.outputs.output), []
+
+    def write(cells: list) -> None:  # after every cell: an interrupted sweep keeps what it measured
+        done[:] = [c for c in cells if c.status != "not run" or c.error]
+        api.write_sweep(cells, folder, bundle.family.name, budget)
+
+    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream)
+    try:
+        cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write)
+    except KeyboardInterrupt:
+        print(f"segckpt: interrupted: {len(done)} of {len(schedules)} modes measured; {folder}/sweep.md and the "
+              "other tables hold them, the rest marked not run", file=sys.stderr)
+        return 130
+    paths = api.write_sweep(cells, folder, bundle.family.name, budget)
     print(Path(paths["markdown"]).read_text(), end="")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -231,8 +231,8 @@ def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
 def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSchedule] | None = None,
           warmup_steps: int = 1, measured_steps: int = 3, **measuring: Any) -> list[SweepCell]:
     """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
-    ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``
-    (``engine/measure/sweep.py``)."""
+    ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``,
+    ``on_cell`` (``engine/measure/sweep.py``)."""
     return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
 
 

@@ -122,7 +122,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
               warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
               start_run: StartRun | None = None, log: Callable[[str], None] = print,
               on_step: Callable[[], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> list[SweepCell]:
+              should_stop: Callable[[], bool] | None = None,
+              on_cell: Callable[[list[SweepCell]], None] | None = None) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
@@ -137,6 +138,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
         log: where progress lines go.
         on_step, should_stop: progress and Cancel, after every step (see
             :class:`~.runs.RunWorkspace`).
+        on_cell: called after every cell with every cell so far and the rest as ``not run``
+            (write the tables there, and an interrupted sweep keeps what it measured).
 
     Returns:
         One :class:`SweepCell` per schedule, in order, with flags set.
@@ -145,9 +148,10 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
         MeasurementInterrupted: ``should_stop`` answered True.
     """
     family = get_family(bundle.family.name)
-    cells = []
+    cells: list[SweepCell] = []
+    schedules = schedules or sweep_schedules()
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:
-        for schedule in schedules or sweep_schedules():
+        for schedule in schedules:
             cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
             if skip is not None and skip(schedule):
                 cell.status = "not run"
@@ -160,6 +164,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
                 _measure(cell, workspace, schedule, warmup_steps, measured_steps)
             log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
             cells.append(cell)
+            if on_cell is not None:
+                on_cell(cells + [SweepCell(s.mode, s.to_dict(), "not run") for s in schedules[len(cells):]])
     flag_ineffective(cells)
     return cells
 

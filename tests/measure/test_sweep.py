@@ -128,3 +128,28 @@ def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
         run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=2, log=lambda line: None,
                   on_step=lambda: steps.append(1), should_stop=lambda: len(steps) >= 4)
     assert len(steps) == 4  # 3 steps of the first mode, then the first step of the second: stopped there
+
+
+def test_ctrl_c_during_a_sweep_keeps_the_cells_measured_so_far(tmp_path, monkeypatch, capsys):
+    """The tables are written after every cell: an interrupted sweep leaves them with the rest
+    marked not run, and ends in one line (exit 130), no traceback."""
+    from segmented_checkpointing.engine.measure import sweep as sweep_module
+
+    measure, calls = sweep_module._measure, []
+
+    def interrupted(cell, *args):
+        calls.append(cell.mode)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return measure(cell, *args)
+
+    monkeypatch.setattr(sweep_module, "_measure", interrupted)
+    status = cli.main(["sweep", "--resolution", "64", "--no-attention-offload", "--warmup", "0", "--measure", "1",
+                       "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("segckpt: interrupted: 2 of 13 modes measured;")
+    table = (tmp_path / "sweep.md").read_text()
+    assert table.count("| not run |") == 11 and f"| {calls[0]} |" in table
+    cells = json.loads((tmp_path / "sweep.json").read_text())["cells"]
+    assert [c["status"] for c in cells[:2]] == ["ok", "ok"] and len(cells) == 13
