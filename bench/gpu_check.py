@@ -384,10 +384,11 @@ def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
                     log(f"  {base} | {name}: {_stream_text(measured[-1][2], scale)}")
                 budgets = ([g * 2**30 for g in STREAM_BUDGETS_GIB] if device.type == "cuda" else
                            [int(f * reference["peak"]) for f in (0.5, 0.7, 0.9)] if reference else [])
+                measured_probe = probe(config, bundle, workspace=workspace) if budgets else None  # one for every budget
                 for budget in budgets:
                     label = f"planner, {budget / scale:.4g} {unit}"
                     try:
-                        chosen = plan_for_budget(config, bundle, budget).chosen.schedule
+                        chosen = plan_for_budget(config, bundle, budget, probe_=measured_probe).chosen.schedule
                     except PlannerError as exc:
                         measured.append((label, None, {"error": str(exc)[:160]}))
                         continue
