@@ -52,15 +52,17 @@ TOY = FamilyAdapter(
 )
 
 
-def _run(schedule):
+def _run(schedule, model_cls=None, blocks: int = 7):
     torch.manual_seed(0)
-    model = ToyModel()
+    model = (model_cls or ToyModel)(blocks)
     model.requires_grad_(False)
     for block in model.blocks:
         block.lin.weight.requires_grad_(True)
+    if model_cls is not None:
+        model.eval()  # no dropout: two runs draw differently once one falls back
     hidden = torch.randn(3, 8)
     context = torch.randn(3, 8, requires_grad=True)
-    runner = SegmentRunner(model, TOY, effective_plan(TOY, schedule, {"blocks": 7}, warn=False)).install()
+    runner = SegmentRunner(model, TOY, effective_plan(TOY, schedule, {"blocks": blocks}, warn=False)).install()
     torch.manual_seed(42)
     runner.forward(hidden, context).square().sum().backward()
     grads = [b.lin.weight.grad for b in model.blocks] + [context.grad]
@@ -109,21 +111,9 @@ class InPlaceResidualModel(ToyModel):
 
 
 def test_a_loop_that_changes_the_carried_state_in_place_falls_back_with_equal_gradients():
-    def grads(schedule):
-        torch.manual_seed(0)
-        model = InPlaceResidualModel()
-        model.requires_grad_(False)
-        for block in model.blocks:
-            block.lin.weight.requires_grad_(True)
-        model.eval()  # no dropout: the two runs draw differently once one falls back
-        hidden, context = torch.randn(3, 8), torch.randn(3, 8, requires_grad=True)
-        runner = SegmentRunner(model, TOY, effective_plan(TOY, schedule, {"blocks": 6}, warn=False)).install()
-        runner.forward(hidden, context).square().sum().backward()
-        return [b.lin.weight.grad for b in model.blocks], runner
-
-    reference, _ = grads(CheckpointSchedule(gradient_checkpointing=False))
+    reference, _ = _run(CheckpointSchedule(gradient_checkpointing=False), InPlaceResidualModel, 6)
     with pytest.warns(UserWarning, match="changed block 0's output in place before it called block 1"):
-        got, runner = grads(CheckpointSchedule(gradient_checkpointing_interval=3))
+        got, runner = _run(CheckpointSchedule(gradient_checkpointing_interval=3), InPlaceResidualModel, 6)
     assert runner.plan.list_plan("blocks").segments == tuple((i, i + 1) for i in range(6))
     for a, b in zip(got, reference):
         assert torch.allclose(a, b, atol=1e-6)
