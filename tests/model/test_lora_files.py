@@ -182,7 +182,8 @@ def test_scale_that_is_not_a_power_of_two(trained, name):
     _pipeline(name, fresh).load_lora_weights(str(path))
     _check(_forward(family, fresh, batch), want, plain)
     family, fresh, batch, want, plain, path = trained(name, settings)
-    comfyui_patch(fresh, load_file(str(path)))
+    lora = load_file(str(path))
+    assert comfyui_patch(fresh, lora) == set(lora)
     _check(_forward(family, fresh, batch), want, plain)
 
 

@@ -65,7 +65,7 @@ class _Server:
 
     def close(self):
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        self.proc.wait()
 
 
 def _argv(out: Path, *extra: str) -> list[str]:
