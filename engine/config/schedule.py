@@ -259,10 +259,7 @@ def swap_alias(value: Any) -> dict[str, Any]:
     Raises:
         ScheduleError: N is not an integer from 0 to 1024.
     """
-    try:
-        blocks = _coerce("weight_offload_prefetch", value)  # read as an integer ("8", 8.0, "none")
-    except ScheduleError:
-        blocks = -1
+    blocks = _coerce(SWAP_ALIAS, value)  # an integer ("8", 8.0), or None ("none"); else named
     if blocks is None or blocks == 0:
         return {"weight_offload": "none", "weight_offload_blocks": None}
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 < blocks <= MAX_BLOCKS:
