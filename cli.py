@@ -162,12 +162,15 @@ def _check_vae(config: api.TrainConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``segckpt`` console script; returns the exit status (130 after Ctrl-C,
-    which ends any command with one line, never a traceback)."""
+    which ends any command with one line, never a traceback; 2 after a file that could not be
+    written, named in one line)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("segckpt: interrupted", file=sys.stderr)
         return 130
+    except api.OutputWriteError as exc:  # a table, plan or preview the file system refused
+        return _error(exc)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
@@ -229,6 +232,7 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
         api.check_input_paths(config)
         _check_vae(config)
+        api.check_writable(config.outputs.output, "output")
         bundle = api.load_model(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -264,6 +268,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
         api.check_input_paths(config)
         _check_vae(config)
+        api.check_writable(config.outputs.output, "output")
         bundle = api.load_model(config)
         if args.plan_check:
             return _preflight(config, bundle, budget, host_budget)

@@ -39,7 +39,8 @@ from .core.support import support_table
 from .data.comfy_data import PreparedData, prepare_comfy_data
 from .data.folder import write_sample_dataset
 from .families import FamilyAdapter, family_names, get_family
-from .files.atomic import atomic_write_bytes, atomic_write_text
+from .files.atomic import OutputWriteError, atomic_write_bytes, atomic_write_text, check_writable
+from .files.lock import FolderInUseError
 from .measure.host import HostBudgetError, check_host_budget, host_budget_bytes
 from .measure.planner import PlanChoice, PlannerError, plan_for_budget, predict, write_choice
 from .measure.plots import loss_curve_rgb
@@ -61,7 +62,7 @@ from .train.recovery import cheaper_schedules
 from .train.report import write_report
 
 __all__ = [
-    "HostBudgetError", "host_budget",
+    "HostBudgetError", "host_budget", "OutputWriteError", "check_writable", "FolderInUseError",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",

@@ -227,14 +227,24 @@ RUN_DIGITS = 5
 
 def numbered_run(root: Path, name: str, key: str = "run_name") -> Path:
     """A new run folder ``name_00001``, ``name_00002``, ... under ``root`` (the next free number),
-    as ComfyUI's save nodes number their files: queueing a workflow again starts a new run.
+    as ComfyUI's save nodes number their files: queueing a workflow again starts a new run. The
+    folder is created here, atomically (``mkdir`` fails for all but one claimant), so two graphs
+    queued into one name, on one server or two sharing the folder, never train into one folder.
 
     Raises:
         PathError: ``name`` leaves ``root`` (see :func:`contained`).
     """
     contained(root, name, key)
     taken = [n for n in _run_numbers(root, name)]
-    return contained(root, f"{name}_{(max(taken) if taken else 0) + 1:0{RUN_DIGITS}d}", key)
+    number = (max(taken) if taken else 0) + 1
+    while True:
+        folder = contained(root, f"{name}_{number:0{RUN_DIGITS}d}", key)
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:  # another run claimed it since the folder was read
+            number += 1
+            continue
+        return folder
 
 
 def latest_run(root: Path, name: str, key: str = "run_name") -> Path | None:

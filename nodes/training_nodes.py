@@ -194,7 +194,7 @@ class TrainLoRA:
         Raises:
             ConfigError, AttentionBackendError, PathError: an input is invalid (named).
         """
-        return run_config({k: v for k, v in inputs.items() if v is not None})
+        return run_config({k: v for k, v in inputs.items() if v is not None}, find_run=False)
 
     @public_errors
     def train(self, model, schedule, unique_id=None, **inputs):

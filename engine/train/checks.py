@@ -62,10 +62,22 @@ def check_run(config: TrainConfig, prepared: bool = False) -> None:
         raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
                           "one latent shape): allowed false; bucketing needs an image folder")
     check_input_paths(config)
-    outputs = config.outputs
-    _need(not Path(outputs.output).exists() or Path(outputs.output).is_dir(), "output", outputs.output, "a folder")
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,
           "auto or cpu (CUDA is not available here)")
+    check_output(config)
+
+
+def check_output(config: TrainConfig) -> None:
+    """Check the output folder against the run: without ``resume`` it holds no run (or
+    ``overwrite`` is set); with it, its saved state continues this run. A run checks it again
+    once it holds the folder's lock (``engine/files/lock.py``), so two runs started together
+    cannot both find it empty.
+
+    Raises:
+        ConfigError: see :func:`check_run`.
+    """
+    outputs = config.outputs
+    _need(not Path(outputs.output).exists() or Path(outputs.output).is_dir(), "output", outputs.output, "a folder")
     state = Path(outputs.output) / STATE_FILE
     if not outputs.resume:
         _need(outputs.overwrite or not state.is_file(), "output", outputs.output,

@@ -28,12 +28,14 @@ from ..core.plan import ModelPlan
 from ..data.buckets import sample_latent_shape
 from ..data.comfy_data import PreparedData
 from ..data.prepare import prepare_run_data
+from ..files.atomic import check_writable
+from ..files.lock import FolderLock
 from ..model.attention_kernels import check_attention_backend
 from ..model.bundle import ModelBundle
 from ..model.distributed import check_sharded_precision, init_distributed, plain_name
 from ..model.loading import resolve_device, run_precision
 from ..model.precision import check_torchao, describe_precision
-from .checks import check_run
+from .checks import check_output, check_run
 from .monitor import StepMonitor
 from .nonfinite import TrainingDiverged, TrainingStopped
 from .outputs import LORA_FILE, RunFiles, TrainResult
@@ -72,6 +74,10 @@ class TrainingRun:
     Raises:
         ConfigError, PrecisionError, AttentionBackendError: an option cannot run here (in the
             constructor, before any model is built); ``prepared`` together with ``data``.
+        OutputWriteError: the output or cache folder cannot be written (in the constructor), or a
+            file could not be written later (one line naming it and the last saved state, intact).
+        FolderInUseError: another run holds the output folder (in the constructor; the lock is
+            held until the iteration ends, or the run object is collected).
         ModelLoadError, DatasetError, ComfyDataError: the model or the data cannot be used (first step).
         TrainingStopped: a non-finite value with ``on_nonfinite=stop``, a recompute that did not
             repeat its forward, or an out-of-memory error that could not be recovered; the LoRA
@@ -93,6 +99,15 @@ class TrainingRun:
         check_torchao(self.precision.base)
         self.kernels = check_attention_backend(config.model.attention_backend, self.device)
         self.cache_dir = Path(cache_dir) if cache_dir else self.output / "cache"
+        self.lock = None
+        if self.writer:  # a folder that cannot be written is found before any model is built
+            check_writable(self.output, "output")
+            check_writable(self.cache_dir, "cache_dir")
+            self.lock = FolderLock(self.output, "training")
+            check_output(config)  # again, holding the folder: no other run can have started there since
+            if self.lock.took_over is not None:
+                log(f"the lock of process {self.lock.took_over} (no longer running) on {self.output} was released "
+                    "by the system; this run holds it now")
         self.bundle, self.prepared, self.preview_source = bundle, prepared, preview_source
         self.next_schedule, self.announce = next_schedule or first_cheaper, announce
         self.rows = None if rows is None else set(rows)
@@ -101,7 +116,7 @@ class TrainingRun:
         self.switches: list[dict[str, Any]] = []
         self.result: TrainResult | None = None
         self.files, self.dataset = RunFiles(self.output, self.writer), None
-        self._stop, self._started = False, False
+        self._stop, self._started, self._done = False, False, None
 
     def _join_process_group(self) -> None:
         """Join the torchrun process group (FSDP); ranks other than 0 stay quiet."""
@@ -147,6 +162,13 @@ class TrainingRun:
         if self._started:
             raise RuntimeError("a TrainingRun can be iterated once")
         self._started = True
+        try:
+            yield from self._run()
+        finally:  # the next run may use the folder, however this one ended
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run(self) -> Iterator[StepRecord]:
         with self._work():
             start = self._set_up()
         ctx = self.context
@@ -165,7 +187,8 @@ class TrainingRun:
             ctx.runner.close()  # drops the host pool (a long-lived server must not keep it)
         with self._work():
             interrupted = self._stop and len(self.history) < self.config.steps
-            lora_path, report = self._write_outputs(interrupted, None)
+            state = None if self._done is None else (rng_state(ctx.noise_gen), ctx.sampler.state(), self._done)
+            lora_path, report = self._write_outputs(interrupted, None, state)
             self.log(f"wrote {lora_path}, {self.files.report}, {self.files.state}")
             if self.dist is not None:
                 self.dist.barrier()  # the files are complete before any rank returns
@@ -182,9 +205,7 @@ class TrainingRun:
             record, switches = step_with_recovery(ctx, step, position, rng, self.next_schedule, off, self.log)
         except TrainingStopped as exc:  # non-finite values, a recompute that differed, OOM
             ctx.optimizer.zero_grad(set_to_none=True)
-            if step > 0:
-                self._save_state(rng, position, step)
-            self._write_outputs(interrupted=False, stopped=str(exc))
+            self._write_outputs(False, str(exc), (rng, position, step) if step > 0 else None)
             raise
         self.config = ctx.config  # a switch installed a cheaper schedule
         record.schedule_switches, self.switches = switches, self.switches + switches
@@ -210,7 +231,7 @@ class TrainingRun:
         log(describe_precision(self.precision, self.base, self.kernels))
         opt = build_optimizer(trainable, config, self.precision, device, cache, epoch, state, self.dist)
         if state is not None:
-            self.history = opt.history
+            self.history, self.files.saved_step = opt.history, opt.start
             log(f"resumed at step {opt.start} from {self.output}")
         model = trainable.model
         self.context = StepContext(
@@ -243,12 +264,13 @@ class TrainingRun:
         return data.cache, data.epoch
 
     def _after_step(self, step: int) -> bool:
-        """Save the resumable state when due; True when the run stops here."""
-        last = step + 1 == self.config.steps
+        """Save the resumable state when due (the last step's is written with the LoRA, after
+        it); True when the run stops here."""
+        last, self._done = step + 1 == self.config.steps, step + 1
         every = self.config.outputs.save_every and (step + 1) % self.config.outputs.save_every == 0
         if self.dist is not None:  # a signal may reach the ranks at different steps: stop together
             self._stop = not bool(self.dist.all_true(torch.tensor([0.0 if self._stop else 1.0])).item())
-        if self._stop or last or every:
+        if every and not (self._stop or last):
             self._save_state(rng_state(self.context.noise_gen), self.context.sampler.state(), step + 1)
         if self._stop and not last:
             self.log(f"interrupted after step {step + 1}: state saved, resume with --resume")
@@ -258,8 +280,12 @@ class TrainingRun:
     def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
         self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None)
 
-    def _write_outputs(self, interrupted: bool, stopped: str | None) -> tuple[Path, dict[str, Any]]:
-        """Save the LoRA and ``report.json`` with what the run knows of itself."""
+    def _write_outputs(self, interrupted: bool, stopped: str | None,
+                       state: tuple[dict[str, torch.Tensor], dict[str, int], int] | None
+                       ) -> tuple[Path, dict[str, Any]]:
+        """Save the LoRA, then the resumable ``state`` (``(rng, position, step)``; None: none to
+        save) and ``report.json`` with what the run knows of itself. The LoRA goes first: it is
+        the smallest file of value, so it is kept where the disk fills up during the state."""
         ctx, config, dist = self.context, self.config, self.dist
         sections = {"schedule_switches": self.switches, "watchdog": self.monitor.watchdog.reports,
                     "precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
@@ -270,7 +296,9 @@ class TrainingRun:
                     "distributed": dist and {**dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
                                              "images_per_process": config.data.batch_size // dist.world_size,
                                              "memory_scope": "rank 0 (each process holds its shard of the weights)"}}
-        return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted)
+        save_state = None if state is None else (lambda: self._save_state(*state))
+        return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted,
+                                save_state)
 
 
 def train(config: TrainConfig, *, on_step: Callable[[StepRecord, int], None] | None = None,

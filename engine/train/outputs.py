@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import TrainConfig
 from ..core.plan import ModelPlan
-from ..files.atomic import remove_stale_temporaries
+from ..files.atomic import OutputWriteError, remove_stale_temporaries
 from ..model.distributed import full_optimizer_state
 from ..model.lora_files import lora_state_dict, save_lora
 from .report import REPORT_FILE, build_report, write_report
@@ -48,6 +48,17 @@ class RunFiles:
     def __init__(self, output: Path, writer: bool):
         self.output, self.writer = output, writer
         self.lora, self.state, self.report = output / LORA_FILE, output / STATE_FILE, output / REPORT_FILE
+        self.saved_step: int | None = None
+        """The step of the last state this run saved or resumed from (None: none yet)."""
+        self._lora_step: int | None = None
+
+    def _failed(self, exc: OutputWriteError) -> OutputWriteError:
+        """``exc`` with what is still safe: the last saved state (and a LoRA written before it)."""
+        kept = (f"the last saved state (step {self.saved_step}, {self.state}) is intact and resumes with --resume"
+                if self.saved_step is not None else "no state of this run was saved before")
+        if self._lora_step is not None:
+            kept += f"; the LoRA of step {self._lora_step} is saved in {self.lora}"
+        return OutputWriteError(f"{exc}; {kept}")
 
     def remove_stale(self) -> None:
         """Delete temporaries left by a process killed while writing."""
@@ -62,17 +73,37 @@ class RunFiles:
         if sharded:
             optimizer = full_optimizer_state(optimizer)
         if self.writer:
-            save_state(TrainingState(step, position, lora, optimizer, rng, history, config.to_dict(),
-                                     ctx.scaler.state_dict()), self.output)
+            try:
+                save_state(TrainingState(step, position, lora, optimizer, rng, history, config.to_dict(),
+                                         ctx.scaler.state_dict()), self.output)
+            except OutputWriteError as exc:
+                raise self._failed(exc) from exc
+        self.saved_step = step
 
     def write(self, ctx, config: TrainConfig, plan: ModelPlan, history: list[dict[str, Any]], source: str,
-              sections: dict[str, Any], interrupted: bool) -> tuple[Path, dict[str, Any]]:
-        """Save the LoRA (its header: family, schedule, steps, base model) and ``report.json``
-        (:func:`~.report.build_report` with the run's ``sections``); ``(LoRA path, report)``."""
+              sections: dict[str, Any], interrupted: bool, save_state: Callable[[], None] | None = None
+              ) -> tuple[Path, dict[str, Any]]:
+        """Save the LoRA (its header: family, schedule, steps, base model), then the state
+        (``save_state``, when given) and ``report.json`` (:func:`~.report.build_report` with the
+        run's ``sections``); ``(LoRA path, report)``.
+
+        Raises:
+            OutputWriteError: a file could not be written; the message names it, the last saved
+                state that is intact and the LoRA already written.
+        """
         meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
                 "base_model": source}
-        lora_path = save_lora(ctx.model, self.lora, config.lora, meta, write=self.writer)
+        try:
+            lora_path = save_lora(ctx.model, self.lora, config.lora, meta, write=self.writer)
+        except OutputWriteError as exc:
+            raise self._failed(exc) from exc
+        self._lora_step = len(history)
+        if save_state is not None:
+            save_state()
         report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections)
         if self.writer:
-            write_report(report, self.output)
+            try:
+                write_report(report, self.output)
+            except OutputWriteError as exc:
+                raise self._failed(exc) from exc
         return lora_path, report

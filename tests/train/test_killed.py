@@ -1,8 +1,8 @@
 """A training process killed (SIGKILL) at 20 random moments, during steps and during saves: every
 time the files on disk load, and resuming reaches the same final LoRA as an uninterrupted run.
 
-The runs are forked from one warm server process (imports done once), so each kill costs a
-run's set-up and a step or two, not an interpreter start."""
+The runs are forked from one warm server process (``tests/cli_server.py``: imports done once),
+so each kill costs a run's set-up and a step or two, not an interpreter start."""
 
 from __future__ import annotations
 
@@ -10,62 +10,17 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_server import CliServer
 from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.train.state import load_state
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVER = r"""
-import json, os, sys
-import torch
-torch.set_num_threads(1)
-from segmented_checkpointing import cli
-for line in sys.stdin:
-    command = json.loads(line)
-    if command["op"] == "run":
-        pid = os.fork()
-        if pid == 0:
-            log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            sys.stdout = os.fdopen(1, "w", buffering=1)
-            sys.stderr = os.fdopen(2, "w", buffering=1)
-            os._exit(cli.main(command["argv"]))
-        print(pid, flush=True)
-    else:
-        _, status = os.waitpid(command["pid"], 0)
-        print(status, flush=True)
-"""
 STEPS = 30
 KILLS = 20
-
-
-class _Server:
-    def __init__(self):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def _ask(self, **command) -> int:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return int(self.proc.stdout.readline())
-
-    def start(self, argv, log: Path) -> int:
-        return self._ask(op="run", argv=argv, log=str(log))
-
-    def wait(self, pid: int) -> int:
-        return self._ask(op="wait", pid=pid)
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
 
 
 def _argv(out: Path, *extra: str) -> list[str]:
@@ -99,7 +54,7 @@ def _files_load(out: Path) -> None:
 
 @pytest.fixture
 def server():
-    s = _Server()
+    s = CliServer()
     yield s
     s.close()
 
