@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from .options import check_options, option
 
+ON_DATA_CHANGE = ("refuse", "new_epoch")
+"""What a resume does when the data differ from the saved run's (``engine/train/fingerprint.py``)."""
+
 
 @dataclass(frozen=True)
 class OutputConfig:
@@ -22,6 +25,11 @@ class OutputConfig:
                           "--resume", long_run=True)
     overwrite: bool = option(False, "Replace a finished or interrupted run in the output folder (otherwise "
                              "refused).", "--overwrite", long_run=True)
+    on_data_change: str = option("refuse", "When resuming finds the data changed (images added, removed or "
+                                 "recaptioned since the state was saved): refuse (the saved epoch position would "
+                                 "skip or repeat images), or new_epoch (continue with a fresh epoch order; the "
+                                 "report records the change).", "--on-data-change", choices=ON_DATA_CHANGE,
+                                 long_run=True)
     save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
                              "interruption).", "--save-every", min=0, max=10**8, long_run=True)
 

@@ -36,6 +36,7 @@ from ..model.distributed import check_sharded_precision, init_distributed, plain
 from ..model.loading import resolve_device, run_precision
 from ..model.precision import check_torchao, describe_precision
 from .checks import check_output, check_run
+from .fingerprint import input_changes, input_fingerprint
 from .monitor import StepMonitor
 from .nonfinite import TrainingDiverged, TrainingStopped
 from .outputs import LORA_FILE, RunFiles, TrainResult
@@ -43,10 +44,14 @@ from .previews import PreviewSource, preview_source_for
 from .recovery import NextSchedule, first_cheaper, step_with_recovery
 from .report import memory_section
 from .setup import build_optimizer, build_trainable, load_model
-from .state import load_state, rng_state
+from .state import load_state, read_state_header, rng_state
 from .step import StepContext, StepRecord
 
 __all__ = ["LORA_FILE", "StepRecord", "TrainResult", "TrainingDiverged", "TrainingRun", "train"]
+
+
+class ResumeWarning(UserWarning):
+    """A resumed run continues although its data changed (``on_data_change=new_epoch``)."""
 
 
 class TrainingRun:
@@ -117,6 +122,35 @@ class TrainingRun:
         self.result: TrainResult | None = None
         self.files, self.dataset = RunFiles(self.output, self.writer), None
         self._stop, self._started, self._done = False, False, None
+        self.files.inputs = input_fingerprint(config, prepared)
+        self.data_change = self._check_inputs() if config.outputs.resume else None
+
+    def _check_inputs(self) -> dict[str, Any] | None:
+        """Compare what the options point at now with the saved state's fingerprint: a model
+        that differs is refused; data that differ are refused, or with ``on_data_change=new_epoch``
+        continued from the next epoch in a fresh order (what changed is returned for the report).
+
+        Raises:
+            ConfigError: naming what changed and what is allowed.
+        """
+        header = read_state_header(self.output)
+        data, model = input_changes(header["inputs"], self.files.inputs)
+        if model:
+            raise ConfigError(f"resume: {'; '.join(model)}; allowed the model the saved run trained on (or start "
+                              "a new run)")
+        if not data:
+            return None
+        where = self.config.data.folder or "the prepared data"
+        if self.config.outputs.on_data_change == "refuse":
+            raise ConfigError(f"resume: the data in {where} changed since the state of step {header['step']} was "
+                              f"saved: {', '.join(data)}; the saved epoch position would skip or repeat images. "
+                              "Allowed: the same data, or on_data_change=new_epoch (--on-data-change new_epoch) to "
+                              "continue with a fresh epoch order")
+        epoch = int(header["data_position"].get("epoch", 0)) + 1
+        warnings.warn(f"resume: the data in {where} changed since step {header['step']} ({', '.join(data)}); "
+                      f"continuing with a fresh epoch order from epoch {epoch} (on_data_change=new_epoch)",
+                      ResumeWarning, stacklevel=3)
+        return {"changes": data, "step": header["step"], "fresh_epoch": epoch}
 
     def _join_process_group(self) -> None:
         """Join the torchrun process group (FSDP); ranks other than 0 stay quiet."""
@@ -225,6 +259,8 @@ class TrainingRun:
             if not epoch:
                 raise ConfigError(f"rows={sorted(self.rows)[:8]} is invalid: allowed rows of the data's cache")
         state = load_state(self.output) if config.outputs.resume else None
+        if state is not None and self.data_change is not None:  # on_data_change=new_epoch
+            state.data_position = {"epoch": self.data_change["fresh_epoch"], "index": 0}
         trainable = build_trainable(self.bundle, config, self.precision, device, state, self.dist, log)
         self.base = trainable.base
         log(trainable.runner.plan.render())
@@ -293,6 +329,9 @@ class TrainingRun:
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": self.data_summary, "text_encoder": self.text_encoder,
+                    "resume": self.data_change and {"data_changed": self.data_change["changes"],
+                                                    "from_step": self.data_change["step"],
+                                                    "fresh_epoch": self.data_change["fresh_epoch"]},
                     "distributed": dist and {**dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
                                              "images_per_process": config.data.batch_size // dist.world_size,
                                              "memory_scope": "rank 0 (each process holds its shard of the weights)"}}

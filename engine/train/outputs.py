@@ -48,6 +48,8 @@ class RunFiles:
     def __init__(self, output: Path, writer: bool):
         self.output, self.writer = output, writer
         self.lora, self.state, self.report = output / LORA_FILE, output / STATE_FILE, output / REPORT_FILE
+        self.inputs: dict[str, Any] = {}
+        """The fingerprint of the run's data and model, saved with the state (``fingerprint.py``)."""
         self.saved_step: int | None = None
         """The step of the last state this run saved or resumed from (None: none yet)."""
         self._lora_step: int | None = None
@@ -75,7 +77,7 @@ class RunFiles:
         if self.writer:
             try:
                 save_state(TrainingState(step, position, lora, optimizer, rng, history, config.to_dict(),
-                                         ctx.scaler.state_dict()), self.output)
+                                         ctx.scaler.state_dict(), self.inputs), self.output)
             except OutputWriteError as exc:
                 raise self._failed(exc) from exc
         self.saved_step = step

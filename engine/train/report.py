@@ -30,7 +30,9 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     or for prepared data its source, count, shapes and latent format) and ``text_encoder`` (what
     encoded the captions: ``stand-in`` with its warning, ``transformers`` with the folders, or
     ``comfyui conditioning``), ``schedule_switches`` (out-of-memory recoveries: step, schedule
-    before and after, the error) and ``watchdog`` (slowdown and memory-growth reports).
+    before and after, the error), ``watchdog`` (slowdown and memory-growth reports) and ``resume``
+    (None, or a resume that went on although the data changed, ``on_data_change=new_epoch``: what
+    changed, the step it resumed from and the fresh epoch it continued with).
 
     ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak

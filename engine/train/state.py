@@ -34,6 +34,8 @@ class TrainingState:
         history: per-step records so far.
         config: the run's config as a dict (for the report; not used to override options).
         grad_scaler: ``torch.amp.GradScaler.state_dict()`` of fp16 loss scaling (empty otherwise).
+        inputs: the fingerprint of the data and model the run trained on
+            (``engine/train/fingerprint.py``; empty in states saved before it existed).
     """
 
     step: int
@@ -44,6 +46,7 @@ class TrainingState:
     history: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     grad_scaler: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 def save_state(state: TrainingState, folder: str | Path) -> Path:
@@ -61,6 +64,7 @@ def save_state(state: TrainingState, folder: str | Path) -> Path:
         "history": json.dumps(state.history),
         "config": json.dumps(state.config, default=str),
         "grad_scaler": json.dumps(state.grad_scaler),
+        "inputs": json.dumps(state.inputs, separators=(",", ":"), sort_keys=True),
     }
     return atomic_save_file(tensors, Path(folder) / STATE_FILE, header)
 
@@ -70,8 +74,9 @@ DAMAGED_ADVICE = ("the run cannot continue from it: restore a copy of the output
 
 
 def read_state_header(folder: str | Path) -> dict[str, Any]:
-    """The saved ``step`` and ``config`` of the state in ``folder``, after checking that the file
-    is complete (tensors are not read).
+    """The saved ``step``, ``config``, ``data_position`` and ``inputs`` (fingerprint; ``{}`` in an
+    older state) of the state in ``folder``, after checking that the file is complete (tensors
+    are not read).
 
     Raises:
         DamagedFileError: the file is missing, truncated, empty, or its header lacks the fields
@@ -85,7 +90,8 @@ def read_state_header(folder: str | Path) -> dict[str, Any]:
     except (KeyError, ValueError) as exc:
         raise DamagedFileError(f"the training state {str(path)!r} is damaged: its header lacks or garbles "
                                f"{exc}; {DAMAGED_ADVICE}") from exc
-    return {"step": int(parsed["step"]), "config": parsed["config"]}
+    return {"step": int(parsed["step"]), "config": parsed["config"], "data_position": parsed["data_position"],
+            "inputs": json.loads(header.get("inputs", "{}"))}
 
 
 def load_state(folder: str | Path) -> TrainingState:
@@ -111,7 +117,7 @@ def load_state(folder: str | Path) -> TrainingState:
     optimizer = {"state": optim_state, "param_groups": json.loads(header["param_groups"])}
     return TrainingState(int(header["step"]), json.loads(header["data_position"]), lora, optimizer,
                          rng, json.loads(header["history"]), json.loads(header["config"]),
-                         json.loads(header.get("grad_scaler", "{}")))
+                         json.loads(header.get("grad_scaler", "{}")), json.loads(header.get("inputs", "{}")))
 
 
 def rng_state(noise_gen: torch.Generator) -> dict[str, torch.Tensor]:
