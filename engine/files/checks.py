@@ -33,7 +33,19 @@ def check_safetensors(path: str | Path, what: str, advice: str = "") -> dict[str
         advice: what to do about a damaged one.
 
     Raises:
-        DamagedFileError: missing, empty, shorter than its header says, or an unreadable header.
+        DamagedFileError: missing, not a safetensors file (a text file, a pickle, an image), shorter
+            than its header says, or an unreadable header.
+    """
+    metadata: Any = safetensors_header(path, what, advice).get("__metadata__") or {}
+    return dict(metadata)
+
+
+def safetensors_header(path: str | Path, what: str, advice: str = "") -> dict[str, Any]:
+    """The whole JSON header of a complete ``.safetensors`` file: ``{tensor name: {"dtype",
+    "shape", "data_offsets"}, "__metadata__": {...}}`` (tensors are not read).
+
+    Raises:
+        DamagedFileError: see :func:`check_safetensors`.
     """
     path = Path(path)
     tail = f"; {advice}" if advice else ""
@@ -46,10 +58,14 @@ def check_safetensors(path: str | Path, what: str, advice: str = "") -> dict[str
             if len(head) < 8:
                 raise DamagedFileError(f"{what} {str(path)!r} is damaged: {size} bytes, not a safetensors file{tail}")
             (length,) = struct.unpack("<Q", head)
+            first = fh.read(1)
+            if first and first != b"{":  # the header is a JSON object: anything else is another kind of file
+                raise DamagedFileError(f"{what} {str(path)!r} is not a safetensors file: it begins with "
+                                       f"{(head + first)[:9]!r}{_kind(head + first)}{tail}")
             if length > size - 8:
                 raise DamagedFileError(f"{what} {str(path)!r} is damaged: truncated inside its header "
                                        f"({size} bytes){tail}")
-            header = json.loads(fh.read(length))
+            header = json.loads(first + fh.read(length - 1))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         if isinstance(exc, DamagedFileError):
             raise
@@ -73,5 +89,19 @@ def check_safetensors(path: str | Path, what: str, advice: str = "") -> dict[str
     if 8 + length + end != size:
         raise DamagedFileError(f"{what} {str(path)!r} is damaged: it holds {size} bytes where its header "
                                f"describes {8 + length + end} (truncated or overwritten){tail}")
-    metadata: Any = header.get("__metadata__") or {}
-    return dict(metadata)
+    return header
+
+
+def _kind(start: bytes) -> str:
+    """What a file that begins with ``start`` looks like: `` (a text file)``, `` (a pickle ...)``."""
+    if start.startswith(b"PK\x03\x04") or start.startswith(b"\x80"):
+        return " (a pickle or zip checkpoint: convert it to safetensors)"
+    if start.startswith((b"\x89PNG", b"\xff\xd8", b"GIF8", b"RIFF")):
+        return " (an image)"
+    if start.startswith(b"GGUF"):
+        return " (a GGUF file)"
+    try:
+        start.decode("utf-8")
+    except UnicodeDecodeError:
+        return ""
+    return " (a text file)"

@@ -33,9 +33,10 @@ from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from safetensors import safe_open
 
 from ..families import FamilyAdapter, get_family
-from ..files.checks import DamagedFileError, check_safetensors
+from ..files.checks import DamagedFileError, safetensors_header
 from .bundle import ModelBundle, ModelLoadError
 from .folders import SAFETENSORS_FLOAT, assemble_bundle
+from .lora_header import check_not_a_lora
 from .single_file_formats import FORMATS, RECOGNISED_ONLY, FileFormat, ShapeInferenceError, Shapes
 
 PREFIX = "model.diffusion_model."
@@ -70,10 +71,12 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{key: (safetensors dtype, shape)}`` of a complete ``.safetensors`` file (no tensor is read).
 
     Raises:
-        ModelLoadError: missing, truncated or unreadable file (named, with what to do).
+        ModelLoadError: missing, truncated or unreadable file, or not a safetensors file (named,
+            with what to do).
+        ConfigError: the file is a LoRA, not a model.
     """
     try:
-        check_safetensors(path, "model file", "download or copy the file again")
+        check_not_a_lora(path, safetensors_header(path, "model file", "download or copy the file again"))
         with safe_open(str(path), framework="pt") as fh:
             return {k: (fh.get_slice(k).get_dtype(), tuple(fh.get_slice(k).get_shape())) for k in fh.keys()}
     except (DamagedFileError, OSError, safetensors.SafetensorError) as exc:

@@ -10,7 +10,8 @@ import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
-from ..files.checks import check_safetensors
+from ..files.checks import safetensors_header
+from ..model.lora_header import check_init_lora, check_not_a_lora
 from .state import STATE_FILE, read_state_header
 
 
@@ -24,8 +25,10 @@ def check_input_paths(config: TrainConfig) -> None:
     model is built.
 
     Raises:
-        ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file.
-        DamagedFileError: ``model_file`` or ``init_lora`` is truncated or unreadable.
+        ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file, or is
+            a LoRA; ``init_lora`` holds no LoRA, or one of another family or rank (both named).
+        DamagedFileError: ``model_file`` or ``init_lora`` is truncated, unreadable or not a
+            safetensors file (a text file, a pickle).
     """
     model = config.model
     for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
@@ -36,9 +39,10 @@ def check_input_paths(config: TrainConfig) -> None:
         _need(model.model_file.endswith(".safetensors") and Path(model.model_file).is_file(), "model_file",
               model.model_file, "an existing .safetensors file (pickle checkpoints are refused: loading one can "
               "run arbitrary code)")
-        check_safetensors(model.model_file, "model_file", "download or copy the file again")
+        header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
+        check_not_a_lora(model.model_file, header)
     if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
-        check_safetensors(model.init_lora, "init_lora", "give a complete .safetensors LoRA file")
+        check_init_lora(model.init_lora, model.family, config.lora.rank)
 
 
 def check_run(config: TrainConfig, prepared: bool = False) -> None:

@@ -68,6 +68,43 @@ def test_a_damaged_init_lora_ends_in_one_line(finished_run, tmp_path, capsys, no
     assert "init_lora" in line and "cut.safetensors" in line and "truncated or overwritten" in line
 
 
+def _relabelled(lora, path, family):
+    """A copy of ``lora`` whose header names another family (as a LoRA trained for it would)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(lora), "pt") as fh:
+        save_file({k: fh.get_tensor(k) for k in fh.keys()}, path, {**fh.metadata(), "family": family})
+    return path
+
+
+@pytest.mark.parametrize("case", ["text as model", "text as lora", "lora as model", "other rank", "other family"])
+def test_a_wrong_file_is_named_for_what_it_is_before_any_model(finished_run, tmp_path, capsys, no_model, case):
+    """A text file is "not a safetensors file" (not "truncated"); a LoRA given as the model is
+    "a LoRA"; an init_lora of another rank or family names both."""
+    text = tmp_path / "notes.safetensors"
+    text.write_text("these are my training notes, not weights\n")
+    lora = finished_run / "lora.safetensors"
+    argv = {"text as model": ["--model-file", str(text), "--vae-path", str(tmp_path)],
+            "text as lora": ["--init-lora", str(text)],
+            "lora as model": ["--model-file", str(lora), "--vae-path", str(tmp_path)],
+            "other rank": ["--init-lora", str(lora), "--rank", "4"],
+            "other family": ["--init-lora", str(_relabelled(lora, tmp_path / "sd3.safetensors", "sd3"))]}[case]
+    assert cli.main(_short(tmp_path / "out", *argv)) == 2
+    line = _one_line(capsys)
+    rank = LoraSettings().rank  # the finished run's
+    expected = {
+        "text as model": f"model file {str(text)!r} is not a safetensors file: it begins with b'these are' (a text file)",
+        "text as lora": f"init_lora {str(text)!r} is not a safetensors file: it begins with b'these are' (a text file)",
+        "lora as model": f"model_file={str(lora)!r} is invalid: this file is a LoRA (",
+        "other rank": f"has rank {rank} (",
+        "other family": "is a LoRA of family 'sd3' (its header says so); this run trains 'flux': allowed a flux LoRA",
+    }[case]
+    assert expected in line, line
+    if case == "other rank":
+        assert f"this run's lora_rank is 4: allowed a LoRA of rank 4 (set --rank {rank} to continue it)" in line
+
+
 def test_a_damaged_config_ends_in_one_line(tmp_path, capsys, no_model):
     (tmp_path / "c.json").write_text('{"max_train_steps": 3,')
     assert cli.main(["train", "--config", str(tmp_path / "c.json"), "--output", str(tmp_path / "o")]) == 2
