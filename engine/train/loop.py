@@ -110,7 +110,7 @@ class TrainingRun:
             self.device = torch.device("cuda", self.dist.local_rank)
         if not self.dist.main:
             self.log = _quiet
-        self.dist.local_rows(self.config.data.batch_size)  # refuses a batch that does not split evenly
+        self.config.data.batch_rows(self.dist.world_size)  # refuses a global batch that does not split evenly
 
     @property
     def writer(self) -> bool:
@@ -256,7 +256,8 @@ class TrainingRun:
         return False
 
     def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
-        self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None)
+        self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None,
+                              self.dist.world_size if self.dist is not None else 1)
 
     def _write_outputs(self, interrupted: bool, stopped: str | None) -> tuple[Path, dict[str, Any]]:
         """Save the LoRA and ``report.json`` with what the run knows of itself."""
@@ -268,7 +269,8 @@ class TrainingRun:
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": self.data_summary, "text_encoder": self.text_encoder,
                     "distributed": dist and {**dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
-                                             "images_per_process": config.data.batch_size // dist.world_size,
+                                             **dict(zip(("images_per_process", "global_batch"),
+                                                        config.data.batch_rows(dist.world_size))),
                                              "memory_scope": "rank 0 (each process holds its shard of the weights)"}}
         return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted)
 
