@@ -108,7 +108,8 @@ def _add_options(parser: argparse.ArgumentParser, output_help: str | None = None
             kind = str if in_schedule else opt.type
             parser.add_argument(opt.cli, dest=opt.key, type=kind, default=None, help=text)
     parser.add_argument("--config", dest="config_file", default=None,
-                        help="JSON config (our keys, SimpleTuner names, the six gradient_checkpointing_* keys).")
+                        help="JSON config (our keys, SimpleTuner's keys with or without their leading --, the six "
+                             "gradient_checkpointing_* keys; README lists the SimpleTuner keys read and ignored).")
 
 
 def _help(opt: api.Option) -> str:
@@ -132,15 +133,12 @@ def config_from_args(args: argparse.Namespace) -> api.TrainConfig:
         ModelLoadError: the model's family cannot be read from it.
     """
     config, from_file = api.TrainConfig(), {}
-    if args.config_file:
-        from_file = api.read_config_file(args.config_file)
-        config, ignored = api.TrainConfig.from_dict(from_file, config)
-        if ignored:
-            print(f"config {args.config_file}: ignored keys {', '.join(sorted(ignored))}", file=sys.stderr)
+    if args.config_file:  # the keys it ignores are named in one warning
+        config, from_file = api.TrainConfig.from_json_file(args.config_file, config)
     given = {k: v for k, v in vars(args).items()
              if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
     config = api.TrainConfig.from_dict(given, config)[0]
-    if not {"family", "model_family"} & (set(given) | set(from_file)):
+    if "family" not in set(given) | set(from_file):
         # a folder that does not exist is named by the run's checks
         family = api.model_family(config.model.model_path, config.model.model_file)
         if family is not None:

@@ -14,8 +14,8 @@ from .options import ConfigError, ConfigWarning, Option
 from .outputs import OutputConfig
 from .schedule import CheckpointSchedule, ScheduleError
 from .sharding import ShardingConfig
+from .simpletuner import ALIASES
 from .train import (
-    ALIASES,
     DEMO_SCHEDULE,
     NO_GUARDRAILS,
     OPTIONS,

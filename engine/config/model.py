@@ -59,6 +59,11 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _mixed_precision(value: Any) -> Any:
+    """``mixed_precision``: accelerate's ``no`` (no autocast; SimpleTuner's word too) is ``fp32``."""
+    return "fp32" if value == "no" else value
+
+
 def _folders(value: Any) -> Any:
     """``text_encoder_path``: one folder, a list of folders, or unset (an empty list)."""
     if value is None or value == [] or value == ():
@@ -100,8 +105,9 @@ class ModelConfig:
                                    "--init-lora")
     device: str = option("auto", "auto (CUDA when available), cpu or cuda.", "--device", choices=DEVICES)
     mixed_precision: str = option("auto", "auto (bf16 autocast on CUDA, fp16 for an fp16 base; on the CPU fp32, "
-                                  "or the autocast of a bf16/fp16 base), bf16 or fp32.", "--mixed-precision",
-                                  choices=PRECISIONS)
+                                  "or the autocast of a bf16/fp16 base), bf16 or fp32 (no = fp32, as accelerate and "
+                                  "SimpleTuner write it).", "--mixed-precision", choices=PRECISIONS,
+                                  parse=_mixed_precision, allowed="auto, bf16, fp32 or no (= fp32)")
     base_model_precision: str = option(
         "auto", "Frozen base weights: auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16, fp32, int8-torchao or "
         "fp8-torchao (Linear weights quantized weight-only through torchao), no_change (the dtype the weight "

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .options import check_options, option
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 """Learning-rate schedules after the warm-up (diffusers' ``get_scheduler`` shapes)."""
+
+
+def _scheduler(value: Any) -> Any:
+    """diffusers' and SimpleTuner's ``constant_with_warmup`` is ``constant`` here (the warm-up is its own key)."""
+    return "constant" if value == "constant_with_warmup" else value
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,9 @@ class OptimizerConfig:
 
     learning_rate: float = option(1e-3, "AdamW learning rate (peak, after warm-up).", "--lr", above=0, step=1e-5)
     lr_scheduler: str = option("constant", "Learning-rate schedule after warm-up: constant, linear (to 0) or "
-                               "cosine (to 0); diffusers' schedules.", "--lr-scheduler", choices=LR_SCHEDULERS)
+                               "cosine (to 0); diffusers' schedules (constant_with_warmup reads as constant: the "
+                               "warm-up is lr_warmup_steps).", "--lr-scheduler", choices=LR_SCHEDULERS,
+                               parse=_scheduler)
     lr_warmup_steps: int = option(0, "Steps of linear learning-rate warm-up (step k of W uses k/W of the rate).",
                                   "--lr-warmup-steps", min=0, max=10**8)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", "--weight-decay", min=0, max=1e3, step=1e-4)

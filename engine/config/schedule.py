@@ -210,8 +210,8 @@ class CheckpointSchedule:
     def from_config(cls, config: Mapping[str, Any]) -> "CheckpointSchedule":
         """Read the keys from a SimpleTuner-style config mapping.
 
-        Keys that are not schedule keys are ignored (a training config holds many more). The
-        strings ``"None"``, ``"null"`` and ``""`` mean unset; ``"true"``/``"false"`` and numeric
+        Keys that are not schedule keys are ignored (a training config holds many more); a
+        leading ``--`` (SimpleTuner's files write it) is left out. The strings ``"None"``, ``"null"`` and ``""`` mean unset; ``"true"``/``"false"`` and numeric
         strings are accepted, as SimpleTuner's CLI-style configs write them. SimpleTuner's
         ``musubi_blocks_to_swap: N`` reads as ``weight_offload=stream`` with N blocks (0: none),
         unless the config sets ``weight_offload`` itself.
@@ -219,6 +219,7 @@ class CheckpointSchedule:
         Raises:
             ScheduleError: a value cannot be read as its key's type, or fails validation.
         """
+        config = {k[2:] if isinstance(k, str) and k.startswith("--") else k: v for k, v in config.items()}
         values: dict[str, Any] = {}
         for key in KEYS:
             if key in config:
@@ -268,6 +269,16 @@ def swap_alias(value: Any) -> dict[str, Any]:
 HELP = {f.name: f.metadata["help"] for f in fields(CheckpointSchedule)}
 """One help text per key: feeds ``--help`` and the node tooltips."""
 _OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride", "weight_offload_blocks")
+
+
+def coerce_key(key: str, value: Any) -> Any:
+    """The value of schedule key ``key`` as :meth:`CheckpointSchedule.from_config` reads it (``"true"``,
+    ``"2"``, ``"None"``, ``2.0``), before validation.
+
+    Raises:
+        ScheduleError: a string that is not the key's type.
+    """
+    return _coerce(key, value)
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -17,7 +17,7 @@ class ShardingConfig:
 
     fsdp: bool = option(False, "Shard the model with PyTorch FSDP2 (fully_shard on every block and the root; frozen "
                         "base and LoRA) over the processes torchrun starts: NCCL on CUDA, gloo on the CPU. batch_size "
-                        "is the global batch, split evenly over the processes; only rank 0 logs and writes, and the "
+                        "is per process (global_batch_size: over all processes); only rank 0 logs and writes, and the "
                         "LoRA and resumable state are saved whole (a single process can load them).", "--fsdp",
                         long_run=True)
     fsdp_activation_checkpointing: bool = option(

@@ -7,7 +7,7 @@ root checks the rules that span components. Outside, an option is one flat key (
 the node input, the ``segckpt`` flag's destination): :data:`OPTIONS` lists them, in the tree's
 order, and :meth:`TrainConfig.from_dict` / :meth:`TrainConfig.to_dict` map flat keys to the tree
 and back, so config files, ``report.json`` and the saved state keep their flat keys. A config
-file may also use the SimpleTuner names in :data:`ALIASES`.
+file may also use SimpleTuner's keys (:data:`~.simpletuner.ALIASES`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from .model import ModelConfig
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
 from .outputs import OutputConfig
-from .schedule import SWAP_ALIAS, CheckpointSchedule, check_supported, swap_alias
+from .schedule import CheckpointSchedule, check_supported, coerce_key
 from .sharding import ShardingConfig
+from .simpletuner import describe_ignored, flat_keys, read_keys
 from .validation import ValidationConfig
 
 SEED_RANGE = 2**64
@@ -42,21 +43,11 @@ NO_GUARDRAILS = GuardrailsConfig(on_oom="stop", watchdog_slowdown=0)
 """What a run without guardrails (``guardrails=None``) does: no pre-flight, no watchdog, an
 out-of-memory error or a non-finite value ends it."""
 
-ALIASES = {
-    "model_family": "family",
-    "pretrained_model_name_or_path": "model_path",
-    "instance_data_dir": "data",
-    "max_train_steps": "steps",
-    "train_batch_size": "batch_size",
-    "output_dir": "output",
-    "adam_weight_decay": "weight_decay",
-}
-"""SimpleTuner config keys read as ours."""
-
 RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
-               "resolution", "buckets", "batch_size", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
+               "resolution", "buckets", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
                "lr_scheduler", "lr_warmup_steps", "weight_decay")
-"""Options a resumed run must share with the saved one (they shape the model, data and optimizer)."""
+"""Options a resumed run must share with the saved one (they shape the model, data and optimizer);
+the batch must be the same global batch (``engine/train/checks.py``), however many processes share it."""
 
 NESTED = ("lora", "schedule")
 """Components whose keys :meth:`TrainConfig.to_dict` nests under their name (as ``report.json`` has
@@ -97,6 +88,8 @@ class TrainConfig:
                        max=SEED_RANGE - 1)
     timing_warmup_steps: int = option(2, "Steps excluded from the sec/step figure (warm-up).",
                                       "--timing-warmup-steps", min=0, max=10**6, long_run=True)
+    ignored_keys: tuple[str, ...] = field(default=(), compare=False)
+    """The config file's keys that mean nothing here (:meth:`from_json_file`); not an option."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -168,8 +161,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
-        """Build from a mapping of flat keys, SimpleTuner aliases, schedule keys and whole
-        components (by field name).
+        """Build from a mapping of flat keys, SimpleTuner's keys (with or without their leading
+        ``--``; ``engine/config/simpletuner.py``), schedule keys and whole components (by field name).
 
         Returns:
             ``(config, ignored_keys)``.
@@ -179,32 +172,47 @@ class TrainConfig:
         """
         base = base or cls()
         by_key = {opt.key: opt for opt in options_for(cls)}
-        components = {f.name for f in fields(cls) if f.name not in by_key}
+        components = {f.name for f in fields(cls) if f.name not in by_key and f.name != "ignored_keys"}
         changes: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
-        ignored = []
-        if SWAP_ALIAS in values and "weight_offload" not in values:
-            values = {**{k: v for k, v in values.items() if k != SWAP_ALIAS}, **swap_alias(values[SWAP_ALIAS])}
+        values = flat_keys(values)
         for key, value in values.items():
-            key = ALIASES.get(key, key)
             if key in components and (is_dataclass(value) or key == "guardrails" and value is None):
                 whole[key] = value
-            elif key in by_key:
-                opt = by_key[key]
-                group = opt.path[0] if len(opt.path) > 1 else ""
-                changes.setdefault(group, {})[opt.path[-1]] = value
-            else:
-                ignored.append(key)
+        # SimpleTuner's "optimizer" is a name, our component an OptimizerConfig: only a component counts as one
+        values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key))
+        for key, value in values.items():
+            opt = by_key[key]
+            group = opt.path[0] if len(opt.path) > 1 else ""
+            changes.setdefault(group, {})[opt.path[-1]] = value
         return _apply(base, whole, changes), ignored
 
     @classmethod
-    def from_json_file(cls, path: str | Path, base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
-        """:meth:`from_dict` on a JSON file.
+    def from_json_file(cls, path: str | Path,
+                       base: "TrainConfig | None" = None) -> tuple["TrainConfig", dict[str, Any]]:
+        """:meth:`from_dict` on a JSON config file (ours, or SimpleTuner's: ``--`` keys, its web UI's
+        wrapper; ``engine/config/simpletuner.py``). The keys it ignores are named in one
+        :class:`~.options.ConfigWarning` and kept in the config's :attr:`ignored_keys` (the report's
+        ``ignored_config_keys``).
+
+        Returns:
+            ``(config, keys)``: the config, and the file's keys as ours (what it set).
 
         Raises:
-            ConfigError: the file cannot be read or is not a JSON object.
+            ConfigError: the file cannot be read, is not a JSON object, or sets no key this pack
+                reads (it would run the default job); see :meth:`from_dict` for invalid values.
         """
-        return cls.from_dict(read_config_file(path), base)
+        values = flat_keys(read_config_file(path))
+        config, ignored = cls.from_dict(values, base)
+        if len(ignored) == len(values):
+            shown = ", ".join(sorted(map(str, values))[:8]) + (", ..." if len(values) > 8 else "")
+            raise ConfigError(f"config={str(path)!r} is invalid: it sets no key this pack reads ({shown or 'no key'}); "
+                              "allowed our keys (segckpt options) and the SimpleTuner keys README lists")
+        if ignored:
+            warnings.warn(f"config {path}: ignored keys (no meaning here): {describe_ignored(ignored)}",
+                          ConfigWarning, stacklevel=2)
+        keys = read_keys(values, {opt.key for opt in options_for(cls)})[0]
+        return replace(config, ignored_keys=tuple(ignored)), keys
 
 
 def _read(config: TrainConfig, opt: Option) -> Any:
@@ -225,6 +233,10 @@ def _apply(base: TrainConfig, whole: dict[str, Any], changes: dict[str, dict[str
                 # A new interval alone means "every block, in groups of N": the base's stride (the
                 # demo's 4) is not carried over to a width it was not chosen for.
                 values.setdefault("gradient_checkpointing_segment_stride", None)
+            elif "gradient_checkpointing_segment_stride" not in values and \
+                    coerce_key("gradient_checkpointing", values.get("gradient_checkpointing")) is True:
+                # SimpleTuner's gradient_checkpointing: true alone checkpoints every block, not the demo's pattern
+                values.update(gradient_checkpointing_interval=None, gradient_checkpointing_segment_stride=None)
             if values.get("weight_offload") == "none":  # streaming off: its count and prefetch go with it
                 values.setdefault("weight_offload_blocks", None)
                 values.setdefault("weight_offload_prefetch", 1)

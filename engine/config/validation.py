@@ -33,8 +33,9 @@ class ValidationConfig:
                                    "(0 = off; flow-matching families).", "--validation-every", min=0, max=10**6)
     validation_prompts: tuple[str, ...] | None = option(None, "Prompts of the previews (default: the first caption "
                                                         "of the data).", "--validation-prompt", parse=_prompts)
-    validation_steps: int = option(8, "Sampler steps per preview (flow-matching Euler).", "--validation-steps", min=1,
-                                   max=1000)
+    validation_num_inference_steps: int = option(8, "Sampler steps per preview (flow-matching Euler); SimpleTuner's "
+                                                 "key (its validation_steps is validation_every).",
+                                                 "--validation-inference-steps", min=1, max=1000)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -221,9 +221,9 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         shares: dict[str, float] = {}
         calibration = None
         for i, (shape, rows) in enumerate(classes):
-            key = "x".join(map(str, (config.data.batch_size, *shape)))
+            key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
             # the preview phase is sampled once, after the largest shape's last probe step
-            previews = {"validation_every": warmup_steps + 2, "validation_steps": 1} \
+            previews = {"validation_every": warmup_steps + 2, "validation_num_inference_steps": 1} \
                 if i == 0 and config.validation.validation_every else {}
             measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows, calibration=calibration,
                              **previews)

@@ -11,10 +11,13 @@ it to a :class:`~..train.loop.TrainingRun`:
   root (PyTorch's FSDP2 recipe: one all-gather per block, the rest at the root). Frozen base and
   LoRA parameters are both sharded. With FSDP-style activation checkpointing, every block is first
   wrapped by ``checkpoint_wrapper`` (non-reentrant) through ``apply_activation_checkpointing``.
-- Data parallelism keeps the single-process arithmetic: ``batch_size`` is the global batch; every
-  rank draws the same batch, noise and timesteps (same seeds) and trains on its own rows
-  (:meth:`Distributed.local_rows`); FSDP averages the gradients over ranks, so with equal rows per
-  rank the update is the single-process one up to summation order.
+- Data parallelism keeps the single-process arithmetic: ``batch_size`` is the batch of each
+  process (as SimpleTuner's ``train_batch_size``, accelerate and kohya count it), so the global
+  batch is ``batch_size`` x world size (or ``global_batch_size``, split evenly:
+  :meth:`~..config.data.DataConfig.batch_rows`); every rank draws the same global batch, noise and
+  timesteps (same seeds) and trains on its own rows (:meth:`Distributed.local_rows`); FSDP averages
+  the gradients over ranks, so with equal rows per rank the update is that of one process training
+  the global batch, up to summation order.
 - :func:`full_tensor` and :func:`full_optimizer_state` gather DTensors (sharded LoRA weights,
   optimizer slots) into full tensors, so that the LoRA file and the resumable state a sharded run
   writes are those of a single-process run; :func:`shard_optimizer_state` turns such a state back
@@ -70,7 +73,8 @@ class Distributed:
         return self.rank == 0
 
     def local_rows(self, batch: int) -> slice:
-        """This rank's rows of a global batch of ``batch`` rows (equal parts).
+        """This rank's rows of a drawn global batch of ``batch`` rows (equal parts; the run draws
+        :meth:`~..config.data.DataConfig.batch_rows`' global batch, which splits evenly).
 
         Raises:
             DistributedError: ``batch`` is not a multiple of the world size.

@@ -4,6 +4,7 @@ and, when resuming, the saved state it continues."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -99,4 +100,37 @@ def check_output(config: TrainConfig) -> None:
                               f"{before!r}; allowed the saved value (or start a new run)")
     _need(config.steps >= header["step"], "steps", config.steps,
           f"at least the {header['step']} steps already done in {outputs.output}")
+    check_global_batch(config, saved)
     warn_resume_schedule(config, saved.get("steps"), header["step"])
+
+
+def processes(config: TrainConfig) -> int:
+    """The processes a run trains on: torchrun's ``WORLD_SIZE`` with fsdp (1 when unset or not a
+    number: the launch check names it), else 1."""
+    world = os.environ.get("WORLD_SIZE", "1") if config.sharding.fsdp else "1"
+    return int(world) if world.isdigit() and int(world) > 0 else 1
+
+
+def saved_global_batch(saved: dict) -> int:
+    """The global batch of a saved run's config: ``global_batch_size``, else ``batch_size`` times
+    its ``processes`` (a state saved before the per-process batch has no ``processes``: its
+    ``batch_size`` was the global batch)."""
+    if saved.get("global_batch_size") is not None:
+        return int(saved["global_batch_size"])
+    return int(saved.get("batch_size", 1)) * int(saved.get("processes", 1))
+
+
+def check_global_batch(config: TrainConfig, saved: dict) -> None:
+    """A resumed run draws the saved run's global batch (its data position counts those batches).
+
+    Raises:
+        ConfigError: another global batch, naming the per-process batch and the processes.
+    """
+    world = processes(config)
+    part, batch = config.data.batch_rows(world)
+    before = saved_global_batch(saved)
+    if batch != before:
+        allowed = (f"batch_size={before // world} per process or global_batch_size={before}" if before % world == 0
+                   else f"a number of processes that divides {before}")
+        raise ConfigError(f"resume: batch_size={part} on {world} process(es) is a global batch of {batch}, which "
+                          f"differs from the saved run's {before}; allowed {allowed} (or start a new run)")

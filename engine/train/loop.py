@@ -159,7 +159,7 @@ class TrainingRun:
             self.device = torch.device("cuda", self.dist.local_rank)
         if not self.dist.main:
             self.log = _quiet
-        self.dist.local_rows(self.config.data.batch_size)  # refuses a batch that does not split evenly
+        self.config.data.batch_rows(self.dist.world_size)  # refuses a global batch that does not split evenly
 
     @property
     def writer(self) -> bool:
@@ -314,7 +314,8 @@ class TrainingRun:
         return False
 
     def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
-        self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None)
+        self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None,
+                              self.dist.world_size if self.dist is not None else 1)
 
     def _write_outputs(self, interrupted: bool, stopped: str | None,
                        state: tuple[dict[str, torch.Tensor], dict[str, int], int] | None
@@ -333,7 +334,8 @@ class TrainingRun:
                                                     "from_step": self.data_change["step"],
                                                     "fresh_epoch": self.data_change["fresh_epoch"]},
                     "distributed": dist and {**dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
-                                             "images_per_process": config.data.batch_size // dist.world_size,
+                                             **dict(zip(("images_per_process", "global_batch"),
+                                                        config.data.batch_rows(dist.world_size))),
                                              "memory_scope": "rank 0 (each process holds its shard of the weights)"}}
         save_state = None if state is None else (lambda: self._save_state(*state))
         return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted,

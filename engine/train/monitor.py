@@ -72,7 +72,7 @@ class StepMonitor:
         validation = self.config.validation
         if self.source is None or not previews_at(record.step, validation.validation_every, self.config.steps):
             return
-        paths, peak = run_previews(ctx, self.source, validation.validation_steps, self.config.seed,
+        paths, peak = run_previews(ctx, self.source, validation.validation_num_inference_steps, self.config.seed,
                                    self.output / PREVIEW_FOLDER, record.step, write=self.writer)
         self.validation_peak = max(self.validation_peak, peak)
         self.watchdog.previews_ran(record.step)

@@ -68,16 +68,18 @@ class RunFiles:
             remove_stale_temporaries(self.output)
 
     def save_state(self, ctx, config: TrainConfig, history: list[dict[str, Any]], rng: dict[str, torch.Tensor],
-                   position: dict[str, int], step: int, sharded: bool) -> None:
+                   position: dict[str, int], step: int, sharded: bool, processes: int = 1) -> None:
         """Write the resumable state after ``step`` steps (sharded: the optimizer state gathered
-        whole by every rank, written by rank 0)."""
+        whole by every rank, written by rank 0); its config records the ``processes`` that shared
+        each batch (a resume checks the global batch: ``engine/train/checks.py``)."""
         lora, optimizer = lora_state_dict(ctx.model), ctx.optimizer.state_dict()
         if sharded:
             optimizer = full_optimizer_state(optimizer)
         if self.writer:
             try:
-                save_state(TrainingState(step, position, lora, optimizer, rng, history, config.to_dict(),
-                                         ctx.scaler.state_dict(), self.inputs), self.output)
+                save_state(TrainingState(step, position, lora, optimizer, rng, history,
+                                         {**config.to_dict(), "processes": processes}, ctx.scaler.state_dict(),
+                                         self.inputs), self.output)
             except OutputWriteError as exc:
                 raise self._failed(exc) from exc
         self.saved_step = step

@@ -34,7 +34,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     (None, or a resume that went on although the data changed, ``on_data_change=new_epoch``: what
     changed, the step it resumed from and the fresh epoch it continued with).
 
-    ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
+    ``ignored_config_keys`` names the config file's keys that mean nothing here
+    (:meth:`~..config.TrainConfig.from_json_file`). ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak
     is ``torch.cuda.max_memory_allocated`` (weights included); on the CPU it is the live-tensor
     tracker's peak of tensors created during the step (weights and the cached data excluded).
@@ -49,6 +50,7 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
         (h["peak_bytes"] - h.get("start_bytes", 0) for h in later), default=0)}
     return {
         "config": config.to_dict(),
+        "ignored_config_keys": list(config.ignored_keys),  # the config file's keys with no meaning here
         "model": {"family": plan.family, "source": source},
         "plan": plan.to_dict(),
         "steps": history,

@@ -119,9 +119,9 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
     runner = apply_checkpointing(model, bundle.family, config.schedule, config.sharding, dist)
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: DTensor shards
     if dist is not None:
-        batch = config.data.batch_size
+        part, batch = config.data.batch_rows(dist.world_size)
         log(f"fsdp: {blocks} blocks and the root sharded over {dist.world_size} processes "
-            f"({dist.backend}), {batch // dist.world_size} of the {batch} images of each batch per process"
+            f"({dist.backend}), {part} of the {batch} images of each batch per process"
             + ("; on_oom=switch is not applied under fsdp (the processes cannot retry a step together): a step "
                "that runs out of memory stops the run, its last good step saved"
                if config.guards.on_oom == "switch" else ""))
@@ -154,7 +154,8 @@ def build_optimizer(trainable: Trainable, config: TrainConfig, precision: Precis
     optimizer = make_optimizer(trainable.params, config.optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
     noise_gen = torch.Generator().manual_seed(derived_seed(config.seed, 1))
-    batch, seed = config.data.batch_size, config.seed
+    # every rank draws the global batch (same seed) and trains its rows of it (StepContext.dist)
+    batch, seed = config.data.batch_rows(dist.world_size if dist is not None else 1)[1], config.seed
     sampler: EpochSampler | Any = make_sampler(cache, epoch, batch, seed, {})
     torch.manual_seed(seed)  # dropout and anything else drawing from the global RNG
     if state is None:

@@ -107,7 +107,7 @@ class Watchdog:
                     "replaces the crawl")
         if self._previews_at is not None and self._previews_at in (began - 1, began):
             return ("the validation previews that ran after step "
-                    f"{self._previews_at}", "fewer previews (validation_every) or fewer validation_steps")
+                    f"{self._previews_at}", "fewer previews (validation_every) or fewer validation_num_inference_steps")
         return ("other load on the machine (another process, thermal throttling) or the data pipeline",
                 "check what else runs on the device; on a shared CPU, OMP_NUM_THREADS=1")
 

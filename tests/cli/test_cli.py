@@ -102,6 +102,9 @@ def test_existing_run_is_not_overwritten_and_resume_must_match(tmp_path, capsys)
     assert "--resume" in capsys.readouterr().err and (out / "lora.safetensors").read_bytes() == before
     assert cli.main(_short(out, "--resume", "--seed", "5")) == 2
     assert "resume: seed=5 differs from the saved run's 0" in capsys.readouterr().err
+    assert cli.main(_short(out, "--resume", "--batch-size", "2")) == 2  # the saved run's global batch is 1
+    assert "resume: batch_size=2 on 1 process(es) is a global batch of 2, which differs from the saved run's 1" \
+        in capsys.readouterr().err
     assert cli.main(["train", "--steps", "1", "--resolution", "64", "--output", str(out), "--resume"]) == 2
     assert "steps=1" in capsys.readouterr().err
     assert cli.main(_short(out, "--overwrite", "--steps", "1")) == 0

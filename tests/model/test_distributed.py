@@ -2,8 +2,10 @@
 
 Two families (Flux: two block lists; SD3: one), four schedules (none, layer, interval 2 with the
 unsloth offload backend, interval 2 stride 4),
-3 steps: per-step losses and the LoRA rank 0 saves equal the single-process run's within 1e-5; a
-sharded run resumed after step 2 continues exactly (bit-equal to the uninterrupted sharded run);
+3 steps: per-step losses and the LoRA rank 0 saves equal the single-process run's within 1e-5 (the
+sharded runs train batch_size 1 per process, the single-process runs the same global batch of 2); a
+sharded run resumed after step 2 (its batch given as global_batch_size 2) continues exactly
+(bit-equal to the uninterrupted sharded run);
 ``segckpt train --fsdp --fsdp-activation-checkpointing`` with a model-level schedule warns once
 and reports only the FSDP-style plan. The option checks run without a process group.
 """
@@ -21,11 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.config import ConfigError, TrainConfig
+from segmented_checkpointing.engine.config import ConfigError, DataConfig, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import FSDP_WRAPPER, ScheduleWarning, effective_plan
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.model.distributed import ENV_KEYS, Distributed, DistributedError, check_launch
+from segmented_checkpointing.engine.train.checks import check_global_batch, processes, saved_global_batch
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
@@ -69,9 +72,10 @@ def sharded(tmp_path_factory) -> dict[str, Path]:
     roots, sharded = {}, []
     for family in FAMILIES:
         root = roots[family] = tmp_path_factory.mktemp(f"fsdp-{family}")
-        runs = [{**COMMON, **keys, "family": family, "output": str(root / f"fsdp-{name}")}
+        # batch_size is per process: 1 on each of the 2 processes is the single-process batch of 2
+        runs = [{**COMMON, **keys, "batch_size": 1, "family": family, "output": str(root / f"fsdp-{name}")}
                 for name, keys in SCHEDULES.items()]
-        resumed = {**runs[-1], "output": str(root / "fsdp-resumed")}
+        resumed = {**runs[-1], "batch_size": 1, "global_batch_size": 2, "output": str(root / "fsdp-resumed")}
         sharded += runs + [{**resumed, "steps": 2}, {**resumed, "resume": True}]
     spec = tmp_path_factory.mktemp("fsdp") / "runs.json"
     spec.write_text(json.dumps(sharded))
@@ -101,7 +105,7 @@ def test_sharded_losses_and_lora_equal_single_process(runs, schedule):
     assert any(v.abs().max() > 0 for v in sharded.values())
     report = json.loads((two / "report.json").read_text())
     assert report["distributed"] == {"world_size": 2, "backend": "gloo", "fsdp": True,
-                                     "checkpointing": "segment runner", "images_per_process": 1,
+                                     "checkpointing": "segment runner", "images_per_process": 1, "global_batch": 2,
                                      "memory_scope": "rank 0 (each process holds its shard of the weights)"}
     # the segmented schedule is the one applied, block by block as in the single-process run
     assert report["plan"] == json.loads((one / "report.json").read_text())["plan"]
@@ -142,9 +146,9 @@ def test_sharded_state_resumes_in_one_process(runs, tmp_path):
 
 def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
     out = tmp_path / "run"
+    # the default --batch-size 1 starts on 2 processes: a global batch of 2
     proc = _torchrun("--no-python", "segckpt", "train", "--fsdp", "--fsdp-activation-checkpointing",
-                     "--interval", "2", "--stride", "4", "--steps", "2", "--resolution", "64", "--batch-size", "2",
-                     "--output", str(out))
+                     "--interval", "2", "--stride", "4", "--steps", "2", "--resolution", "64", "--output", str(out))
     text = proc.stdout + proc.stderr
     warning = "fsdp_activation_checkpointing=True: FSDP-style per-block activation checkpointing"
     assert text.count(f"segckpt: warning: {warning}") == 1, text[-4000:]
@@ -155,6 +159,7 @@ def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
     assert set(plan["block_map"]) == {"double", "single"} and set("".join(plan["block_map"].values())) == {"C"}
     assert "interval2-stride4" not in json.dumps(plan["lists"]) and plan["notes"][0].startswith(warning)
     assert report["distributed"]["checkpointing"] == FSDP_WRAPPER
+    assert (report["distributed"]["images_per_process"], report["distributed"]["global_batch"]) == (1, 2)
     assert report["receipt"]["schedule"] == "fsdp-layer"
     # the runner checkpointed nothing: checkpoint_wrapper did
     assert all(step["checkpoint_calls"] == 0 for step in report["steps"])
@@ -195,6 +200,32 @@ def test_options_fsdp_cannot_run_are_refused(values, key, allowed):
 def test_unsloth_backends_are_allowed_sharded():
     config = TrainConfig.from_dict({"fsdp": True, "gradient_checkpointing_backend": "unsloth"})[0]
     assert config.sharding.fsdp and config.schedule.backend.name == "unsloth"
+
+
+def test_batch_size_is_per_process_and_global_batch_size_is_split():
+    assert DataConfig().batch_rows(2) == (1, 2)  # the default batch_size 1 starts on 2 processes
+    assert DataConfig(batch_size=3).batch_rows(4) == (3, 12) and DataConfig(batch_size=3).batch_rows() == (3, 3)
+    assert DataConfig(global_batch_size=6).batch_rows(2) == (3, 6) and DataConfig(global_batch_size=6).batch_rows() \
+        == (6, 6)
+    with pytest.raises(ConfigError, match=r"^global_batch_size=3 is invalid with fsdp on 2 processes: allowed a "
+                                          r"multiple of 2"):
+        DataConfig(global_batch_size=3).batch_rows(2)
+    with pytest.raises(ConfigError, match=r"^global_batch_size=4 is invalid with batch_size=2: allowed unset"):
+        TrainConfig.from_dict({"global_batch_size": 4, "train_batch_size": 2})
+
+
+def test_a_resume_needs_the_saved_global_batch(monkeypatch):
+    assert saved_global_batch({"batch_size": 4}) == 4  # a state saved before the per-process batch
+    assert saved_global_batch({"batch_size": 1, "processes": 2}) == 2
+    assert saved_global_batch({"batch_size": 1, "global_batch_size": 6, "processes": 3}) == 6
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sharded = TrainConfig.create(fsdp=True)
+    assert processes(sharded) == 2 and processes(TrainConfig()) == 1  # WORLD_SIZE counts only with fsdp
+    check_global_batch(sharded, {"batch_size": 2})  # 1 per process on 2 = the saved single-process 2
+    with pytest.raises(ConfigError, match=r"^resume: batch_size=1 on 2 process\(es\) is a global batch of 2, which "
+                                          r"differs from the saved run's 4; allowed batch_size=2 per process or "
+                                          r"global_batch_size=4"):
+        check_global_batch(sharded, {"batch_size": 4})
 
 
 def test_batch_splits_evenly_over_ranks():

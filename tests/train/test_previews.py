@@ -89,7 +89,7 @@ def _run(config):
 def test_previews_are_written_and_reported_and_leave_training_unchanged(data_dir):
     plain, plain_records, _ = _run(_config(data_dir, "plain"))
     config = _config(data_dir, "previews", validation_every=2, validation_prompts=("a cat", "a dog"),
-                     validation_steps=3)
+                     validation_num_inference_steps=3)
     run, records, lines = _run(config)
     assert [r.loss for r in records] == [r.loss for r in plain_records]  # previews draw no training RNG
     trained, reference = load_file(run.output / "lora.safetensors"), load_file(plain.output / "lora.safetensors")
@@ -119,7 +119,7 @@ def test_an_epsilon_family_says_previews_are_off(data_dir):
     assert any("previews: off (pixart trains on the epsilon objective" in line for line in lines)
 
 
-@pytest.mark.parametrize("key, value", [("validation_every", -1), ("validation_steps", 0),
+@pytest.mark.parametrize("key, value", [("validation_every", -1), ("validation_num_inference_steps", 0),
                                         ("validation_prompts", ["x"] * 17)])
 def test_bad_preview_settings_are_refused_by_name(key, value):
     with pytest.raises(ConfigError, match=key):

@@ -100,7 +100,7 @@ def test_previews_sample_the_same_images_while_streaming(data_dir, monkeypatch):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs, strict_streaming=True)
 
-    previews = {"validation_every": 2, "validation_steps": 2}
+    previews = {"validation_every": 2, "validation_num_inference_steps": 2}
     resident, _ = _run(data_dir, "previews-resident", steps=2, **previews)
     monkeypatch.setattr(setup, "SegmentRunner", Strict)
     streamed, _ = _run(data_dir, "previews-streamed", steps=2, weight_offload="stream", weight_offload_blocks=5,

@@ -1,0 +1,222 @@
+"""SimpleTuner's config keys, read with the meaning they have in SimpleTuner (README "SimpleTuner configs").
+
+A SimpleTuner ``config.json`` holds its command-line options by name, with or without the leading
+``--``; the files its web UI saves wrap them as ``{"_metadata": {...}, "config": {...}}``.
+:func:`flat_keys` unwraps such a file and strips the dashes; :func:`read_keys` then turns the keys
+into ours: :data:`ALIASES` (a SimpleTuner key with a meaning here, and how its value reads),
+:data:`SAME_KEYS` (keys both projects spell alike, with the same meaning), :data:`IGNORED` (keys
+with no meaning here, and why); any other key is not one of ours and is ignored too. Every
+ignored key is returned by name, so the caller warns once and records them
+(:meth:`~.train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
+options documentation; README's table of them is generated from these tables
+(:func:`~.table.simpletuner_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .options import UNSET_WORDS, ConfigError
+from .schedule import SWAP_ALIAS, swap_alias
+
+FAMILY_NAMES = {"ace_step": "acestep", "cosmos2image": "cosmos", "ernie": "ernieimage", "kandinsky5_image": "kandinsky5",
+                "kandinsky5-image": "kandinsky5", "longcat_image": "longcatimage", "ltxvideo2": "ltx2video",
+                "pixart_sigma": "pixart", "qwen_image": "qwenimage", "stable_cascade": "stablecascade",
+                "z_image": "zimage"}
+"""SimpleTuner ``model_family`` names that differ from our family names (the others are spelled alike)."""
+
+ATTENTION = {"diffusers": "auto", "native-flash": "flash", "native-efficient": "efficient", "native-math": "math",
+             "cudnn": "cudnn"}
+"""SimpleTuner ``attention_mechanism`` values that select PyTorch SDPA kernels, as ``attention_backend``."""
+
+ADAMW = ("adamw", "adamw_bf16", "optimi-adamw", "ao-adamw8bit", "ao-adamw4bit", "ao-adamwfp8")
+"""SimpleTuner ``optimizer`` values that are AdamW (their state's storage differs; here it is fp32)."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A SimpleTuner key with a meaning here.
+
+    Attributes:
+        key: SimpleTuner's key. ours: the key(s) it sets here (README). meaning: what it does here (README).
+        read: ``value -> {our key: value}`` (``{}``: accepted, nothing to set); raises
+            :class:`~.options.ConfigError` naming the key, the value and what is allowed.
+    """
+
+    key: str
+    ours: str
+    meaning: str
+    read: Callable[[Any], dict[str, Any]]
+
+
+def _refuse(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is invalid: allowed {allowed}.")
+
+
+def _as(ours: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {ours: value}
+
+
+def _family(value: Any) -> dict[str, Any]:
+    return {"family": FAMILY_NAMES.get(value, value) if isinstance(value, str) else value}
+
+
+def _model(value: Any) -> dict[str, Any]:
+    if isinstance(value, str) and value.lower().endswith(".safetensors"):
+        return {"model_file": value}
+    return {"model_path": value}
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or isinstance(value, str) and value.strip().lower() in UNSET_WORDS
+
+
+def _resume(value: Any) -> dict[str, Any]:
+    if _unset(value):
+        return {"resume": False}
+    if value == "latest":
+        return {"resume": True}
+    raise _refuse("resume_from_checkpoint", value, "latest (continue the state in output_dir) or unset; a "
+                  "checkpoint folder is not read here")
+
+
+def _attention(value: Any) -> dict[str, Any]:
+    if not isinstance(value, str) or value not in ATTENTION:
+        raise _refuse("attention_mechanism", value, ", ".join(ATTENTION) + " (PyTorch SDPA kernels; the others are "
+                      "not used here)")
+    return {"attention_backend": ATTENTION[value]}
+
+
+def _one_of(key: str, allowed: tuple[str, ...], why: str) -> Callable[[Any], dict[str, Any]]:
+    def read(value: Any) -> dict[str, Any]:
+        if value not in allowed:
+            raise _refuse(key, value, f"{', '.join(allowed)} ({why})")
+        return {}
+    return read
+
+
+ALIASES: dict[str, Alias] = {a.key: a for a in (
+    Alias("model_family", "family", "the model family; SimpleTuner's names that differ from ours (pixart_sigma, "
+          "qwen_image, z_image, ...) read as ours", _family),
+    Alias("pretrained_model_name_or_path", "model_path, model_file", "a local diffusers folder (model_path), or one "
+          ".safetensors file (model_file); never downloaded, so a Hub name is refused as a missing folder", _model),
+    Alias("pretrained_vae_model_name_or_path", "vae_path", "the local VAE folder", _as("vae_path")),
+    Alias("instance_data_dir", "data", "the image folder", _as("data")),
+    Alias("output_dir", "output", "the output folder", _as("output")),
+    Alias("max_train_steps", "steps", "optimizer steps in all", _as("steps")),
+    Alias("train_batch_size", "batch_size", "images per micro-batch on each process (a global batch of "
+          "train_batch_size x processes under fsdp, as in SimpleTuner)", _as("batch_size")),
+    Alias("adam_weight_decay", "weight_decay", "AdamW's decoupled weight decay", _as("weight_decay")),
+    Alias("checkpoint_step_interval", "save_every", "save the resumable state every N steps", _as("save_every")),
+    Alias("checkpointing_steps", "save_every", "save the resumable state every N steps (the older name)",
+          _as("save_every")),
+    Alias("resume_from_checkpoint", "resume", "latest: continue the state in output_dir; unset: a new run; a "
+          "checkpoint folder is refused", _resume),
+    Alias("validation_steps", "validation_every", "sample the previews every N steps", _as("validation_every")),
+    Alias("validation_prompt", "validation_prompts", "the preview prompt", _as("validation_prompts")),
+    Alias("attention_mechanism", "attention_backend", "diffusers: auto; native-flash, native-efficient, native-math, "
+          "cudnn: that SDPA kernel; the others are refused", _attention),
+    Alias(SWAP_ALIAS, "weight_offload, weight_offload_blocks", "N >= 1 streams the frozen weights of N blocks from "
+          "host memory; 0: none", swap_alias),
+    Alias("optimizer", "(AdamW)", f"{', '.join(ADAMW)}: torch's AdamW (fp32 state); the others are refused",
+          _one_of("optimizer", ADAMW, "this pack trains with torch's AdamW")),
+    Alias("model_type", "(lora)", "lora; full is refused", _one_of("model_type", ("lora",), "this pack trains LoRAs")),
+    Alias("lora_type", "(peft LoRA)", "standard; lycoris is refused",
+          _one_of("lora_type", ("standard",), "this pack trains peft LoRAs")),
+)}
+"""SimpleTuner keys with a meaning here, by SimpleTuner key; a key of ours given too wins over its alias."""
+
+SAME_KEYS = {
+    "learning_rate": "", "lr_scheduler": "constant_with_warmup reads as constant, whose warm-up is lr_warmup_steps",
+    "lr_warmup_steps": "", "gradient_accumulation_steps": "", "lora_rank": "", "lora_alpha": "", "lora_dropout": "",
+    "seed": "", "resolution": "in pixels, the side of the square", "init_lora": "",
+    "mixed_precision": "no reads as fp32, as in accelerate; fp16 and fp8 are refused",
+    "base_model_precision": "no_change, int8-torchao, fp8-torchao; the quanto ones are refused",
+    "gradient_checkpointing": "true alone: every block", "gradient_checkpointing_interval": "",
+    "gradient_checkpointing_segment_stride": "", "gradient_checkpointing_backend": "",
+    "gradient_checkpointing_offload_attention": "", "gradient_checkpointing_offload_pin_memory_max_buckets": "",
+    "validation_num_inference_steps": "",
+}
+"""Keys SimpleTuner and this pack spell alike, with the same meaning (a note where some values differ)."""
+
+IGNORED = {
+    "num_train_epochs": "steps are counted, not epochs: set max_train_steps",
+    "data_backend_config": "its datasets are not read: set instance_data_dir or data to one image folder",
+    "max_grad_norm": "gradients are not clipped",
+    "use_ema": "no EMA copy is kept",
+    "validation_seed": "previews use seed",
+    "validation_resolution": "previews are at the training resolution",
+    "validation_guidance": "previews sample without classifier-free guidance",
+    "resolution_type": "resolution is in pixels",
+    "caption_dropout_probability": "captions are never dropped",
+    "checkpoints_total_limit": "one resumable state is kept",
+    "report_to": "no trackers", "logging_dir": "no trackers", "tracker_project_name": "no trackers",
+    "push_to_hub": "nothing is uploaded", "hub_model_id": "nothing is uploaded",
+}
+"""SimpleTuner keys with no meaning here (ignored with a warning), and why."""
+
+NEEDS = {"num_train_epochs": "steps", "data_backend_config": "data"}
+"""Ignored keys whose job would silently change without the key of ours they name: refused unless it is set."""
+
+
+def flat_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with SimpleTuner's leading ``--`` stripped from every key, and a web-UI file's
+    ``{"_metadata": ..., "config": {...}}`` unwrapped to its ``config``.
+
+    Raises:
+        ConfigError: a key given twice (with and without the dashes).
+    """
+    inner = values.get("config")
+    if isinstance(inner, Mapping) and all(k == "config" or k.startswith("_") for k in values):
+        values = inner
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        plain = key[2:] if isinstance(key, str) and key.startswith("--") else key
+        if plain in out:
+            raise ConfigError(f"{key}={value!r} is invalid: {plain!r} is already set ({out[plain]!r}); allowed "
+                              "each key once")
+        out[plain] = value
+    return out
+
+
+def read_keys(values: Mapping[str, Any], ours: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """Our keys of a config mapping: ``(values by our key, ignored keys)``.
+
+    Args:
+        values: flat keys (:func:`flat_keys` first); a key in ``ours`` is kept as it is, a
+            SimpleTuner alias is read by its :class:`Alias`, any other key is ignored.
+        ours: our flat keys and component names.
+
+    Raises:
+        ConfigError: an alias's value is refused, two aliases set the same key, or an ignored
+            key of :data:`NEEDS` without the key it needs (all named with their values).
+    """
+    read = {k: v for k, v in values.items() if k in ours}
+    from_alias: dict[str, str] = {}
+    ignored = []
+    for key, value in values.items():
+        if key in ours:
+            continue
+        if key not in ALIASES:
+            ignored.append(key)
+            continue
+        mapped = ALIASES[key].read(value)
+        if set(mapped) & set(values):  # a key of ours given too wins over the alias
+            ignored.append(key)
+            continue
+        for target, target_value in mapped.items():
+            if target in from_alias:
+                raise ConfigError(f"{key}={value!r} is invalid with {from_alias[target]}="
+                                  f"{values[from_alias[target]]!r}: both set {target}; allowed one of them")
+            read[target], from_alias[target] = target_value, key
+    for key, needed in NEEDS.items():
+        if key in values and needed not in read:
+            raise ConfigError(f"{key}={values[key]!r} is not read here ({IGNORED[key]}): allowed together with "
+                              f"{needed}, or leave it out")
+    return read, ignored
+
+
+def describe_ignored(keys: list[str]) -> str:
+    """The warning's text for ignored keys: each named, with the reason where :data:`IGNORED` has one."""
+    return ", ".join(f"{k} ({IGNORED[k]})" if k in IGNORED else k for k in keys)

@@ -1,0 +1,173 @@
+"""SimpleTuner configs mean what they mean there: dashed keys, the web UI's wrapper, the aliases and
+their values, the keys spelled alike, the ignored keys (one warning, recorded) and the refusal of a
+file that sets nothing this pack reads; README's list of them is generated from the tables."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from segmented_checkpointing import cli
+from segmented_checkpointing.engine.config import OPTIONS, CheckpointSchedule, ConfigError, ConfigWarning, TrainConfig
+from segmented_checkpointing.engine.config.simpletuner import ALIASES, FAMILY_NAMES, IGNORED, NEEDS, SAME_KEYS
+from segmented_checkpointing.engine.config.table import ST_BEGIN, ST_END, readme_with_table, simpletuner_table
+from segmented_checkpointing.engine.families import family_names
+from segmented_checkpointing.engine.model.precision import resolve_precision
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {opt.key for opt in OPTIONS}
+
+
+def _file(tmp_path, values, name="config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(values))
+    return path
+
+
+def test_dashed_keys_read_as_ours_and_as_schedule_keys():
+    config, ignored = TrainConfig.from_dict({"--max_train_steps": 7, "--lora_rank": 4, "--seed": 9,
+                                             "--gradient_checkpointing_interval": "3"})
+    assert (config.steps, config.lora.rank, config.seed, ignored) == (7, 4, 9, [])
+    assert config.schedule.mode == "interval3"  # the demo's stride is not carried over
+    schedule = CheckpointSchedule.from_config({"--gradient_checkpointing_interval": 2,
+                                               "--gradient_checkpointing_segment_stride": "4"})
+    assert (schedule.interval, schedule.stride) == (2, 4)
+    with pytest.raises(ConfigError, match=r"^steps=2 is invalid: 'steps' is already set \(1\); allowed each key once"):
+        TrainConfig.from_dict({"--steps": 1, "steps": 2})
+
+
+def test_a_web_ui_file_is_read_from_its_config(tmp_path):
+    path = _file(tmp_path, {"_metadata": {"name": "default", "model_family": None},
+                            "config": {"--max_train_steps": 12, "--model_family": "qwen_image",
+                                       "--train_batch_size": 2, "--output_dir": "out/models",
+                                       "--optimizer": "adamw_bf16", "--model_type": "lora"}})
+    config, keys = TrainConfig.from_json_file(path)
+    assert (config.steps, config.model.family, config.data.batch_size, config.outputs.output) == \
+        (12, "qwenimage", 2, "out/models")
+    assert keys == {"steps": 12, "family": "qwenimage", "batch_size": 2, "output": "out/models"}
+    assert config.ignored_keys == ()
+
+
+def test_mixed_precision_no_is_fp32():
+    config = TrainConfig.from_dict({"mixed_precision": "no", "base_model_precision": "fp32"})[0]
+    assert config.model.mixed_precision == "fp32"
+    precision = resolve_precision("fp32", config.model.mixed_precision, torch.device("cpu"))
+    assert precision.compute_dtype == torch.float32 and not precision.loss_scaling
+    args = cli._parser().parse_args(["train", "--mixed-precision", "no"])
+    assert cli.config_from_args(args).model.mixed_precision == "fp32"
+    with pytest.raises(ConfigError, match=r"^mixed_precision='fp8' is invalid: allowed auto, bf16, fp32 or no "):
+        TrainConfig.from_dict({"mixed_precision": "fp8"})
+
+
+def test_validation_steps_means_every_n_steps_and_leaves_the_sampler_steps():
+    config = TrainConfig.from_dict({"validation_steps": 50, "validation_prompt": "a cat"})[0]
+    assert config.validation.validation_every == 50
+    assert config.validation.validation_num_inference_steps == 8  # the default, unchanged
+    assert config.validation.validation_prompts == ("a cat",)
+    sampler = TrainConfig.from_dict({"validation_num_inference_steps": 3})[0].validation
+    assert (sampler.validation_every, sampler.validation_num_inference_steps) == (0, 3)
+
+
+@pytest.mark.parametrize("values", [{"--use_ema": True, "frobnicate": 1}, {}])
+def test_a_file_that_sets_nothing_read_here_is_refused(tmp_path, values):
+    path = _file(tmp_path, values)
+    with pytest.raises(ConfigError, match=r"^config='.*config.json' is invalid: it sets no key this pack reads "
+                                          r"\((frobnicate, use_ema|no key)\)"):
+        TrainConfig.from_json_file(path)
+
+
+def test_ignored_keys_are_named_in_one_warning_and_recorded(tmp_path):
+    path = _file(tmp_path, {"--max_train_steps": 3, "--use_ema": True, "frobnicate": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config, _ = TrainConfig.from_json_file(path)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert messages == [f"config {path}: ignored keys (no meaning here): use_ema (no EMA copy is kept), frobnicate"]
+    assert config.steps == 3 and config.ignored_keys == ("use_ema", "frobnicate")
+    # options given after the file keep the record (the report writes it as ignored_config_keys)
+    assert config.replace(steps=5).ignored_keys == ("use_ema", "frobnicate")
+
+
+@pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
+def test_the_report_lists_the_ignored_keys(tmp_path):
+    from segmented_checkpointing.engine.train.loop import train
+
+    path = _file(tmp_path, {"--max_train_steps": 1, "--resolution": 32, "--lora_rank": 2, "--use_ema": True,
+                            "--output_dir": str(tmp_path / "run"), "frobnicate": 1})
+    with pytest.warns(ConfigWarning):
+        config, _ = TrainConfig.from_json_file(path)
+    train(config.replace(timing_warmup_steps=0), log=lambda line: None)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["ignored_config_keys"] == ["use_ema", "frobnicate"] and len(report["steps"]) == 1
+
+
+def test_the_cli_reads_a_simpletuner_file_and_warns_once(tmp_path, capsys):
+    path = _file(tmp_path, {"--max_train_steps": 4, "--mixed_precision": "no", "--validation_steps": 2,
+                            "--report_to": "wandb"})
+    with pytest.warns(ConfigWarning) as caught:
+        config = cli.config_from_args(cli._parser().parse_args(["train", "--config", str(path), "--rank", "4"]))
+    assert (config.steps, config.model.mixed_precision, config.validation.validation_every, config.lora.rank) == \
+        (4, "fp32", 2, 4)
+    assert [str(w.message) for w in caught] == [f"config {path}: ignored keys (no meaning here): report_to (no "
+                                                "trackers)"]
+    bad = _file(tmp_path, {"--frobnicate": 1}, "bad.json")
+    assert cli.main(["train", "--config", str(bad)]) == 2
+    assert "it sets no key this pack reads (frobnicate)" in capsys.readouterr().err
+
+
+def test_alias_values_read_with_their_simpletuner_meaning():
+    read = lambda **values: TrainConfig.from_dict(values)  # noqa: E731
+    assert read(resume_from_checkpoint="latest")[0].outputs.resume is True
+    assert read(resume_from_checkpoint="None")[0].outputs.resume is False
+    assert read(pretrained_model_name_or_path="/m/flux1-dev.safetensors", pretrained_vae_model_name_or_path="/v")[0] \
+        .model.model_file == "/m/flux1-dev.safetensors"
+    assert read(pretrained_model_name_or_path="/m/flux-dev")[0].model.model_path == "/m/flux-dev"
+    assert read(attention_mechanism="native-math")[0].model.attention_backend == "math"
+    assert read(attention_mechanism="diffusers")[0].model.attention_backend == "auto"
+    assert read(lr_scheduler="constant_with_warmup", lr_warmup_steps=10)[0].optimizer.lr_scheduler == "constant"
+    assert read(checkpoint_step_interval=25)[0].outputs.save_every == 25
+    assert read(adam_weight_decay=0.01, instance_data_dir="/d")[0].optimizer.weight_decay == 0.01
+    assert read(gradient_checkpointing=True)[0].schedule.mode == "layer"  # SimpleTuner's meaning: every block
+    assert read(gradient_checkpointing="false")[0].schedule.mode == "none"
+    # a key of ours wins over SimpleTuner's, which is then named as ignored
+    config, ignored = read(steps=5, max_train_steps=9)
+    assert config.steps == 5 and ignored == ["max_train_steps"]
+    assert read(num_train_epochs=3, max_train_steps=9)[1] == ["num_train_epochs"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"optimizer": "prodigy"}, r"^optimizer='prodigy' is invalid: allowed adamw, adamw_bf16, .*torch's AdamW"),
+    ({"model_type": "full"}, r"^model_type='full' is invalid: allowed lora \(this pack trains LoRAs\)"),
+    ({"lora_type": "lycoris"}, r"^lora_type='lycoris' is invalid: allowed standard"),
+    ({"resume_from_checkpoint": "out/checkpoint-100"}, r"^resume_from_checkpoint='out/checkpoint-100' is invalid: "
+                                                       r"allowed latest"),
+    ({"attention_mechanism": "xformers"}, r"^attention_mechanism='xformers' is invalid: allowed diffusers, "),
+    ({"checkpointing_steps": 5, "checkpoint_step_interval": 6}, r"^checkpoint_step_interval=6 is invalid with "
+                                                                r"checkpointing_steps=5: both set save_every"),
+    ({"num_train_epochs": 3}, r"^num_train_epochs=3 is not read here \(steps are counted, not epochs: set "
+                              r"max_train_steps\): allowed together with steps"),
+    ({"data_backend_config": "multidatabackend.json"}, r"^data_backend_config='multidatabackend.json' is not read "
+                                                       r"here .*allowed together with data"),
+])
+def test_values_without_a_meaning_here_are_refused_by_name(values, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(values)
+
+
+def test_the_tables_name_what_exists():
+    assert set(FAMILY_NAMES.values()) <= set(family_names())
+    for alias in ALIASES.values():
+        assert alias.key not in KEYS  # an alias is not one of our own keys
+        assert alias.ours.startswith("(") or set(alias.ours.split(", ")) <= KEYS, alias
+    assert set(SAME_KEYS) <= KEYS
+    assert not set(IGNORED) & (KEYS | set(ALIASES)) and set(NEEDS) <= set(IGNORED) and set(NEEDS.values()) <= KEYS
+
+
+def test_readme_holds_the_generated_simpletuner_keys():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_with_table(readme, simpletuner_table(), ST_BEGIN, ST_END) == readme
+    assert "| `validation_steps` | `validation_every` |" in simpletuner_table()
