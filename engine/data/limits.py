@@ -26,6 +26,7 @@ from ..config import ConfigError, TrainConfig
 from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae_config
+from ..model.single_file import identify_file
 from .buckets import vae_downscale
 
 
@@ -98,8 +99,6 @@ def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> Model
             vae = Path(model.vae_path) if model.vae_path else (root / "vae" if pipeline else None)
             source = f"model_path {model.model_path}"
         else:
-            from ..model.single_file import identify_file
-
             values, vae = identify_file(model.model_file, family.name).config, model.vae_path
             vae = Path(vae) if vae else None
             source = f"model_file {model.model_file}"

@@ -107,9 +107,7 @@ class FamilyAdapter:
             (Qwen-Image 2.1's 2x2 image slots); ``None``: the patch.
         aspect_buckets: the latents are an image grid, so aspect-ratio buckets apply (``False``:
             ``buckets`` is refused, e.g. a 1-D audio sequence).
-        limits: the largest image grid, frame count and text length the model's position tables
-            take, a function of the model config (``engine/families/limits.py``); ``None``: the
-            model computes its positions for any size (no limit).
+        limits: the model's size bounds from its config (``engine/families/limits.py``); ``None``: none.
     """
 
     name: str

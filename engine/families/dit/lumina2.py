@@ -12,7 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
-from ..limits import axes_lens
+from ..position_tables import axes_lens
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..limits import pos_embed_grid
+from ..position_tables import pos_embed_grid
 
 
 # OmniGen conditions on Phi-3 token ids embedded by its own embed_tokens and has no input for text

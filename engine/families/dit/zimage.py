@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..limits import axes_lens
+from ..position_tables import axes_lens
 
 
 # The model takes lists of per-sample tensors: latents (C, 1, H, W) each and caption features

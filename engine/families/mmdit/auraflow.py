@@ -12,7 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SDXL, TextEncoders
-from ..limits import auraflow_grid
+from ..position_tables import auraflow_grid
 
 # Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->
 # (encoder, hidden) and the single blocks as block(combined, temb) -> combined, on the concatenated

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..limits import hidream_tokens
+from ..position_tables import hidream_tokens
 from ..timesteps import scheduler_timesteps
 
 # Blocks are HiDreamBlock wrappers around the real block (.block). double: block(hidden, masks,

@@ -14,7 +14,7 @@ import torch
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SD3 as SD3_LATENTS
 from ..conditioning import TextEncoders
-from ..limits import pos_embed_grid
+from ..position_tables import pos_embed_grid
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, joint_attention_kwargs) -> (encoder, hidden)

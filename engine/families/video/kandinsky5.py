@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..limits import kandinsky5_rope
+from ..position_tables import kandinsky5_rope
 from ..timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # pixels per latent (Flux VAE for images, HunyuanVideo VAE for videos)

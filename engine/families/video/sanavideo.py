@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..limits import wan_rope
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
-from ..limits import wan_rope
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
-from ..limits import wan_rope
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 # Under gradient checkpointing the loop first calls every VACE block as block(hidden, encoder,
