@@ -229,6 +229,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
         api.check_input_paths(config)
+        api.check_resolution(config)
         _check_vae(config)
         api.check_writable(config.outputs.output, "output")
         bundle = api.load_model(config)
@@ -265,6 +266,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
         api.check_input_paths(config)
+        api.check_resolution(config)
         _check_vae(config)
         api.check_writable(config.outputs.output, "output")
         bundle = api.load_model(config)

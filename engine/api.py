@@ -38,6 +38,7 @@ from .core.plan_query import PlanQueryError, plan_for_query
 from .core.support import support_table
 from .data.comfy_data import PreparedData, prepare_comfy_data
 from .data.folder import write_sample_dataset
+from .data.limits import check_resolution
 from .families import FamilyAdapter, family_names, get_family
 from .files.atomic import OutputWriteError, atomic_write_bytes, atomic_write_text, check_writable
 from .files.lock import FolderInUseError
@@ -67,7 +68,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_fit", "check_input_paths", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "sweep",
     "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",

@@ -9,8 +9,13 @@ path and the benchmark sweep's rows) to its adapter, or marks it as having no di
 
 from __future__ import annotations
 
+from ..config.data import MAX_RESOLUTION
 from ..families import family_names as _family_names
 from ..families import get_family
+from ..families.limits import full_config, largest_square, model_limits, token_patch
+
+TINY_VAE_DOWNSCALE = 8
+"""Pixels per latent cell of the tiny presets' ``AutoencoderKL`` (``engine/model/bundle.py``, 4 blocks)."""
 
 HEADER = (
     "# Supported families\n\n"
@@ -82,7 +87,7 @@ def support_table() -> str:
     return (HEADER + "\n".join(rows) + "\n\n## Families named by the documents\n\n" + "\n".join(named)
             + "\n\nA diffusers model outside this list still trains through the generic fallback "
               "(`engine/core/generic.py`): per-block checkpointing, and segments when a one-step probe proves "
-              "the carry map.\n\n" + data_sources_table() + "\n## Notes\n\n" + "\n".join(notes) + "\n")
+              "the carry map.\n\n" + data_sources_table() + "\n" + limits_table() + "\n## Notes\n\n" + "\n".join(notes) + "\n")
 
 
 def data_sources_table() -> str:
@@ -98,4 +103,29 @@ def data_sources_table() -> str:
         fmt = family.comfy_latents.describe() if family.comfy_latents else "-"
         kinds = " + ".join(family.text_encoders.kinds) if family.text_encoders else "-"
         rows.append(f"| {name} | {fmt} | {kinds} |")
+    return "\n".join(rows) + "\n"
+
+
+def limits_table() -> str:
+    """Per family: what bounds the image grid, frames and text (``engine/families/limits.py``) at
+    the diffusers class's default config, and the largest square ``resolution`` of the tiny preset
+    (the run refuses larger, and bucketing leaves out buckets past the grid), as markdown."""
+    legend = ("*bounded by*: the config entries of the model's position tables, at the diffusers class's defaults "
+              "(`-`: positions computed for any size, no limit); *largest grid*: image tokens per column x row (or "
+              "in all) those defaults take; *frames*: latent frames; *text*: text tokens (the text encoders' "
+              "`max_length`, or less where the model's table says so); *tiny preset*: the largest square "
+              f"`resolution` of the tiny preset (VAE {TINY_VAE_DOWNSCALE} px per latent cell; "
+              f"{MAX_RESOLUTION} = the option's own cap).\n")
+    rows = ["## Model limits\n", legend, "| family | bounded by | largest grid | frames | text | tiny preset |",
+            "|---|---|---|---|---|---|"]
+    for name in _family_names():
+        family = get_family(name)
+        defaults = model_limits(family, full_config(family.model_cls(), {}))
+        grid = (f"{defaults.grid[0]}x{defaults.grid[1]}" if defaults.grid else
+                f"{defaults.tokens}{'' if defaults.square_tokens else ' (non-square)'}" if defaults.tokens else "-")
+        tiny = model_limits(family, full_config(family.model_cls(), family.tiny_config))
+        patch = token_patch(family, full_config(family.model_cls(), family.tiny_config))
+        side = largest_square(tiny, patch, TINY_VAE_DOWNSCALE, MAX_RESOLUTION) if family.aspect_buckets else None
+        rows.append(f"| {name} | {defaults.source or '-'} | {grid} | {defaults.frames or '-'} | {defaults.text or '-'} | "
+                    f"{f'{side} px' if side else '-'} |")
     return "\n".join(rows) + "\n"

@@ -26,6 +26,7 @@ import torch
 
 from ..config import ConfigError
 from ..families import FamilyAdapter
+from ..families.limits import Limits, token_patch  # noqa: F401 (token_patch re-exported)
 
 MAX_ASPECT = 4.0
 """Widest bucket, width:height or height:width (kohya's defaults at 512 px: sides 256 to 1024, 1:4 to 4:1)."""
@@ -93,19 +94,6 @@ def nearest_bucket(size: tuple[int, int], buckets: list[Bucket]) -> Bucket:
                                        -b.width))
 
 
-def _spatial(value: Any) -> int | None:
-    """The spatial entry of a config ``patch_size``: an int, or the last of a ``(t, h, w)`` tuple."""
-    if isinstance(value, (list, tuple)) and value:
-        value = value[-1]
-    return value if isinstance(value, int) and value >= 1 else None
-
-
-def token_patch(family: FamilyAdapter, config: Mapping[str, Any]) -> int:
-    """Latent cells per image token side: the family's declared ``patch`` (families that pack the
-    latents themselves: Flux's 2x2), else the transformer config's spatial ``patch_size``, else 1."""
-    return family.patch or _spatial(config.get("patch_size")) or 1
-
-
 def latent_multiple(family: FamilyAdapter, config: Mapping[str, Any]) -> int:
     """What each latent side must be a multiple of: the family's declared ``latent_multiple``, else
     :func:`token_patch`."""
@@ -138,6 +126,22 @@ def pixel_multiple(family: FamilyAdapter, config: Mapping[str, Any], vae: torch.
     """Pixels each bucket side must be a multiple of: :func:`vae_downscale` x :func:`latent_multiple`
     (Flux: 8 x 2 = 16; Sana with its 32x DC-AE: 32 x 1)."""
     return vae_downscale(vae) * latent_multiple(family, config)
+
+
+def split_buckets(candidates: list[Bucket], limits: Limits, downscale: int,
+                  patch: int) -> tuple[list[Bucket], list[Bucket]]:
+    """``(kept, left_out)``: the candidate buckets whose token grid (latent ``h // patch`` by
+    ``w // patch``) is within the model's ``limits`` (``engine/families/limits.py``), and the rest.
+
+    Args:
+        downscale: pixels per latent cell (:func:`vae_downscale`).
+        patch: latent cells per token side (:func:`token_patch`).
+    """
+    kept, left_out = [], []
+    for bucket in candidates:
+        h, w = bucket.latent_hw(downscale)
+        (kept if limits.fits(h // patch, w // patch) else left_out).append(bucket)
+    return kept, left_out
 
 
 def bucket_summary(chosen: list[Bucket], epoch: list[int], downscale: int, patch: int) -> list[dict[str, Any]]:

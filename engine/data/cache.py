@@ -20,14 +20,15 @@ from .folder import DataWarning, Sample
 from .images import image_size, load_image
 
 
-def assign_buckets(samples: list[Sample], resolution: int, multiple: int) -> list[Bucket]:
-    """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among
-    :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
+def assign_buckets(samples: list[Sample], resolution: int, multiple: int,
+                   candidates: list[Bucket] | None = None) -> list[Bucket]:
+    """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among ``candidates``,
+    default :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
 
     Raises:
         DatasetError: an image cannot be read.
     """
-    candidates = make_buckets(resolution, multiple)
+    candidates = candidates or make_buckets(resolution, multiple)
     return [nearest_bucket(image_size(s.image), candidates) for s in samples]
 
 

@@ -11,21 +11,24 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import DataConfig, ModelConfig
+from ..config import ConfigError, DataConfig, ModelConfig
+from ..families.limits import describe_bound, largest_square, model_limits
 from ..model.bundle import ModelBundle, ModelLoadError
 from ..model.text_encoders import TextEncoderWarning, describe_text_encoder, stand_in_warning
 from .buckets import (
     Bucket,
     bucket_summary,
     describe_buckets,
+    make_buckets,
     pixel_multiple,
     shape_classes,
+    split_buckets,
     token_patch,
     vae_downscale,
 )
 from .cache import assign_buckets, prepare_cache
 from .comfy_data import ComfyDataError, PreparedData
-from .folder import DatasetScan, scan_dataset, write_sample_dataset
+from .folder import DatasetScan, DataWarning, scan_dataset, write_sample_dataset
 from .samplers import BucketSampler, EpochSampler, bucket_groups
 
 
@@ -87,7 +90,9 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
     summary = dataset.summary()
     buckets = None
     if data.buckets:
-        buckets, summary["buckets"] = _buckets(data.resolution, bundle, dataset, log)
+        buckets, summary["buckets"], left_out = _buckets(data.resolution, bundle, dataset, log)
+        if left_out:
+            summary["buckets_left_out"] = left_out
     cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text,
                           bundle.family.video_latents, cache_dir, extra=_cache_identity(model, seed, bundle),
                           buckets=buckets)
@@ -98,14 +103,34 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
 
 
 def _buckets(resolution: int, bundle: ModelBundle, dataset: DatasetScan,
-             log: Callable[[str], None]) -> tuple[list[Bucket], dict[str, Any]]:
-    """Each sample's aspect-ratio bucket and their summary (logged; for ``report.json``)."""
+             log: Callable[[str], None]) -> tuple[list[Bucket], list[dict[str, Any]], dict[str, Any] | None]:
+    """Each sample's aspect-ratio bucket, their summary (logged; for ``report.json``) and, when the
+    model's limits (``engine/families/limits.py``) leave candidate buckets out, what was left out
+    (``{"buckets": ["WxH", ...], "count", "limit"}``; warned once, naming them).
+
+    Raises:
+        ConfigError: no candidate bucket fits the model's limits.
+    """
     family, model_config = bundle.family, bundle.transformer.config
     multiple = pixel_multiple(family, model_config, bundle.vae)
-    buckets = assign_buckets(dataset.samples, resolution, multiple)
-    summary = bucket_summary(buckets, dataset.epoch, vae_downscale(bundle.vae), token_patch(family, model_config))
-    log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px")
-    return buckets, summary
+    downscale, patch = vae_downscale(bundle.vae), token_patch(family, model_config)
+    limits = model_limits(family, model_config)
+    kept, left = split_buckets(make_buckets(resolution, multiple), limits, downscale, patch)
+    if not kept:
+        best = largest_square(limits, patch, downscale, resolution)
+        raise ConfigError(f"resolution={resolution} is invalid with buckets for {family.name} ({bundle.source}): "
+                          f"allowed at most {best} ({describe_bound(limits, patch, downscale)}): no bucket fits")
+    left_out = None
+    if left:
+        names = [b.key for b in left]
+        left_out = {"buckets": names, "count": len(names), "limit": describe_bound(limits, patch, downscale)}
+        warnings.warn(f"buckets: {len(names)} of {len(kept) + len(names)} candidate buckets left out, past what "
+                      f"{family.name} takes ({left_out['limit']}): {', '.join(names)}", DataWarning, stacklevel=3)
+    buckets = assign_buckets(dataset.samples, resolution, multiple, kept)
+    summary = bucket_summary(buckets, dataset.epoch, downscale, patch)
+    dropped = f"; {len(left)} buckets past the model's limits left out" if left else ""
+    log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px{dropped}")
+    return buckets, summary, left_out
 
 
 def make_sampler(cache: dict[str, torch.Tensor], epoch: list[int], batch_size: int, seed: int,

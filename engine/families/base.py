@@ -17,6 +17,7 @@ import torch
 
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
 from .conditioning import LatentFormat, TextEncoders
+from .limits import Limits
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 
 
@@ -106,6 +107,7 @@ class FamilyAdapter:
             (Qwen-Image 2.1's 2x2 image slots); ``None``: the patch.
         aspect_buckets: the latents are an image grid, so aspect-ratio buckets apply (``False``:
             ``buckets`` is refused, e.g. a 1-D audio sequence).
+        limits: the model's size bounds from its config (``engine/families/limits.py``); ``None``: none.
     """
 
     name: str
@@ -129,6 +131,7 @@ class FamilyAdapter:
     patch: int | None = None
     latent_multiple: int | None = None
     aspect_buckets: bool = True
+    limits: Callable[[Mapping[str, Any]], Limits] | None = None
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

@@ -11,7 +11,9 @@ import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
+from ..data.limits import check_resolution
 from ..files.checks import safetensors_header
+from ..model.bundle import ModelBundle
 from ..model.lora_header import check_init_lora, check_not_a_lora
 from .state import STATE_FILE, read_state_header
 
@@ -46,18 +48,21 @@ def check_input_paths(config: TrainConfig) -> None:
         check_init_lora(model.init_lora, model.family, config.lora.rank)
 
 
-def check_run(config: TrainConfig, prepared: bool = False) -> None:
-    """Check paths (:func:`check_input_paths`), device and saved state before any heavy work.
+def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle | None = None) -> None:
+    """Check paths (:func:`check_input_paths`), the resolution against the model's limits
+    (:func:`~..data.limits.check_resolution`), device and saved state before any heavy work.
 
     Args:
         prepared: the run trains on data a caller prepared (ComfyUI's latents), not a folder.
+        bundle: the model, when the caller already loaded it (its config is read instead).
 
     Raises:
         ConfigError: see :func:`check_input_paths`; ``device=cuda`` without CUDA; ``resume``
             without a saved state or with options that differ from it (:data:`~..config.RESUME_KEYS`),
             or fewer steps than already done; a run already in ``output`` without ``resume``
             or ``overwrite`` (nothing a user made is replaced silently).
-        ConfigError: ``prepared`` with a data folder or with buckets.
+        ConfigError: ``prepared`` with a data folder or with buckets; a ``resolution`` past the
+            model's position tables (the option and the largest allowed value named).
         DamagedFileError: see :func:`check_input_paths`.
     """
     if prepared and config.data.folder is not None:
@@ -67,6 +72,8 @@ def check_run(config: TrainConfig, prepared: bool = False) -> None:
         raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
                           "one latent shape): allowed false; bucketing needs an image folder")
     check_input_paths(config)
+    if not prepared:
+        check_resolution(config, bundle)
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,
           "auto or cpu (CUDA is not available here)")
     check_output(config)

@@ -93,7 +93,7 @@ class TrainingRun:
                  log: Callable[[str], None] = print, cache_dir: str | Path | None = None,
                  prepared: PreparedData | None = None, preview_source: PreviewSource | None = None,
                  next_schedule: NextSchedule | None = None, rows: list[int] | None = None, announce: bool = True):
-        check_run(config, prepared is not None)
+        check_run(config, prepared is not None, bundle)
         self.config, self.log, self.output = config, log, Path(config.outputs.output)
         self.device, self.dist = resolve_device(config.model), None
         if config.sharding.fsdp:

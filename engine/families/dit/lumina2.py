@@ -12,6 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
+from ..position_tables import axes_lens
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:
@@ -60,6 +61,7 @@ LUMINA2 = register_family(
             "cap_feat_dim": 32,
         },
         latent_channels=16,
+        limits=axes_lens(text_margin=1),
         comfy_latents=FLUX,
         text_encoders=TextEncoders("gemma2", max_length=256, hidden_layer=-2),  # Gemma 2 2B
         notes=(

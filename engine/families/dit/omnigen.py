@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import pos_embed_grid
 
 
 # OmniGen conditions on Phi-3 token ids embedded by its own embed_tokens and has no input for text
@@ -67,6 +68,7 @@ OMNIGEN = register_family(
             "pos_embed_max_size": 32,  # patches per side: latents up to 64 x 64 (512 px)
         },
         latent_channels=4,  # the SDXL VAE
+        limits=pos_embed_grid,
         notes=(
             "captions are not used: OmniGen embeds Phi-3 token ids with its own embed_tokens and has no "
             "input for text embeddings; the adapter trains the text-free mode (input_ids=None)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import axes_lens
 
 
 # The model takes lists of per-sample tensors: latents (C, 1, H, W) each and caption features
@@ -55,6 +56,7 @@ ZIMAGE = register_family(
             "axes_lens": (256, 64, 64),
         },
         latent_channels=16,
+        limits=axes_lens(text_margin=2, text_multiple=32),
         patch=2,  # the model's all_patch_size (2,): 2x2 latent patches
         notes=(
             "time runs backwards (t = 1 - sigma) and the raw output is x0 - noise; the adapter negates it",

@@ -12,6 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SDXL, TextEncoders
+from ..position_tables import auraflow_grid
 
 # Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->
 # (encoder, hidden) and the single blocks as block(combined, temb) -> combined, on the concatenated
@@ -54,6 +55,7 @@ AURAFLOW = register_family(
             "pos_embed_max_size": 1024,  # a 32 x 32 grid of 2x2 patches: latents up to 64 x 64 (512 px)
         },
         latent_channels=4,  # the SDXL VAE
+        limits=auraflow_grid,
         comfy_latents=SDXL,
         text_encoders=TextEncoders("t5", max_length=256),  # Pile-T5 (UMT5)
         notes=(

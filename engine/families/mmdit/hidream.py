@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import hidream_tokens
 from ..timesteps import scheduler_timesteps
 
 # Blocks are HiDreamBlock wrappers around the real block (.block). double: block(hidden, masks,
@@ -108,6 +109,7 @@ HIDREAM = register_family(
             "llama_layers": [0, 1] * 4,  # one entry per block (num_layers + num_single_layers)
         },
         latent_channels=16,
+        limits=hidream_tokens,
         segmented=False,
         lora_targets=("to_q", "to_k", "to_v", "to_out"),
         notes=(

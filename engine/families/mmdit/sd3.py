@@ -14,6 +14,7 @@ import torch
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SD3 as SD3_LATENTS
 from ..conditioning import TextEncoders
+from ..position_tables import pos_embed_grid
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, joint_attention_kwargs) -> (encoder, hidden)
@@ -53,6 +54,7 @@ SD3 = register_family(
             "qk_norm": "rms_norm",
         },
         latent_channels=16,
+        limits=pos_embed_grid,
         comfy_latents=SD3_LATENTS,
         # CLIP-L and CLIP-G (pooled, and penultimate states before the T5 tokens), T5-XXL
         text_encoders=TextEncoders("t5", pooled=("clip", "clip"), clip_states=True, max_length=256),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import cosmos_positions
 
 _FPS = 16  # the video2world pipelines' default; images (one frame) are passed without fps
 
@@ -70,6 +71,7 @@ COSMOS = register_family(
             "concat_padding_mask": False,
         },
         latent_channels=16,
+        limits=cosmos_positions,
         video_latents=True,
         notes=(
             "Cosmos Predict 2 (T5 text, 16-channel Wan 2.1 VAE) and Predict 2.5 (Qwen2.5-VL text through "

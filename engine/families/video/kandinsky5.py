@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import kandinsky5_rope
 from ..timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # pixels per latent (Flux VAE for images, HunyuanVideo VAE for videos)
@@ -84,6 +85,7 @@ KANDINSKY5 = register_family(
             "visual_cond": False,
         },
         latent_channels=16,
+        limits=kandinsky5_rope,
         video_latents=True,
         lora_targets=("to_query", "to_key", "to_value", "self_attention.out_layer", "cross_attention.out_layer",
                       "text_modulation.out_layer", "visual_modulation.out_layer"),

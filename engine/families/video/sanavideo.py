@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 
@@ -58,6 +59,7 @@ SANAVIDEO = register_family(
             "patch_size": (1, 2, 2),
         },
         latent_channels=16,
+        limits=wan_rope,
         video_latents=True,
         notes=(
             "linear attention: attention offload unsupported (documents), no attention boundary declared",

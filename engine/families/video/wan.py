@@ -12,6 +12,7 @@ import torch
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 
@@ -44,6 +45,7 @@ WAN = register_family(
             "rope_max_seq_len": 32,
         },
         latent_channels=16,
+        limits=wan_rope,
         comfy_latents=WAN21,
         text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,

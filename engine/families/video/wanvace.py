@@ -11,6 +11,7 @@ import torch
 
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 
 # Under gradient checkpointing the loop first calls every VACE block as block(hidden, encoder,
@@ -69,6 +70,7 @@ WANVACE = register_family(
             "vace_in_channels": 96,  # 2 x 16 latent channels + 64 mask channels, as the released models
         },
         latent_channels=16,
+        limits=wan_rope,
         comfy_latents=WAN21,
         text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,
