@@ -23,6 +23,11 @@ from pathlib import Path
 
 from .atomic import OutputWriteError
 
+if sys.platform == "win32":  # pragma: no cover (CI runs on Linux)
+    import msvcrt
+else:
+    import fcntl
+
 LOCK_FILE = ".segckpt.lock"
 
 
@@ -33,13 +38,11 @@ class FolderInUseError(ValueError):
 def _try_lock(fd: int) -> bool:
     """Take an exclusive lock on the open file ``fd`` without waiting; False when another holds it."""
     if sys.platform == "win32":  # pragma: no cover (CI runs on Linux)
-        import msvcrt
         try:
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
         except OSError:
             return False
         return True
-    import fcntl
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
