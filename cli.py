@@ -21,7 +21,9 @@ from typing import Sequence
 
 # What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
 # built for other torch builds, torchao-serialized checkpoints) concerns nothing this command does;
-# set before the engine's imports (peft imports torchao) so that it never reaches the console.
+# set before any engine import (peft imports torchao) so that it never reaches the console. The facade
+# imports torch, diffusers and peft only when a command builds a model: --help, options, families and
+# a refused option answer without them (tests/test_startup.py).
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 

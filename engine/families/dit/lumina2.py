@@ -8,10 +8,9 @@ built from the mask's sum).
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
+from ..lazy import torch
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:

@@ -8,9 +8,8 @@ patchifies itself; the timestep is the scheduler timestep; the model takes no te
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 # Blocks are HiDreamBlock wrappers around the real block (.block). double: block(hidden, masks,

@@ -6,9 +6,8 @@ Source: ``diffusers/models/transformers/transformer_kandinsky.py`` and
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # pixels per latent (Flux VAE for images, HunyuanVideo VAE for videos)
