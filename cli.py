@@ -21,7 +21,9 @@ from typing import Sequence
 
 # What torchao and diffusers log about torchao itself on import whenever it is installed (kernels
 # built for other torch builds, torchao-serialized checkpoints) concerns nothing this command does;
-# set before the engine's imports (peft imports torchao) so that it never reaches the console.
+# set before any engine import (peft imports torchao) so that it never reaches the console. The facade
+# imports torch, diffusers and peft only when a command builds a model: --help, options, families and
+# a refused option answer without them (tests/test_startup.py).
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
@@ -38,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
     _add_options(train)
-    sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
+    families = sub.add_parser("families", help="Print the support matrix (generated from the family adapters).")
+    families.add_argument("--limits", action="store_true", default=False,
+                          help="Also the model limits table (largest grid, frames, text per family), read from the "
+                               "diffusers classes' default configs (imports them): docs/FAMILIES.md is this output.")
     sub.add_parser("options", help="Print README's options table (generated from the options' metadata).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
@@ -167,8 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("segckpt: interrupted", file=sys.stderr)
         return 130
-    except api.OutputWriteError as exc:  # a table, plan or preview the file system refused
-        return _error(exc)
+    except Exception as exc:  # read only when raised: ``api.OutputWriteError`` imports the writers
+        if isinstance(exc, api.OutputWriteError):  # a table, plan or preview the file system refused
+            return _error(exc)
+        raise
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
@@ -209,7 +216,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command == "families":
-        print(api.families(), end="")
+        print(api.families(args.limits), end="")
         return 0
     if args.command == "options":
         print(api.options_table(), end="")

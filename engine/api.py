@@ -5,14 +5,17 @@ pre-flight verdict), :func:`plan` (the fastest schedule predicted to fit a budge
 :func:`sweep` (every mode measured), :func:`load_model` and :func:`families` (the support
 matrix). The names the front ends need besides (configs and their errors, the files the
 measurements write, ComfyUI's data, the block strip's plan) are re-exported here, so a front end
-imports this module and, at most, one more (``docs/ARCHITECTURE.md``).
+imports this module and, at most, one more (``docs/ARCHITECTURE.md``). Importing it costs the
+configs and the family adapters only: the implementations (torch, diffusers, peft) are imported
+when a function needs them or a re-exported name is first read (:data:`_ON_FIRST_USE`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import (
     ALIASES,
@@ -32,35 +35,62 @@ from .config.backends import BACKENDS
 from .config.options import Option
 from .config.schedule import check_supported
 from .config.table import options_table
-from .core.memory import budget_bytes
-from .core.plan import ModelPlan
-from .core.plan_query import PlanQueryError, plan_for_query
 from .core.support import support_table
-from .data.comfy_data import PreparedData, prepare_comfy_data
-from .data.folder import write_sample_dataset
-from .data.limits import check_resolution
 from .families import FamilyAdapter, family_names, get_family
-from .files.atomic import OutputWriteError, atomic_write_bytes, atomic_write_text, check_writable
-from .files.lock import FolderInUseError
-from .measure.host import HostBudgetError, check_host_budget, host_budget_bytes
-from .measure.planner import PlanChoice, PlannerError, plan_for_budget, predict, write_choice
-from .measure.plots import loss_curve_rgb
-from .measure.preflight import PreflightRefused, Verdict, preflight
-from .measure.receipt import build_receipt, render_receipt
-from .measure.runs import MeasurementInterrupted
-from .measure.sweep import SweepCell, run_sweep, sweep_schedules, write_outputs
-from .model.bundle import ModelBundle
-from .model.distributed import close_distributed
-from .model.folders import detect_family
-from .model.loading import load_bundle, resolve_device
-from .model.lora_files import save_lora
-from .model.single_file import identify_file
-from .train.checks import check_input_paths, check_run
-from .train.loop import TrainResult
-from .train.loop import train as _train
-from .train.previews import PreviewSource, comfy_preview_source
-from .train.recovery import cheaper_schedules
-from .train.report import write_report
+
+if TYPE_CHECKING:
+    from .measure.planner import PlanChoice
+    from .measure.preflight import Verdict
+    from .measure.sweep import SweepCell
+    from .model.bundle import ModelBundle
+    from .train.loop import TrainResult
+
+_ON_FIRST_USE = {
+    ".core.plan": ("ModelPlan",),
+    ".core.plan_query": ("PlanQueryError", "plan_for_query"),
+    ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
+    ".data.folder": ("write_sample_dataset",),
+    ".data.limits": ("check_resolution",),
+    ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
+    ".files.lock": ("FolderInUseError",),
+    ".measure.host": ("HostBudgetError",),
+    ".measure.planner": ("PlanChoice", "PlannerError"),
+    ".measure.plots": ("loss_curve_rgb",),
+    ".measure.preflight": ("PreflightRefused", "Verdict"),
+    ".measure.receipt": ("render_receipt",),
+    ".measure.runs": ("MeasurementInterrupted",),
+    ".measure.sweep": ("SweepCell", "sweep_schedules"),
+    ".model.bundle": ("ModelBundle",),
+    ".model.distributed": ("close_distributed",),
+    ".model.lora_files": ("save_lora",),
+    ".train.checks": ("check_input_paths", "check_run"),
+    ".train.loop": ("TrainResult",),
+    ".train.previews": ("PreviewSource", "comfy_preview_source"),
+}
+"""The names re-exported from the implementations, by module: imported on first use (PEP 562
+``__getattr__`` below), so that importing the facade costs the configs and the family adapters
+only, no torch, diffusers or peft (``segckpt --help``, a refused option, the ComfyUI pack's import;
+``tests/test_startup.py``). The facade's own functions import what they call when called."""
+_MODULE_OF = {name: module for module, names in _ON_FIRST_USE.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """``api.<name>`` for a name of :data:`_ON_FIRST_USE`: its module is imported now, once.
+
+    Raises:
+        AttributeError: the facade has no such name.
+    """
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name], __package__), name)
+    globals()[name] = value  # the next read is an ordinary one
+    return value
+
+
+def __dir__() -> list[str]:
+    """The facade's names, those imported on first use included."""
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "HostBudgetError", "host_budget", "OutputWriteError", "check_writable", "FolderInUseError",
@@ -75,9 +105,11 @@ __all__ = [
 ]
 
 
-def families() -> str:
-    """The support matrix (Markdown, generated from the family adapters), as ``docs/FAMILIES.md``."""
-    return support_table()
+def families(limits: bool = False) -> str:
+    """The support matrix (Markdown, generated from the family adapters); with ``limits`` also
+    each model's limits (read from the diffusers classes' default configs, so it imports them),
+    as ``docs/FAMILIES.md``."""
+    return support_table(limits)
 
 
 def load_model(config: TrainConfig, log: Callable[[str], None] = print) -> ModelBundle:
@@ -87,6 +119,8 @@ def load_model(config: TrainConfig, log: Callable[[str], None] = print) -> Model
     Raises:
         ModelLoadError: the folder or file cannot be used.
     """
+    from .model.loading import load_bundle
+
     return load_bundle(config.model, config.seed, log=log)
 
 
@@ -98,8 +132,12 @@ def model_family(model_path: str | None, model_file: str | None) -> str | None:
         ModelLoadError: the folder or file is of no known family.
     """
     if model_path and Path(model_path).is_dir():
+        from .model.folders import detect_family
+
         return detect_family(model_path)
     if model_file and model_file.endswith(".safetensors") and Path(model_file).is_file():
+        from .model.single_file import identify_file
+
         return identify_file(model_file).family.name
     return None
 
@@ -110,6 +148,9 @@ def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -
     Raises:
         ConfigError: not a budget; the message names ``key``.
     """
+    from .core.memory import budget_bytes
+    from .model.loading import resolve_device
+
     return budget_bytes(value, resolve_device(config.model), key)
 
 
@@ -121,6 +162,8 @@ def host_budget(value: str | float | None, config: TrainConfig) -> int:
     Raises:
         HostBudgetError: an invalid value, or one below the streamed bytes (named).
     """
+    from .measure.host import check_host_budget, host_budget_bytes
+
     budget_bytes_ = host_budget_bytes(value)
     check_host_budget(config, budget_bytes_, value)
     return budget_bytes_
@@ -130,6 +173,9 @@ def _recovery_guided_by(verdict: Verdict) -> Callable[[CheckpointSchedule, Any],
     """Out-of-memory recovery that skips rungs predicted not to fit: the first schedule of the
     ladder (``engine/train/recovery.py``) whose predicted peak fits every probed shape, else the
     ladder's next rung."""
+    from .measure.planner import predict
+    from .train.recovery import cheaper_schedules
+
     def choose(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
         ladder = cheaper_schedules(schedule, family)
         for candidate in ladder:
@@ -159,6 +205,12 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
             memory less a margin (``engine/measure/host.py``), before any model is built.
         See ``engine/train/loop.py`` (``TrainingRun``) for the rest.
     """
+    from .measure.host import check_host_budget, host_budget_bytes
+    from .measure.preflight import PreflightRefused, preflight
+    from .measure.receipt import build_receipt, render_receipt
+    from .train.loop import train as _train
+    from .train.report import write_report
+
     verdict, guards = None, config.guards
     if config.schedule.streams:  # the host must hold the streamed weights: refused before any model is built
         check_host_budget(config, host_budget_bytes())
@@ -195,12 +247,16 @@ def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **pro
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
+    from .measure.preflight import preflight
+
     return preflight(config, bundle, budget_bytes, **probing)
 
 
 def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
     """Write ``preflight.json`` and, when a schedule would fit, ``schedule.json`` (usable as
     ``segckpt train --config``) into ``folder``, atomically; their paths."""
+    from .files.atomic import atomic_write_text
+
     folder = Path(folder)
     paths = {"preflight": atomic_write_text(folder / "preflight.json", json.dumps(verdict.to_dict(), indent=2) + "\n")}
     if verdict.suggestion is not None:
@@ -210,6 +266,8 @@ def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
 
 def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
     """Write ``schedule.json`` (the six keys) into ``folder``, atomically; its path."""
+    from .files.atomic import atomic_write_text
+
     return atomic_write_text(Path(folder) / "schedule.json", json.dumps(schedule.to_dict(), indent=2) + "\n")
 
 
@@ -222,11 +280,15 @@ def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_st
     Raises:
         PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.
     """
+    from .measure.planner import plan_for_budget
+
     return plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
 
 
 def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     """Write ``plan.txt`` and ``schedule.json`` into ``folder``, atomically; their paths."""
+    from .measure.planner import write_choice
+
     return write_choice(choice, folder)
 
 
@@ -235,10 +297,14 @@ def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSc
     """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
     ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``,
     ``on_cell`` (``engine/measure/sweep.py``)."""
+    from .measure.sweep import run_sweep
+
     return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
 
 
 def write_sweep(cells: list[SweepCell], folder: str | Path, family: str,
                 budget_bytes: int | None = None) -> dict[str, Path]:
     """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their paths."""
+    from .measure.sweep import write_outputs
+
     return write_outputs(cells, folder, family, budget_bytes)

@@ -160,11 +160,11 @@ def full_and_resumed(make_config, stop_after: int, **kwargs):
 def refuse_to_build_models(monkeypatch, before: str) -> None:
     """Make loading any model fail the test: the claim is that ``before`` happens first (options
     validated, a damaged file reported) and no model is built."""
-    from segmented_checkpointing.engine import api
+    from segmented_checkpointing.engine.model import loading
     from segmented_checkpointing.engine.train import setup
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a model was built before {before}")
 
     monkeypatch.setattr(setup, "load_bundle", refuse)
-    monkeypatch.setattr(api, "load_bundle", refuse)
+    monkeypatch.setattr(loading, "load_bundle", refuse)  # the facade's load_model imports it when called

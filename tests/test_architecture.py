@@ -19,6 +19,12 @@ LAYERS = {"families": 0, "config": 1, "core": 2, "files": 2, "model": 3, "data":
 """Lower layers never import higher ones: families <- config <- core, files <- model <- data <- train <- measure."""
 OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers", "diffusers.modular_pipelines")
 """Imported inside the function that needs them: optional, or heavy and needed by one feature."""
+HEAVY = ("torch", "diffusers", "peft", "torchao", "transformers", "accelerate", "safetensors")
+"""Libraries the declarations (config/, families/) never import at module level, so that ``--help``, a
+refused option and the ComfyUI pack's import cost none of them (tests/test_startup.py): a family
+file's ``torch`` is ``families/lazy.py``'s, imported on first use; diffusers is imported where a model
+class is resolved (``FamilyAdapter.model_cls``)."""
+DECLARATIONS = ("config", "families")
 
 
 def _modules():
@@ -69,8 +75,40 @@ def test_no_function_local_imports_but_optional_heavy_ones(path):
                 names = ["." * node.level + (node.module or "")]
             else:
                 continue
-            assert all(n.split(".")[0] in OPTIONAL_HEAVY or n.startswith(OPTIONAL_HEAVY) for n in names), \
+            allowed = OPTIONAL_HEAVY + (HEAVY if _layer(path) in DECLARATIONS else ())
+            assert all(n.split(".")[0] in allowed or n.startswith(allowed) for n in names), \
                 f"{path.name}:{node.lineno} {function.name} imports {names} locally"
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if _layer(p) in DECLARATIONS],
+                         ids=lambda p: str(p.relative_to(ENGINE)))
+def test_declarations_import_no_heavy_library_at_module_level(path):
+    tree = ast.parse(path.read_text())
+    functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if id(node) in functions:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        assert not [n for n in names if n.split(".")[0] in HEAVY], f"{path.name}:{node.lineno} imports {names}"
+
+
+def test_the_facade_imports_only_the_declarations_at_module_level():
+    """``engine/api.py`` imports the configs, the family adapters and the support table generated from
+    them; every implementation is imported when a function needs it or a re-exported name is read."""
+    engine, libraries = set(), set()
+    for node in ast.parse((ENGINE / "api.py").read_text()).body:  # the TYPE_CHECKING block is an ast.If
+        if isinstance(node, ast.ImportFrom) and node.level:
+            engine.add(node.module)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            libraries |= {a.name for a in node.names} if isinstance(node, ast.Import) else {node.module}
+    assert all(m.split(".")[0] in DECLARATIONS or m == "core.support" for m in engine), engine
+    assert not {m for m in libraries if m.split(".")[0] in HEAVY}, libraries
 
 
 def test_no_threads_or_process_wide_thread_settings():
@@ -90,8 +128,10 @@ def test_backend_names_live_in_the_backend_table_only():
         tree = ast.parse(path.read_text())
         versions = {id(k) for d in ast.walk(tree) if isinstance(d, ast.Dict) for k, v in zip(d.keys, d.values)
                     if isinstance(v, ast.Attribute) and v.attr == "__version__"}  # {"torch": torch.__version__}
+        modules = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args
+                   and isinstance(c.func, ast.Name) and c.func.id == "LazyModule"}  # LazyModule("torch")
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and node.value in BACKENDS and id(node) not in versions:
+            if isinstance(node, ast.Constant) and node.value in BACKENDS and id(node) not in versions | modules:
                 hits.append(f"{path.relative_to(ENGINE)}:{node.lineno} {node.value!r}")
     assert hits == []
 

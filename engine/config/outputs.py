@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .options import check_options, option
 
 ON_DATA_CHANGE = ("refuse", "new_epoch")
-"""What a resume does when the data differ from the saved run's (``engine/train/fingerprint.py``)."""
+"""What a resume does when the data differ from the saved run's (``engine/data/fingerprint.py``)."""
 
 
 @dataclass(frozen=True)

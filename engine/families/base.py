@@ -11,12 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import diffusers
-import diffusers.models
-import torch
-
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
 from .conditioning import LatentFormat, TextEncoders
+from .lazy import torch
 from .limits import Limits
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 
@@ -56,9 +53,9 @@ class TextBatch:
         return TextBatch(self.seq.to(device, dtype), self.mask.to(device), pooled)
 
 
-MakeInputs = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, TextBatch], dict]
+MakeInputs = Callable[["torch.nn.Module", "torch.Tensor", "torch.Tensor", TextBatch], dict]
 """``(model, noisy latents (B, C, H, W) or (B, C, F, H, W), sigmas (B,) in [0, 1], text) -> kwargs``."""
-ReadOutput = Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor]
+ReadOutput = Callable[["torch.nn.Module", Any, "torch.Tensor"], "torch.Tensor"]
 """``(model, model output, noisy latents) -> prediction with the latents' shape``."""
 
 
@@ -142,7 +139,9 @@ class FamilyAdapter:
         return torch.nn.ModuleList(resolve_blocks(model, block_list.attr))
 
     def model_cls(self) -> type:
-        """The diffusers model class."""
+        """The diffusers class ``model_class`` names, diffusers imported here (not with the adapter's
+        data). Raises ImportError when the installed diffusers has no such class."""
+        import diffusers.models
         cls = getattr(diffusers, self.model_class, None) or getattr(diffusers.models, self.model_class, None)
         if cls is None:
             raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from .lazy import torch
 
 OutputIndex = int | None
 """Position in a block's returned tuple, or ``None`` when the block returns one tensor."""

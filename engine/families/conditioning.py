@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
+from .lazy import torch
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import torch
+from .lazy import torch
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:

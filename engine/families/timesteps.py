@@ -8,7 +8,7 @@ schedulers count ``NUM_TRAIN_TIMESTEPS`` training steps, so a pipeline passes it
 
 from __future__ import annotations
 
-import torch
+from .lazy import torch
 
 NUM_TRAIN_TIMESTEPS = 1000
 """Training steps of the diffusers schedulers (their ``num_train_timesteps`` default)."""

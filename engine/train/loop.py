@@ -27,6 +27,7 @@ from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ModelPlan
 from ..data.buckets import sample_latent_shape
 from ..data.comfy_data import PreparedData
+from ..data.fingerprint import input_changes, input_fingerprint
 from ..data.prepare import prepare_run_data
 from ..files.atomic import check_writable
 from ..files.lock import FolderLock
@@ -36,7 +37,6 @@ from ..model.distributed import check_sharded_precision, init_distributed, plain
 from ..model.loading import resolve_device, run_precision
 from ..model.precision import check_torchao, describe_precision
 from .checks import check_output, check_run
-from .fingerprint import input_changes, input_fingerprint
 from .monitor import StepMonitor
 from .nonfinite import TrainingDiverged, TrainingStopped
 from .outputs import LORA_FILE, RunFiles, TrainResult

@@ -49,7 +49,7 @@ class RunFiles:
         self.output, self.writer = output, writer
         self.lora, self.state, self.report = output / LORA_FILE, output / STATE_FILE, output / REPORT_FILE
         self.inputs: dict[str, Any] = {}
-        """The fingerprint of the run's data and model, saved with the state (``fingerprint.py``)."""
+        """The fingerprint of the run's data and model, saved with the state (``engine/data/fingerprint.py``)."""
         self.saved_step: int | None = None
         """The step of the last state this run saved or resumed from (None: none yet)."""
         self._lora_step: int | None = None

@@ -35,7 +35,7 @@ class TrainingState:
         config: the run's config as a dict (for the report; not used to override options).
         grad_scaler: ``torch.amp.GradScaler.state_dict()`` of fp16 loss scaling (empty otherwise).
         inputs: the fingerprint of the data and model the run trained on
-            (``engine/train/fingerprint.py``; empty in states saved before it existed).
+            (``engine/data/fingerprint.py``; empty in states saved before it existed).
     """
 
     step: int

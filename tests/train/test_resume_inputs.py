@@ -13,8 +13,8 @@ from helpers import refuse_to_build_models
 from safetensors.torch import save_file
 
 from segmented_checkpointing.engine.config import ConfigError, TrainConfig
+from segmented_checkpointing.engine.data.fingerprint import data_changes, input_changes, input_fingerprint
 from segmented_checkpointing.engine.data.folder import write_sample_dataset
-from segmented_checkpointing.engine.train.fingerprint import data_changes, input_changes, input_fingerprint
 from segmented_checkpointing.engine.train.loop import ResumeWarning, train
 from segmented_checkpointing.engine.train.state import load_state
 

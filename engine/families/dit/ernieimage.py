@@ -7,9 +7,8 @@ the flow velocity ``noise - x0`` directly.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 

@@ -7,9 +7,8 @@ Source: ``diffusers/models/transformers/transformer_ideogram4.py`` and
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 
 _TEXT, _IMAGE, _IMAGE_POSITION_OFFSET = 3, 2, 65536  # transformer_ideogram4.py constants
 _PATCH = 2  # the pipeline patchifies the VAE latents by 2 before the transformer

@@ -8,9 +8,8 @@ in [0, 1].
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
 

@@ -8,10 +8,9 @@ built from the mask's sum).
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
+from ..lazy import torch
 from ..position_tables import axes_lens
 
 

@@ -8,9 +8,8 @@ only the first ``C`` output channels are the epsilon prediction.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import ddpm_timesteps
 
 _VAE_SCALE = 8  # SD VAE: pixels per latent

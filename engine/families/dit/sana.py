@@ -9,9 +9,8 @@ between blocks are not modelled: the runner detects them and falls back to per-b
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 

@@ -7,9 +7,8 @@ negates it to give the flow velocity ``noise - x0``.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..position_tables import axes_lens
 
 

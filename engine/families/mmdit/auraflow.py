@@ -8,10 +8,9 @@ embeddings are zeroed past each prompt's length (there is no text mask) and the 
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SDXL, TextEncoders
+from ..lazy import torch
 from ..position_tables import auraflow_grid
 
 # Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->

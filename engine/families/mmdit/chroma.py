@@ -8,10 +8,9 @@ Conventions: 16-channel Flux VAE latents, 2x2-packed; ``img_ids (h, w, 3)`` as i
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
+from ..lazy import torch
 from ..packing import image_ids, pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, temb_i, rope, attention_mask) -> (encoder, hidden); single:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX as FLUX_LATENTS
 from ..conditioning import TextEncoders
+from ..lazy import torch
 from ..packing import image_ids, pack_2x2, read_packed_2x2
 
 # Both lists are called as block(hidden, encoder, temb, rope, joint_attention_kwargs) and

@@ -8,9 +8,8 @@ Conventions: 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into 128-chan
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
 # double: block(hidden, encoder, mod_img, mod_txt, rope, kv_attn_kwargs) -> (encoder, hidden);

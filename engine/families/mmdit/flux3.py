@@ -9,9 +9,8 @@ attends to padding tokens).
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
 # Three routed lists run in this order, each scheduled on its own (the documents: "image, text,

@@ -8,9 +8,8 @@ patchifies itself; the timestep is the scheduler timestep; the model takes no te
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..position_tables import hidream_tokens
 from ..timesteps import scheduler_timesteps
 

@@ -8,9 +8,8 @@ transformer). Conventions: 16-channel Flux-style VAE latents, 2x2-packed; the ti
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
 # both lists: block(hidden, encoder, temb, rope) -> (encoder, hidden) (the single blocks concatenate

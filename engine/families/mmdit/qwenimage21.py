@@ -8,9 +8,8 @@ rows, as in the pipeline.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 
 
 # As the pipeline builds them for text-to-image: AutoencoderKLQwenImage21 latents (64 channels, 16x)

@@ -9,11 +9,10 @@ not modelled: the runner detects them and falls back to per-block for the list.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import SD3 as SD3_LATENTS
 from ..conditioning import TextEncoders
+from ..lazy import torch
 from ..position_tables import pos_embed_grid
 from ..timesteps import scheduler_timesteps
 

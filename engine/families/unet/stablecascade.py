@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import alphas_cumprod, ddpm_timesteps
 
 _S = 0.008  # offset of the cosine schedule (DDPMWuerstchenScheduler / the prior pipeline)

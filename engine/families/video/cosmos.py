@@ -7,9 +7,8 @@ the transformer is called.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..position_tables import cosmos_positions
 
 _FPS = 16  # the video2world pipelines' default; images (one frame) are passed without fps

@@ -7,10 +7,9 @@ file (``hunyuanvideo15.py``).
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import HUNYUAN_VIDEO
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 # Both lists: block(hidden, encoder, temb, attention_mask, rotary_emb, token_replace_emb,

@@ -6,9 +6,8 @@ with ``pipelines/hunyuan_video1_5`` for how the transformer is called.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, encoder_attention_mask, rotary_emb) -> (hidden, encoder)

@@ -6,9 +6,8 @@ Source: ``diffusers/models/transformers/transformer_kandinsky.py`` and
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..position_tables import kandinsky5_rope
 from ..timesteps import scheduler_timesteps
 

@@ -8,10 +8,9 @@ same layout. LTX-2 has its own file (``ltx2video.py``).
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import LTXV, TextEncoders
+from ..lazy import torch
 from ..packing import pack_video, read_packed_video
 from ..timesteps import scheduler_timesteps
 

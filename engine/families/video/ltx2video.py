@@ -8,9 +8,8 @@ come back in the same layout; only the video prediction is read.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..packing import pack_video, read_packed_video
 from ..timesteps import scheduler_timesteps
 

@@ -8,9 +8,8 @@ packed 1-D sequence (text rows, video rows, audio rows) with full self-attention
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 
 _VIDEO_TAG, _TEXT_TAG, _AUDIO_TAG = 0, 1, 2  # modular_pipelines/minimax_h3/modular_pipeline.py
 _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built here)

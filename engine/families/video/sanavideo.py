@@ -6,9 +6,8 @@ Source read: ``diffusers/models/transformers/transformer_sana_video.py`` (diffus
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 

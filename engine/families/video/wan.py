@@ -8,10 +8,9 @@ adapter does the same with the batch's mask.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 

@@ -7,10 +7,9 @@ prompt as in Wan; the timestep is the scheduler timestep.
 
 from __future__ import annotations
 
-import torch
-
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from ..data.folder import scan_dataset
+from .folder import scan_dataset
 
 FIRST = 3
 """How many changed files a message names (then ``... and N more``)."""
