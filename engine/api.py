@@ -36,6 +36,7 @@ from .core.memory import budget_bytes
 from .core.plan import ModelPlan
 from .core.plan_query import PlanQueryError, plan_for_query
 from .core.support import support_table
+from .data.checks import check_dataset
 from .data.comfy_data import PreparedData, prepare_comfy_data
 from .data.folder import write_sample_dataset
 from .families import FamilyAdapter, family_names, get_family
@@ -66,7 +67,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_fit", "check_input_paths", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "sweep",
     "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",
@@ -158,6 +159,7 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         See ``engine/train/loop.py`` (``TrainingRun``) for the rest.
     """
     verdict, guards = None, config.guards
+    check_input_paths(config)  # the data's captions and images too: before the pre-flight loads the model
     if config.schedule.streams:  # the host must hold the streamed weights: refused before any model is built
         check_host_budget(config, host_budget_bytes())
     if guards.memory_budget is not None:

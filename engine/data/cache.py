@@ -22,13 +22,14 @@ from .images import image_size, load_image
 
 def assign_buckets(samples: list[Sample], resolution: int, multiple: int) -> list[Bucket]:
     """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among
-    :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
+    :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels), from its checked
+    size, else its header.
 
     Raises:
         DatasetError: an image cannot be read.
     """
     candidates = make_buckets(resolution, multiple)
-    return [nearest_bucket(image_size(s.image), candidates) for s in samples]
+    return [nearest_bucket(s.size or image_size(s.image), candidates) for s in samples]
 
 
 @torch.no_grad()

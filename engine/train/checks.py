@@ -10,6 +10,7 @@ import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
+from ..data.checks import check_dataset
 from ..files.checks import check_safetensors
 from .state import STATE_FILE, read_state_header
 
@@ -21,11 +22,13 @@ def _need(ok: bool, key: str, value, allowed: str) -> None:
 
 def check_input_paths(config: TrainConfig) -> None:
     """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any
-    model is built.
+    model is built; the data folder's captions are decoded and its images read through
+    (``engine/data/checks.py`` ``check_dataset``).
 
     Raises:
         ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file.
         DamagedFileError: ``model_file`` or ``init_lora`` is truncated or unreadable.
+        DatasetError: a caption cannot be decoded, an image is not one or is truncated (named).
     """
     model = config.model
     for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
@@ -39,6 +42,7 @@ def check_input_paths(config: TrainConfig) -> None:
         check_safetensors(model.model_file, "model_file", "download or copy the file again")
     if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
         check_safetensors(model.init_lora, "init_lora", "give a complete .safetensors LoRA file")
+    check_dataset(config.data.folder)
 
 
 def check_run(config: TrainConfig, prepared: bool = False) -> None:
@@ -53,7 +57,7 @@ def check_run(config: TrainConfig, prepared: bool = False) -> None:
             or fewer steps than already done; a run already in ``output`` without ``resume``
             or ``overwrite`` (nothing a user made is replaced silently).
         ConfigError: ``prepared`` with a data folder or with buckets.
-        DamagedFileError: see :func:`check_input_paths`.
+        DamagedFileError, DatasetError: see :func:`check_input_paths`.
     """
     if prepared and config.data.folder is not None:
         raise ConfigError(f"data={config.data.folder!r} is invalid with prepared data: allowed unset (one data "
