@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 _ON_FIRST_USE = {
     ".core.plan": ("ModelPlan",),
     ".core.plan_query": ("PlanQueryError", "plan_for_query"),
+    ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
     ".data.folder": ("write_sample_dataset",),
     ".data.limits": ("check_resolution",),
@@ -98,7 +99,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "sweep",
     "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",
@@ -208,10 +209,12 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
     from .measure.host import check_host_budget, host_budget_bytes
     from .measure.preflight import PreflightRefused, preflight
     from .measure.receipt import build_receipt, render_receipt
+    from .train.checks import check_input_paths
     from .train.loop import train as _train
     from .train.report import write_report
 
     verdict, guards = None, config.guards
+    check_input_paths(config)  # the data's captions and images too: before the pre-flight loads the model
     if config.schedule.streams:  # the host must hold the streamed weights: refused before any model is built
         check_host_budget(config, host_budget_bytes())
     if guards.memory_budget is not None:

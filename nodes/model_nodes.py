@@ -84,8 +84,10 @@ class ImageCaptionDataset:
         try:
             cls.OPTIONS.config(inputs)
             if folder is not None and folder != BUILTIN_DATA:
-                if not contained(host.input_dir, folder, "folder").is_dir():
+                path = contained(host.input_dir, folder, "folder")
+                if not path.is_dir():
                     return f"folder={folder!r} is invalid: no such folder under the input folder"
+                api.check_dataset(path)  # captions decoded, images read through: refused at /prompt
         except (PathError, ValueError) as exc:
             raise NodeError(host.public(str(exc))) from None
         return True

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..families.base import FamilyAdapter
+from ..files.text import read_text
 from .backends import BACKENDS, DEFAULT, TABLE, Backend
 from .options import UNSET_WORDS, check_options, option
 
@@ -236,8 +237,8 @@ class CheckpointSchedule:
             ScheduleError: the file is not a JSON object, or a value is invalid.
         """
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(read_text(path, "config file"))
+        except (OSError, ValueError) as exc:  # JSONDecodeError and TextFileError are ValueErrors
             raise ScheduleError(f"config file {str(path)!r} could not be read as JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ScheduleError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")

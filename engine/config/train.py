@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..families import get_family
+from ..files.text import TextFileError, read_text
 from .data import DataConfig
 from .guardrails import GuardrailsConfig
 from .lora import LoraSettings
@@ -252,11 +253,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The JSON object of a config file.
 
     Raises:
-        ConfigError: the file cannot be read, is not UTF-8 JSON, or is not an object.
+        ConfigError: the file cannot be read, is not UTF-8 (or UTF-16 with a byte-order mark) JSON
+            (``engine/files/text.py``), or is not an object.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    try:  # decoded as a caption is: UTF-8 with or without a byte-order mark, UTF-16 with one
+        data = json.loads(read_text(path, "config"))
+    except TextFileError as exc:  # names the file and the byte
+        raise ConfigError(str(exc)) from exc
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"config={str(path)!r} could not be read as JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config={str(path)!r} is invalid: allowed a JSON object.")

@@ -5,19 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..files.text import clean_text
 from .options import ConfigError, check_options, option
 
 MAX_PROMPTS = 16
 
 
 def _prompts(value: Any) -> Any:
-    """``validation_prompts``: one prompt, up to :data:`MAX_PROMPTS` prompts, or unset."""
+    """``validation_prompts``: one prompt, up to :data:`MAX_PROMPTS` prompts, or unset; each cleaned
+    as captions are (``engine/files/text.py`` ``clean_text``: invisible characters removed, NFC), so
+    a prompt equal to a caption on screen is the caption."""
     prompts = (value,) if isinstance(value, str) else value
     if prompts is not None and not (isinstance(prompts, (list, tuple)) and 0 < len(prompts) <= MAX_PROMPTS
                                     and all(isinstance(p, str) for p in prompts)):
         raise ConfigError(f"validation_prompts={value!r} is invalid: allowed up to {MAX_PROMPTS} prompts (strings), "
                           "or unset.")
-    return tuple(prompts) if prompts is not None else None
+    return tuple(clean_text(p) for p in prompts) if prompts is not None else None
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,14 @@ from .images import image_size, load_image
 def assign_buckets(samples: list[Sample], resolution: int, multiple: int,
                    candidates: list[Bucket] | None = None) -> list[Bucket]:
     """Each sample's aspect-ratio bucket (:func:`~.buckets.nearest_bucket` among ``candidates``,
-    default :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels).
+    default :func:`~.buckets.make_buckets` of ``resolution`` and ``multiple`` pixels), from its
+    checked size, else its header.
 
     Raises:
         DatasetError: an image cannot be read.
     """
     candidates = candidates or make_buckets(resolution, multiple)
-    return [nearest_bucket(image_size(s.image), candidates) for s in samples]
+    return [nearest_bucket(s.size or image_size(s.image), candidates) for s in samples]
 
 
 @torch.no_grad()

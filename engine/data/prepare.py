@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +14,7 @@ import torch
 from ..config import ConfigError, DataConfig, ModelConfig
 from ..families.limits import describe_bound, largest_square, model_limits
 from ..model.bundle import ModelBundle, ModelLoadError
-from ..model.text_encoders import TextEncoderWarning, describe_text_encoder, stand_in_warning
+from ..model.text_encoders import TextEncoderWarning, caption_overflow, describe_text_encoder, stand_in_warning
 from .buckets import (
     Bucket,
     bucket_summary,
@@ -27,8 +27,9 @@ from .buckets import (
     vae_downscale,
 )
 from .cache import assign_buckets, prepare_cache
+from .checks import check_dataset, relative_name, screen_sizes, warn_lossy
 from .comfy_data import ComfyDataError, PreparedData
-from .folder import DatasetScan, DataWarning, scan_dataset, write_sample_dataset
+from .folder import DatasetScan, DataWarning, write_sample_dataset
 from .samplers import BucketSampler, EpochSampler, bucket_groups
 
 
@@ -59,14 +60,19 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
     image folder (``data.folder``, default the built-in sample photos written under ``output``)
     encoded once with the bundle's VAE and text encoders into the latent cache in ``cache_dir``
     (read back when it is already there), cropped to aspect-ratio buckets with ``data.buckets``.
+    Images too small or too elongated are skipped, and every loss (a caption cut by the text
+    encoder, an image upscaled or skipped, a link not followed) is counted in the summary's
+    ``lossy`` (``engine/data/checks.py``).
 
     Args:
         model, seed: the model's source and the run's seed (the cache's identity).
-        announce: warn (``TextEncoderWarning``) when captions go through the stand-in embedder.
+        announce: warn (``TextEncoderWarning``) when captions go through the stand-in embedder,
+            and (``DataWarning``) once per kind of loss.
 
     Raises:
         ComfyDataError: prepared data of another family. ModelLoadError: images but no VAE.
-        DatasetError: the folder cannot be used (see :func:`~.folder.scan_dataset`).
+        DatasetError: the folder cannot be used (see :func:`~.checks.check_dataset`), or every
+            image is skipped.
     """
     if prepared is not None:
         if prepared.family != bundle.family.name:
@@ -85,34 +91,44 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
                              "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
                              "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
     data_dir = data.folder or write_sample_dataset(output / "sample_data")
-    dataset = scan_dataset(data_dir)
+    dataset = check_dataset(data_dir)  # the run's constructor checked it already: the images' check is cached
+    buckets = left_out = None
+    if data.buckets:
+        multiple = pixel_multiple(bundle.family, bundle.transformer.config, bundle.vae)
+        candidates, left_out = _bucket_candidates(data.resolution, bundle, multiple)
+        buckets = assign_buckets(dataset.samples, data.resolution, multiple, candidates)
+    targets = ([(data.resolution, data.resolution)] * len(dataset.samples) if buckets is None
+               else [(b.width, b.height) for b in buckets])
+    dataset, kept = screen_sizes(dataset, targets)
+    dataset = _count_truncated(dataset, bundle)
     samples, epoch = dataset.samples, dataset.epoch
     summary = dataset.summary()
-    buckets = None
-    if data.buckets:
-        buckets, summary["buckets"], left_out = _buckets(data.resolution, bundle, dataset, log)
+    if buckets is not None:
+        buckets = [buckets[i] for i in kept]
+        summary["buckets"] = _bucket_summary(buckets, multiple, bundle, dataset, log, left_out)
         if left_out:
             summary["buckets_left_out"] = left_out
+    if announce:
+        warn_lossy(dataset.lossy)
     cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text,
                           bundle.family.video_latents, cache_dir, extra=_cache_identity(model, seed, bundle),
                           buckets=buckets)
     shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
     log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
-        f"latents {shapes}{_skipped_text(dataset)}")
+        f"latents {shapes}{_skipped_text(dataset)}{_lossy_text(summary)}")
     return RunData(cache, epoch, summary, text_encoder, dataset)
 
 
-def _buckets(resolution: int, bundle: ModelBundle, dataset: DatasetScan,
-             log: Callable[[str], None]) -> tuple[list[Bucket], list[dict[str, Any]], dict[str, Any] | None]:
-    """Each sample's aspect-ratio bucket, their summary (logged; for ``report.json``) and, when the
-    model's limits (``engine/families/limits.py``) leave candidate buckets out, what was left out
-    (``{"buckets": ["WxH", ...], "count", "limit"}``; warned once, naming them).
+def _bucket_candidates(resolution: int, bundle: ModelBundle, multiple: int
+                       ) -> tuple[list[Bucket], dict[str, Any] | None]:
+    """The candidate aspect-ratio buckets the model takes and, when its limits
+    (``engine/families/limits.py``) leave some out, what was left out (``{"buckets": ["WxH", ...],
+    "count", "limit"}``; warned once, naming them).
 
     Raises:
         ConfigError: no candidate bucket fits the model's limits.
     """
     family, model_config = bundle.family, bundle.transformer.config
-    multiple = pixel_multiple(family, model_config, bundle.vae)
     downscale, patch = vae_downscale(bundle.vae), token_patch(family, model_config)
     limits = model_limits(family, model_config)
     kept, left = split_buckets(make_buckets(resolution, multiple), limits, downscale, patch)
@@ -120,17 +136,36 @@ def _buckets(resolution: int, bundle: ModelBundle, dataset: DatasetScan,
         best = largest_square(limits, patch, downscale, resolution)
         raise ConfigError(f"resolution={resolution} is invalid with buckets for {family.name} ({bundle.source}): "
                           f"allowed at most {best} ({describe_bound(limits, patch, downscale)}): no bucket fits")
-    left_out = None
-    if left:
-        names = [b.key for b in left]
-        left_out = {"buckets": names, "count": len(names), "limit": describe_bound(limits, patch, downscale)}
-        warnings.warn(f"buckets: {len(names)} of {len(kept) + len(names)} candidate buckets left out, past what "
-                      f"{family.name} takes ({left_out['limit']}): {', '.join(names)}", DataWarning, stacklevel=3)
-    buckets = assign_buckets(dataset.samples, resolution, multiple, kept)
-    summary = bucket_summary(buckets, dataset.epoch, downscale, patch)
-    dropped = f"; {len(left)} buckets past the model's limits left out" if left else ""
+    if not left:
+        return kept, None
+    names = [b.key for b in left]
+    left_out = {"buckets": names, "count": len(names), "limit": describe_bound(limits, patch, downscale)}
+    warnings.warn(f"buckets: {len(names)} of {len(kept) + len(names)} candidate buckets left out, past what "
+                  f"{family.name} takes ({left_out['limit']}): {', '.join(names)}", DataWarning, stacklevel=4)
+    return kept, left_out
+
+
+def _count_truncated(dataset: DatasetScan, bundle: ModelBundle) -> DatasetScan:
+    """``dataset`` with the captions the bundle's text encoder cuts in ``lossy["caption_truncated"]``."""
+    cut = caption_overflow(bundle.encode_text, [s.caption for s in dataset.samples])
+    names = [f"{relative_name(dataset, s.image)} (caption: {why})" for s, why in zip(dataset.samples, cut) if why]
+    return replace(dataset, lossy={**dataset.lossy, "caption_truncated": names})
+
+
+def _bucket_summary(buckets: list[Bucket], multiple: int, bundle: ModelBundle, dataset: DatasetScan,
+                    log: Callable[[str], None], left_out: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The buckets' summary (logged; for ``report.json``)."""
+    family, model_config = bundle.family, bundle.transformer.config
+    summary = bucket_summary(buckets, dataset.epoch, vae_downscale(bundle.vae), token_patch(family, model_config))
+    dropped = f"; {left_out['count']} buckets past the model's limits left out" if left_out else ""
     log(f"{describe_buckets(summary)}; sides in multiples of {multiple} px{dropped}")
-    return buckets, summary, left_out
+    return summary
+
+
+def _lossy_text(summary: dict[str, Any]) -> str:
+    """``; lossy: 1 caption_truncated, 2 image_skipped`` or nothing."""
+    parts = [f"{n} {kind}" for kind, n in summary["lossy"].items() if n]
+    return f"; lossy: {', '.join(parts)}" if parts else ""
 
 
 def make_sampler(cache: dict[str, torch.Tensor], epoch: list[int], batch_size: int, seed: int,

@@ -81,6 +81,12 @@ class DeterministicTextEmbedder:
             pooled = mean @ self._pool
         return TextBatch(seq, mask, pooled)
 
+    def overflow(self, captions: list[str]) -> list[str | None]:
+        """Per caption, how the embedder cuts it (``stand-in embedder: 80 words, reads 64``), or None."""
+        length = self.spec.max_length
+        counts = [len(_WORD.findall(c.lower())) for c in captions]
+        return [f"stand-in embedder: {n} words, reads {length}" if n > length else None for n in counts]
+
     def describe(self) -> dict[str, Any]:
         """``report.json`` ``text_encoder``."""
         return {"kind": "stand-in", "what": "deterministic word embedder: NOT a language model", "seed": self.seed}
@@ -150,6 +156,13 @@ class _Encoder:
             raise TextEncoderError(f"text encoder {str(folder)!r} could not be loaded ({self.kind}): {exc}") from exc
         self.model = model.eval().requires_grad_(False)
 
+    def overflow(self, texts: list[str], max_length: int) -> list[str | None]:
+        """Per text, how :meth:`run` at ``max_length`` cuts it (``T5: 600 tokens, reads 512``), or
+        None; the tokenizer's own count (special tokens included, nothing truncated)."""
+        ids = self.tokenizer(texts, truncation=False, verbose=False)["input_ids"]
+        name = _NAMES.get(self.kind, self.kind)
+        return [f"{name}: {len(i)} tokens, reads {max_length}" if len(i) > max_length else None for i in ids]
+
     def run(self, texts: list[str], max_length: int, padding: str = "max_length") -> tuple[Any, torch.Tensor]:
         """``(model output with hidden_states, mask (B, L) bool)``."""
         tokens = self.tokenizer(texts, padding=padding, truncation=True, max_length=max_length, return_tensors="pt")
@@ -185,6 +198,14 @@ class TextEncoderSet:
             pooled = torch.cat([_clip_pooled(out).float() for out in clip_out], dim=-1)
         self._check(seq, pooled)
         return TextBatch(seq, mask, pooled)
+
+    def overflow(self, captions: list[str]) -> list[str | None]:
+        """Per caption, how the first encoder that cuts it does (the seq encoder at its length, its
+        template's tokens included; each CLIP at 77 tokens), or None."""
+        r = self.recipe
+        found = [self.seq.overflow([r.template.format(c) for c in captions], r.max_length + r.drop)]
+        found += [clip.overflow(captions, min(_CLIP_TOKENS, clip.tokenizer.model_max_length)) for clip in self.clips]
+        return [next((why for why in whys if why), None) for whys in zip(*found)]
 
     def _sequence(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The seq encoder's states ``(B, L, D)`` and mask; with a template, its first ``drop``
@@ -251,6 +272,10 @@ class HFTextEncoder:
             pooled = pooled.float()
         return TextBatch(seq, mask, pooled)
 
+    def overflow(self, captions: list[str]) -> list[str | None]:
+        """Per caption, how the encoder cuts it at the spec's length, or None."""
+        return self.encoder.overflow(captions, self.spec.max_length)
+
     def describe(self) -> dict[str, Any]:
         """``report.json`` ``text_encoder``."""
         e = self.encoder
@@ -303,6 +328,14 @@ def stand_in_warning(family: FamilyAdapter) -> str:
             "word embedder (each word a fixed random vector; fine for the demo, meaningless for a real LoRA); "
             f"give --text-encoder {_needs(family.text_encoders)} (local folders), or a model folder with its "
             "text_encoder*/ subfolders")
+
+
+def caption_overflow(encode_text: Callable[[list[str]], TextBatch], captions: list[str]) -> list[str | None]:
+    """Per caption, how the text encoder cuts it to its length (``T5: 600 tokens, reads 512``), or
+    None: the encoders' ``overflow`` (the tokenizers' own counts without truncation; the stand-in
+    embedder's words). A caller's own function without ``overflow`` cannot say: all None."""
+    overflow = getattr(encode_text, "overflow", None)
+    return list(overflow(captions)) if callable(overflow) else [None] * len(captions)
 
 
 def describe_text_encoder(encode_text: Callable[[list[str]], TextBatch]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
+from ..data.checks import check_dataset
 from ..data.limits import check_resolution
 from ..files.checks import safetensors_header
 from ..model.bundle import ModelBundle
@@ -25,13 +26,15 @@ def _need(ok: bool, key: str, value, allowed: str) -> None:
 
 def check_input_paths(config: TrainConfig) -> None:
     """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any
-    model is built.
+    model is built; the data folder's captions are decoded and its images read through
+    (``engine/data/checks.py`` ``check_dataset``).
 
     Raises:
         ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file, or is
             a LoRA; ``init_lora`` holds no LoRA, or one of another family or rank (both named).
         DamagedFileError: ``model_file`` or ``init_lora`` is truncated, unreadable or not a
             safetensors file (a text file, a pickle).
+        DatasetError: a caption cannot be decoded, an image is not one or is truncated (named).
     """
     model = config.model
     for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
@@ -46,6 +49,7 @@ def check_input_paths(config: TrainConfig) -> None:
         check_not_a_lora(model.model_file, header)
     if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
         check_init_lora(model.init_lora, model.family, config.lora.rank)
+    check_dataset(config.data.folder)
 
 
 def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle | None = None) -> None:
@@ -63,7 +67,9 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
             or ``overwrite`` (nothing a user made is replaced silently).
         ConfigError: ``prepared`` with a data folder or with buckets; a ``resolution`` past the
             model's position tables (the option and the largest allowed value named).
-        DamagedFileError: see :func:`check_input_paths`.
+        DamagedFileError, DatasetError: see :func:`check_input_paths`.
+        OutputWriteError, FolderInUseError: raised by ``TrainingRun`` itself once it checks the
+            output folder can be written and takes its lock (``engine/files/lock.py``).
     """
     if prepared and config.data.folder is not None:
         raise ConfigError(f"data={config.data.folder!r} is invalid with prepared data: allowed unset (one data "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import pack_only, verdict
+from PIL import Image
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
@@ -90,7 +91,17 @@ def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     (base / "input" / "sneaky").symlink_to(outside)
     assert "outside" in verdict(NODES["SegCkptImageCaptionDataset"], folder="sneaky")
+    Image.new("RGB", (32, 32)).save(base / "input" / "photos" / "a.png")
     assert NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="photos") is True
+
+
+def test_a_dataset_that_cannot_train_is_refused_when_queued(base):
+    """The engine's data check (captions decoded, images read through) runs at /prompt."""
+    photos = base / "input" / "photos"
+    Image.new("RGB", (32, 32)).save(photos / "a.png")
+    (photos / "b.png").write_text("a text file named b.png")
+    assert verdict(NODES["SegCkptImageCaptionDataset"], folder="photos") == (
+        "image 'input/photos/b.png' could not be read: cannot identify image file 'input/photos/b.png'")
 
 
 def _graph(name="train_segmented_lora.api.json"):
