@@ -283,6 +283,12 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
+    except api.PlanInterrupted as exc:  # Ctrl-C while timing: the prediction is kept, marked not measured
+        print(exc.choice.render())
+        path = api.write_plan(exc.choice, Path(config.outputs.output))["text"]
+        print(f"segckpt: interrupted while measuring: {path} and schedule.json hold the predicted choice "
+              f"{exc.choice.chosen.schedule.mode} (not measured; run plan again to measure it)", file=sys.stderr)
+        return 130
     print(choice.render())
     path = api.write_plan(choice, Path(config.outputs.output))["schedule"]
     print(f"chosen: {choice.chosen.schedule.mode}; its keys are in {path} (segckpt train --config {path})")

@@ -59,7 +59,7 @@ _ON_FIRST_USE = {
     ".measure.plots": ("loss_curve_rgb",),
     ".measure.preflight": ("PreflightRefused", "Verdict"),
     ".measure.receipt": ("render_receipt",),
-    ".measure.runs": ("MeasurementInterrupted",),
+    ".measure.runs": ("MeasurementInterrupted", "PlanInterrupted"),
     ".measure.sweep": ("SweepCell", "sweep_schedules"),
     ".model.bundle": ("ModelBundle",),
     ".model.distributed": ("close_distributed",),
@@ -96,7 +96,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "HostBudgetError", "host_budget", "OutputWriteError", "check_writable", "FolderInUseError",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
-    "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
+    "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
     "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",

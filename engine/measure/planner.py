@@ -66,7 +66,7 @@ from ..families import get_family
 from ..files.atomic import atomic_write_text
 from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe
-from .runs import RunWorkspace, StartRun, peak_after_warmup
+from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .sweep import sweep_schedules
 
 TIE = 0.03
@@ -420,7 +420,9 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
-        MeasurementInterrupted: ``should_stop`` answered True.
+        MeasurementInterrupted: ``should_stop`` answered True (:class:`~.runs.PlanInterrupted`,
+            holding the prediction, when it happened in the head-to-head measurement; Ctrl-C
+            there raises it too).
     """
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
@@ -439,7 +441,15 @@ def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, wa
         if measure_steps <= 0:
             return choice
         timed = contenders(choice)
-        _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, workspace)
+        try:
+            _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, workspace)
+        except (MeasurementInterrupted, KeyboardInterrupt) as exc:  # keep what was decided before it
+            for p in timed:
+                p.measured_peak_bytes = p.measured_sec_per_step = None
+            choice.measured_peak_bytes = choice.measured_sec_per_step = None
+            notes.append(f"the head-to-head measurement of {len(timed)} candidates was interrupted: the choice is "
+                         "the prediction, not measured")
+            raise PlanInterrupted("plan measurement interrupted", choice) from exc
         for p in timed:
             if p.measured_peak_bytes > budget_bytes:
                 p.fits = False

@@ -34,6 +34,16 @@ class MeasurementInterrupted(Exception):
     """The caller's ``should_stop`` answered True after a step: the measurement ends there."""
 
 
+class PlanInterrupted(MeasurementInterrupted):
+    """The planner's head-to-head measurement was interrupted (``should_stop``, or Ctrl-C):
+    :attr:`choice` is the prediction it had made, with a note that it was not measured, for
+    the caller to keep (``segckpt plan`` writes it)."""
+
+    def __init__(self, message: str, choice):
+        super().__init__(message)
+        self.choice = choice
+
+
 class RunWorkspace:
     """A temporary folder for short runs of one model and dataset (a context manager).
 

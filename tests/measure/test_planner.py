@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -88,6 +89,30 @@ def test_segckpt_plan_prints_the_choice_and_writes_its_keys(tmp_path, capsys):
     assert "->none " in out and "measured none:" in out
     assert (tmp_path / "schedule.json").is_file() and (tmp_path / "plan.txt").is_file()
     assert cli.main(["plan", "--budget", "nope", "--output", str(tmp_path)]) == 2
+
+
+def test_ctrl_c_while_plan_measures_keeps_the_prediction_marked_not_measured(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the head-to-head: plan.txt and schedule.json hold the predicted choice, with a note
+    that it was not measured; one line, exit 130, no traceback."""
+    from segmented_checkpointing.engine.measure import planner
+
+    steps = []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the candidates are timed in lockstep
+        steps.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(planner, "lockstep_runs", interrupted)
+    status = cli.main(["plan", "--resolution", "64", "--budget", "device", "--measure", "2", "--rank", "4",
+                       "--output", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert status == 130 and steps == [1] and "Traceback" not in captured.err
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith(f"segckpt: interrupted while measuring: {tmp_path / 'plan.txt'} and schedule.json hold "
+                           "the predicted choice none (not measured")
+    text = (tmp_path / "plan.txt").read_text()
+    assert "was interrupted: the choice is the prediction, not measured" in text and "measured none:" not in text
+    assert json.loads((tmp_path / "schedule.json").read_text())["gradient_checkpointing"] is False
 
 
 def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
