@@ -210,3 +210,13 @@ def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
     assert report["attention_backend"] == ["flash", "math"] and report["config"]["on_nonfinite"] == "skip"
     assert all(type(m) is torch.nn.Linear for m in model.transformer.modules() if isinstance(m, torch.nn.Linear))
     assert "attention_backend='sage'" in verdict(NODES["SegCkptTrainLoRA"], run_name="run", attention_backend="sage")
+
+
+def test_two_graphs_queued_into_one_run_name_get_two_folders(tmp_path):
+    """The number is claimed by creating the folder, so a second claimant (another graph, or
+    another server sharing the output folder) takes the next one instead of the same folder."""
+    from segmented_checkpointing.nodes.environment import numbered_run
+
+    first, second = numbered_run(tmp_path, "lora_run"), numbered_run(tmp_path, "lora_run")
+    assert (first.name, second.name) == ("lora_run_00001", "lora_run_00002")
+    assert first.is_dir() and second.is_dir()
