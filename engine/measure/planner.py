@@ -420,7 +420,7 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
-        MeasurementInterrupted: ``should_stop`` answered True (:class:`~.runs.PlanInterrupted`,
+        MeasurementInterrupted: ``should_stop`` answered True (``PlanInterrupted`` of ``runs.py``,
             holding the prediction, when it happened in the head-to-head measurement; Ctrl-C
             there raises it too).
     """

@@ -36,7 +36,7 @@ class MeasurementInterrupted(Exception):
 
 class PlanInterrupted(MeasurementInterrupted):
     """The planner's head-to-head measurement was interrupted (``should_stop``, or Ctrl-C):
-    :attr:`choice` is the prediction it had made, with a note that it was not measured, for
+    ``choice`` is the prediction it had made, with a note that it was not measured, for
     the caller to keep (``segckpt plan`` writes it)."""
 
     def __init__(self, message: str, choice):
