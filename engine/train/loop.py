@@ -109,10 +109,20 @@ class TrainingRun:
             check_writable(self.output, "output")
             check_writable(self.cache_dir, "cache_dir")
             self.lock = FolderLock(self.output, "training")
+        try:
+            self._finish_init(config, bundle, prepared, preview_source, next_schedule, rows, announce)
+        except BaseException:  # refused: the folder is free again at once, not when this object is collected
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _finish_init(self, config, bundle, prepared, preview_source, next_schedule, rows, announce) -> None:
+        """The constructor's checks and state once the output folder's lock is held."""
+        if self.lock is not None:
             check_output(config)  # again, holding the folder: no other run can have started there since
             if self.lock.took_over is not None:
-                log(f"the lock of process {self.lock.took_over} (no longer running) on {self.output} was released "
-                    "by the system; this run holds it now")
+                self.log(f"the lock of process {self.lock.took_over} (no longer running) on {self.output} was "
+                         "released by the system; this run holds it now")
         self.bundle, self.prepared, self.preview_source = bundle, prepared, preview_source
         self.next_schedule, self.announce = next_schedule or first_cheaper, announce
         self.rows = None if rows is None else set(rows)

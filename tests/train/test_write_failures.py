@@ -137,3 +137,21 @@ def test_every_write_failure_is_one_error_naming_the_file(tmp_path):
     check_writable(tmp_path / "new" / "deeper", "output")  # a folder to be made below a writable one
     assert not (tmp_path / "new").exists()
     assert isinstance(OutputWriteError("x"), ValueError)  # every front end reports it in one line
+
+
+def test_a_refused_run_frees_the_folder_at_once(tmp_path, monkeypatch):
+    """A run refused after it took the lock (here: the check under the lock finds that another run
+    finished there meanwhile) releases it before the error reaches the caller, who may keep the
+    traceback (a ComfyUI server does)."""
+    from segmented_checkpointing.engine.config import ConfigError, TrainConfig
+    from segmented_checkpointing.engine.train import loop
+
+    def finished_meanwhile(config):
+        assert (tmp_path / LOCK_FILE).read_text()  # called holding the lock
+        raise ConfigError("output holds one")
+
+    monkeypatch.setattr(loop, "check_output", finished_meanwhile)
+    with pytest.raises(ConfigError, match="holds one") as refused:
+        loop.TrainingRun(TrainConfig.create(output=str(tmp_path), resolution=32, steps=1), log=lambda line: None)
+    FolderLock(tmp_path).release()  # free, although the traceback still references the refused run
+    assert refused.traceback is not None
