@@ -100,7 +100,7 @@ def test_a_folder_of_plain_subfolders_names_them(tmp_path):
 
 def _segckpt(*args, env=None):
     return subprocess.run([sys.executable, "-m", "segmented_checkpointing.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
 
 
 def test_training_on_a_folder_with_companions_reports_what_it_skipped(tmp_path):

@@ -25,7 +25,7 @@ def _table(text: str, title: str) -> tuple[list[str], list[list[str]]]:
 def test_smoke_sweep_fills_every_cell(tmp_path):
     out = tmp_path / "sweep.md"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_sweep.py"), "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
 
@@ -61,7 +61,7 @@ def test_smoke_sweep_fills_every_cell(tmp_path):
 def test_gpu_check_smoke_passes_every_part(tmp_path):
     out = tmp_path / "check.md"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "## (a) Gradient equality, fp32, mid-size Flux: pass" in text

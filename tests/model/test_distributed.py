@@ -46,13 +46,13 @@ SCHEDULES = {
 FAMILIES = ("flux", "sd3")
 
 
-def _torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 ARGS`` (a free rendezvous port of its own)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     for key in ENV_KEYS:
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+                           *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
