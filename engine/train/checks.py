@@ -68,8 +68,6 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
         ConfigError: ``prepared`` with a data folder or with buckets; a ``resolution`` past the
             model's position tables (the option and the largest allowed value named).
         DamagedFileError, DatasetError: see :func:`check_input_paths`.
-        OutputWriteError, FolderInUseError: raised by ``TrainingRun`` itself once it checks the
-            output folder can be written and takes its lock (``engine/files/lock.py``).
     """
     if prepared and config.data.folder is not None:
         raise ConfigError(f"data={config.data.folder!r} is invalid with prepared data: allowed unset (one data "
