@@ -31,6 +31,21 @@ def server():
     s.close()
 
 
+@pytest.fixture(scope="module")
+def two_steps(server, tmp_path_factory):
+    """A finished 2-step run (state saved), copied by each test that resumes it."""
+    root = tmp_path_factory.mktemp("two-steps")
+    status, log = server.run(_argv(root / "run", 2), root / "first.log")
+    assert status == 0, log[-3000:]
+    return root / "run"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
 def _argv(out: Path, steps: int, *extra: str) -> list[str]:
     return ["train", "--steps", str(steps), "--resolution", "32", "--output", str(out), *extra]
 
@@ -59,10 +74,8 @@ def _steps_in_lora(path: Path) -> int:
         return int(fh.metadata()["steps"])
 
 
-def test_a_read_only_output_folder_is_refused_before_any_model_and_the_state_resumes(server, tmp_path):
-    out = tmp_path / "run"
-    status, log = server.run(_argv(out, 2), tmp_path / "first.log")
-    assert status == 0, log[-3000:]
+def test_a_read_only_output_folder_is_refused_before_any_model_and_the_state_resumes(server, two_steps, tmp_path):
+    out = _copy(two_steps, tmp_path)
     before = (out / STATE_FILE).read_bytes()
     undo = _read_only(out)
     try:
@@ -78,10 +91,8 @@ def test_a_read_only_output_folder_is_refused_before_any_model_and_the_state_res
     assert "resumed at step 2" in log and load_state(out).step == 4
 
 
-def test_a_disk_that_fills_during_the_save_keeps_the_lora_and_the_last_state(server, tmp_path):
-    out = tmp_path / "run"
-    status, log = server.run(_argv(out, 2), tmp_path / "first.log")
-    assert status == 0, log[-3000:]
+def test_a_disk_that_fills_during_the_save_keeps_the_lora_and_the_last_state(server, two_steps, tmp_path):
+    out = _copy(two_steps, tmp_path)
     lora, state = (out / "lora.safetensors").stat().st_size, (out / STATE_FILE).stat().st_size
     assert lora * 2 < state  # room for a limit between them
     before = (out / STATE_FILE).read_bytes()
