@@ -33,9 +33,20 @@ SCHEDULE_GROUP = "schedule"
 """The options of ``CheckpointSchedule``: ``train`` and ``plan --check`` take them, ``sweep`` runs every mode."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one ``segckpt: error:`` line (exit status 2) instead of
+    the usage text and a ``segckpt train: error:`` line: ``--lr abc`` reads ``argument --lr: invalid
+    float value: 'abc' (segckpt train --help lists the options)``."""
+
+    def error(self, message: str):
+        command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
+        print(f"segckpt: error: {message} (segckpt {command}--help lists the options)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="segckpt", description="Segmented gradient checkpointing for "
-                                     "LoRA training of diffusion transformers.")
+    parser = _Parser(prog="segckpt", description="Segmented gradient checkpointing for "
+                     "LoRA training of diffusion transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Train a LoRA (no options: the built-in default).",
                            description="Train a LoRA with segmented gradient checkpointing.")
@@ -251,9 +262,12 @@ def _sweep(args: argparse.Namespace) -> int:
         api.write_sweep(cells, folder, bundle.family.name, budget)
 
     schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream)
+    stop = _StopOnSignal()
     try:
-        cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write)
-    except KeyboardInterrupt:
+        with stop:  # the first Ctrl-C ends the sweep after the current step; a second at once
+            cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
+                              should_stop=stop)
+    except (KeyboardInterrupt, api.MeasurementInterrupted):
         print(f"segckpt: interrupted: {len(done)} of {len(schedules)} modes measured; {folder}/sweep.md and the "
               "other tables hold them, the rest marked not run", file=sys.stderr)
         return 130
@@ -279,7 +293,10 @@ def _plan(args: argparse.Namespace) -> int:
         bundle = api.load_model(config)
         if args.plan_check:
             return _preflight(config, bundle, budget, host_budget)
-        choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget)
+        stop = _StopOnSignal()
+        with stop:  # the first Ctrl-C ends the measurement after the current step; a second at once
+            choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget,
+                              should_stop=stop)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
@@ -288,6 +305,9 @@ def _plan(args: argparse.Namespace) -> int:
         path = api.write_plan(exc.choice, Path(config.outputs.output))["text"]
         print(f"segckpt: interrupted while measuring: {path} and schedule.json hold the predicted choice "
               f"{exc.choice.chosen.schedule.mode} (not measured; run plan again to measure it)", file=sys.stderr)
+        return 130
+    except api.MeasurementInterrupted:  # Ctrl-C during the probe: nothing to keep yet
+        print("segckpt: interrupted during the probe: nothing was measured yet, nothing written", file=sys.stderr)
         return 130
     print(choice.render())
     path = api.write_plan(choice, Path(config.outputs.output))["schedule"]

@@ -184,6 +184,7 @@ class TrainConfig:
         values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key))
         for key, value in values.items():
             opt = by_key[key]
+            value = _number(opt, value)
             group = opt.path[0] if len(opt.path) > 1 else ""
             changes.setdefault(group, {})[opt.path[-1]] = value
         return _apply(base, whole, changes), ignored
@@ -214,6 +215,21 @@ class TrainConfig:
                           ConfigWarning, stacklevel=2)
         keys = read_keys(values, {opt.key for opt in options_for(cls)})[0]
         return replace(config, ignored_keys=tuple(ignored)), keys
+
+
+def _number(opt: Option, value: Any) -> Any:
+    """A number written as a string (``"1e-4"``, ``"1024"``: SimpleTuner's CLI-style files write
+    them so) read as the number an int or float option takes; any other value unchanged (the
+    option's own check then names it)."""
+    if not isinstance(value, str) or opt.type not in (int, float) or opt.meta["parse"] is not None:
+        return value
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return value
+    if opt.type is int:
+        return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else value
+    return number
 
 
 def _read(config: TrainConfig, opt: Option) -> Any:

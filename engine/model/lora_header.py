@@ -27,6 +27,20 @@ def lora_ranks(header: dict[str, Any]) -> dict[int, int]:
     return ranks
 
 
+def _training_state(path: str | Path, header: dict[str, Any], key: str) -> None:
+    """Refuse a resumable training state (it holds LoRA weights too, under ``lora.``) given as
+    ``key``: it is continued with ``--resume`` in its output folder.
+
+    Raises:
+        ConfigError: ``header`` is a training state's (``step`` and ``data_position`` in it).
+    """
+    meta = header.get("__metadata__") or {}
+    if "step" in meta and "data_position" in meta:
+        raise ConfigError(f"{key}={str(path)!r} is invalid: this file is a resumable training state (step "
+                          f"{meta['step']}), not a {'model' if key == 'model_file' else 'LoRA'}: continue it with "
+                          f"--resume --output {str(Path(path).parent)!r}, or give the lora.safetensors beside it")
+
+
 def _family(header: dict[str, Any]) -> str | None:
     """The family this pack wrote into a LoRA's header (``None``: another tool's file)."""
     value = (header.get("__metadata__") or {}).get("family")
@@ -43,9 +57,11 @@ def check_init_lora(path: str | Path, family: str, rank: int) -> None:
 
     Raises:
         DamagedFileError: the file is missing, damaged or not a safetensors file.
-        ConfigError: no LoRA weights in it; another family; another rank (both named).
+        ConfigError: no LoRA weights in it; a training state; another family; another rank (both
+            named).
     """
     header = safetensors_header(path, "init_lora", "give a complete .safetensors LoRA file")
+    _training_state(path, header, "init_lora")
     ranks = lora_ranks(header)
     tensors = len(header) - ("__metadata__" in header)
     if not ranks:
@@ -66,8 +82,9 @@ def check_not_a_lora(path: str | Path, header: dict[str, Any], key: str = "model
     """Refuse a LoRA given where a model is expected.
 
     Raises:
-        ConfigError: ``header`` (a safetensors header) holds LoRA weights.
+        ConfigError: ``header`` (a safetensors header) holds LoRA weights, or is a training state's.
     """
+    _training_state(path, header, key)
     ranks = lora_ranks(header)
     if ranks:
         modules = sum(ranks.values())

@@ -83,6 +83,19 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
     check_output(config)
 
 
+PATH_KEYS = ("model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora")
+"""Options naming files or folders: a resume compares where they point, not how they are spelled."""
+
+
+def _path(key: str, value):
+    """``value`` of ``key`` as the place it names (``data/``, ``./data`` and the absolute path are one)."""
+    if key not in PATH_KEYS or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [os.path.realpath(v) for v in value]
+    return os.path.realpath(value)
+
+
 def check_output(config: TrainConfig) -> None:
     """Check the output folder against the run: without ``resume`` it holds no run (or
     ``overwrite`` is set); with it, its saved state continues this run. A run checks it again
@@ -105,8 +118,10 @@ def check_output(config: TrainConfig) -> None:
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
     defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default
     for key in RESUME_KEYS:
+        if key == "data" and "data" in header["inputs"]:  # the fingerprint compares the folder's content
+            continue
         before = saved.get(key, defaults.get(key))
-        if before != now.get(key):
+        if _path(key, before) != _path(key, now.get(key)):
             raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
                               f"{before!r}; allowed the saved value (or start a new run)")
     _need(config.steps >= header["step"], "steps", config.steps,

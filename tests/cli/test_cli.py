@@ -193,3 +193,29 @@ def test_only_our_warnings_are_printed_as_ours():
         assert not torch_line.startswith("segckpt") and "UserWarning, torch/nn.py:7" in torch_line
     finally:
         warnings.formatwarning = saved
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--lr", "abc"], "segckpt: error: argument --lr: invalid float value: 'abc' (segckpt train --help "
+                               "lists the options)"),
+    (["train", "--steps", "2.5"], "segckpt: error: argument --steps: invalid int value: '2.5' (segckpt train --help "
+                                  "lists the options)"),
+    (["sweep", "--warmup", "x"], "segckpt: error: argument --warmup: invalid int value: 'x' (segckpt sweep --help "
+                                 "lists the options)"),
+])
+def test_a_value_argparse_refuses_is_one_line(capsys, argv, line):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+def test_the_first_ctrl_c_of_a_plan_stops_after_a_step_and_says_what_was_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C sets a flag polled after every step (a KeyboardInterrupt raised inside a memory
+    tracker's callback could be swallowed); during the probe nothing is kept yet."""
+    monkeypatch.setattr(cli._StopOnSignal, "__call__", lambda self: True)
+    status = cli.main(["plan", "--resolution", "32", "--budget", "device", "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("segckpt: interrupted during the probe: nothing was measured yet, "
+                                            "nothing written")
+    assert not (tmp_path / "plan.txt").exists()

@@ -171,3 +171,15 @@ def test_readme_holds_the_generated_simpletuner_keys():
     readme = (ROOT / "README.md").read_text()
     assert readme_with_table(readme, simpletuner_table(), ST_BEGIN, ST_END) == readme
     assert "| `validation_steps` | `validation_every` |" in simpletuner_table()
+
+
+def test_numbers_written_as_strings_are_read_as_numbers():
+    """SimpleTuner's CLI-style files quote numbers: "1024", "1e-4" mean the numbers; a string that
+    is not one (or a fraction for an integer option) is still refused naming it."""
+    config, _ = TrainConfig.from_dict({"resolution": "32", "learning_rate": "1e-4", "max_train_steps": "7",
+                                       "--lora_rank": "4"})
+    assert (config.data.resolution, config.steps, config.lora.rank) == (32, 7, 4)
+    assert config.to_dict()["learning_rate"] == 1e-4
+    for bad in ({"resolution": "32.5"}, {"resolution": "big"}, {"steps": "1e2"}):
+        with pytest.raises(ConfigError, match=f"={next(iter(bad.values()))!r} is invalid"):
+            TrainConfig.from_dict(bad)

@@ -78,18 +78,21 @@ def _relabelled(lora, path, family):
     return path
 
 
-@pytest.mark.parametrize("case", ["text as model", "text as lora", "lora as model", "other rank", "other family"])
+@pytest.mark.parametrize("case", ["text as model", "text as lora", "lora as model", "other rank", "other family",
+                                  "state as model", "state as lora"])
 def test_a_wrong_file_is_named_for_what_it_is_before_any_model(finished_run, tmp_path, capsys, no_model, case):
     """A text file is "not a safetensors file" (not "truncated"); a LoRA given as the model is
     "a LoRA"; an init_lora of another rank or family names both."""
     text = tmp_path / "notes.safetensors"
     text.write_text("these are my training notes, not weights\n")
-    lora = finished_run / "lora.safetensors"
+    lora, state = finished_run / "lora.safetensors", finished_run / "training_state.safetensors"
     argv = {"text as model": ["--model-file", str(text), "--vae-path", str(tmp_path)],
             "text as lora": ["--init-lora", str(text)],
             "lora as model": ["--model-file", str(lora), "--vae-path", str(tmp_path)],
             "other rank": ["--init-lora", str(lora), "--rank", "4"],
-            "other family": ["--init-lora", str(_relabelled(lora, tmp_path / "sd3.safetensors", "sd3"))]}[case]
+            "other family": ["--init-lora", str(_relabelled(lora, tmp_path / "sd3.safetensors", "sd3"))],
+            "state as model": ["--model-file", str(state), "--vae-path", str(tmp_path)],
+            "state as lora": ["--init-lora", str(state)]}[case]
     assert cli.main(_short(tmp_path / "out", *argv)) == 2
     line = _one_line(capsys)
     rank = LoraSettings().rank  # the finished run's
@@ -99,6 +102,10 @@ def test_a_wrong_file_is_named_for_what_it_is_before_any_model(finished_run, tmp
         "lora as model": f"model_file={str(lora)!r} is invalid: this file is a LoRA (",
         "other rank": f"has rank {rank} (",
         "other family": "is a LoRA of family 'sd3' (its header says so); this run trains 'flux': allowed a flux LoRA",
+        "state as model": f"model_file={str(state)!r} is invalid: this file is a resumable training state (step 2), "
+                          f"not a model: continue it with --resume --output {str(finished_run)!r}",
+        "state as lora": f"init_lora={str(state)!r} is invalid: this file is a resumable training state (step 2), "
+                         "not a LoRA",
     }[case]
     assert expected in line, line
     if case == "other rank":

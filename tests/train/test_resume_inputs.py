@@ -96,3 +96,13 @@ def test_data_changes_name_the_first_files_then_count_the_rest():
     now = {**saved, **{f"new{i}.png": "1:1:a" for i in range(5)}}
     assert data_changes(saved, now) == ["5 images added (new0.png, new1.png, new2.png and 2 more)"]
     assert data_changes(saved, saved) == []
+
+
+def test_the_data_folder_spelled_otherwise_or_moved_with_its_content_resumes(trained, monkeypatch):
+    """The fingerprint compares the folder's content, so a trailing slash, a relative path or the
+    same images in a moved folder resume; the text of the option is not compared."""
+    monkeypatch.chdir(trained)
+    train(_config(trained, steps=3, resume=True, data="data/"), **QUIET)
+    shutil.copytree(trained / "data", trained / "moved")
+    result = train(_config(trained, steps=4, resume=True, data=str(trained / "moved")), **QUIET)
+    assert len(result.history) == 4 and result.report["resume"] is None
