@@ -397,5 +397,15 @@ def _run_workflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The ``segckpt`` console script: :func:`main`, then Ctrl-C ignored while the interpreter shuts
+    down (the command's work is done and its files are written; a signal landing in torch's exit
+    handlers would otherwise print an "Exception ignored" traceback)."""
+    status = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(console_main())
