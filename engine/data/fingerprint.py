@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
+from ..files.checks import safetensors_header
 from .folder import scan_dataset
 
 FIRST = 3
@@ -29,13 +30,11 @@ def _sha(data: bytes) -> str:
 
 
 def _file_identity(path: Path) -> dict[str, Any]:
-    """A weights file's size and the hash of its safetensors header (or of its first MiB)."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        head = fh.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else 0
-        body = fh.read(length) if 0 < length <= min(size, 100 * 2**20) else fh.read(2**20)
-    return {"name": path.name, "bytes": size, "header_sha": _sha(head + body)}
+    """A weights file's size and the hash of its safetensors header (read and checked by
+    :func:`~..files.checks.safetensors_header`)."""
+    header = safetensors_header(path, "model_file", "download or copy the file again")
+    return {"name": path.name, "bytes": path.stat().st_size,
+            "header_sha": _sha(json.dumps(header, sort_keys=True).encode())}
 
 
 def _data_files(folder: str) -> dict[str, str]:
@@ -68,6 +67,7 @@ def input_fingerprint(config: TrainConfig, prepared=None) -> dict[str, Any]:
 
     Raises:
         DatasetError: the data folder cannot be read (see ``engine/data/folder.py``).
+        DamagedFileError: ``model_file`` is not a complete safetensors file.
     """
     found: dict[str, Any] = {}
     if config.data.folder is not None:
@@ -131,8 +131,3 @@ def _describe(identity: dict[str, Any] | None) -> str:
     if "bytes" in identity:
         return f"{identity['name']}: {identity['bytes']} bytes, header {identity['header_sha']}"
     return f"{len(identity['weights'])} weight files, config {identity['config_sha']}"
-
-
-def dumps(fingerprint: dict[str, Any]) -> str:
-    """The fingerprint as the state header stores it (compact JSON)."""
-    return json.dumps(fingerprint, separators=(",", ":"), sort_keys=True)

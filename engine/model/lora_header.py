@@ -6,7 +6,6 @@ given as the model, is named in one line before the model loads, not in a dict d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ from ..files.checks import safetensors_header
 
 DOWN = (".lora_A.weight", ".lora_down.weight")
 """Suffixes of the down-projection weights (peft / diffusers, kohya); shape ``(rank, in_features)``."""
-UP = (".lora_B.weight", ".lora_up.weight")
 
 
 def lora_ranks(header: dict[str, Any]) -> dict[int, int]:
@@ -42,13 +40,9 @@ def _training_state(path: str | Path, header: dict[str, Any], key: str) -> None:
 
 
 def _family(header: dict[str, Any]) -> str | None:
-    """The family this pack wrote into a LoRA's header (``None``: another tool's file)."""
-    value = (header.get("__metadata__") or {}).get("family")
-    try:
-        value = json.loads(value) if value and value.startswith('"') else value
-    except ValueError:
-        pass
-    return value or None
+    """The family this pack wrote into a LoRA's header (``save_lora`` writes it as the plain
+    string; ``None``: another tool's file)."""
+    return (header.get("__metadata__") or {}).get("family") or None
 
 
 def check_init_lora(path: str | Path, family: str, rank: int) -> None:
