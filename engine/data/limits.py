@@ -26,6 +26,7 @@ from ..config import ConfigError, TrainConfig
 from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae_config
+from ..model.folders import transformer_folder, vae_folder
 from ..model.single_file import identify_file
 from .buckets import vae_downscale
 
@@ -91,12 +92,10 @@ def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> Model
                           f"{model.preset} preset")
     try:
         if model.model_path:
-            root = Path(model.model_path)
-            pipeline = (root / "model_index.json").is_file()
-            values = _read_json((root / "transformer" if pipeline else root) / "config.json")
+            values = _read_json(transformer_folder(model.model_path) / "config.json")
             if values.get("_class_name") != family.model_class:
                 return None  # the loader refuses the folder, naming both classes
-            vae = Path(model.vae_path) if model.vae_path else (root / "vae" if pipeline else None)
+            vae = vae_folder(model.model_path, model.vae_path)
             source = f"model_path {model.model_path}"
         else:
             values, vae = identify_file(model.model_file, family.name).config, model.vae_path

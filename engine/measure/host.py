@@ -11,7 +11,6 @@ device: no memory is allocated, no file but ``config.json`` is read).
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -20,6 +19,7 @@ from ..config.guardrails import check_budget
 from ..core.memory import device_budget, free_memory
 from ..core.plan import count_blocks, effective_plan
 from ..families import get_family
+from ..model.folders import transformer_folder
 from ..model.loading import resolve_device, run_precision
 
 HOST_MARGIN = 0.10
@@ -65,10 +65,8 @@ def streamed_bytes_estimate(config: TrainConfig) -> int | None:
     if model_cfg.model_file:
         return None
     if model_cfg.model_path:
-        root = Path(model_cfg.model_path)
-        folder = root / "transformer" if (root / "model_index.json").is_file() else root
         try:
-            values = family.model_cls().load_config(str(folder))
+            values = family.model_cls().load_config(str(transformer_folder(model_cfg.model_path)))
         except (OSError, ValueError):
             return None  # the run's own checks name what is wrong with the folder
     else:

@@ -53,6 +53,20 @@ def check_safetensors_folder(folder: Path) -> None:
     raise ModelLoadError(f"{folder} has no .safetensors weights")
 
 
+def transformer_folder(root: str | Path) -> Path:
+    """The folder of the transformer's ``config.json`` and weights: ``root/transformer`` of a
+    pipeline folder (one with ``model_index.json``), else ``root`` itself."""
+    root = Path(root)
+    return root / "transformer" if (root / "model_index.json").is_file() else root
+
+
+def vae_folder(root: str | Path, vae_path: str | Path | None) -> Path | None:
+    """The VAE's folder: ``vae_path`` when given, else a pipeline folder's ``vae/`` (None for a
+    bare transformer folder)."""
+    root = Path(root)
+    return Path(vae_path) if vae_path else (root / "vae" if (root / "model_index.json").is_file() else None)
+
+
 def _class_name(folder: Path) -> str:
     config = folder / "config.json"
     if not config.is_file():
@@ -79,8 +93,7 @@ def stored_dtype(path: str | Path) -> torch.dtype:
     Raises:
         ModelLoadError: no readable ``.safetensors`` weights.
     """
-    root = Path(path)
-    folder = root / "transformer" if (root / "model_index.json").is_file() else root
+    folder = transformer_folder(path)
     counts: dict[str, int] = {}
     try:
         for file in sorted(folder.glob("*.safetensors")):
@@ -102,8 +115,7 @@ def detect_family(path: str | Path) -> str:
     Raises:
         ModelLoadError: no config, unreadable config, or a class no adapter handles.
     """
-    root = Path(path)
-    folder = root / "transformer" if (root / "model_index.json").is_file() else root
+    folder = transformer_folder(path)
     try:
         found = _class_name(folder)
     except json.JSONDecodeError as exc:
@@ -138,7 +150,7 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     if not root.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a folder")
     pipeline = (root / "model_index.json").is_file()
-    transformer_dir = root / "transformer" if pipeline else root
+    transformer_dir = transformer_folder(root)
     found = _class_name(transformer_dir)
     if family_name is None:
         family = family_for_class(found)
@@ -150,7 +162,7 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
             raise ModelLoadError(f"{transformer_dir} holds a {found!r} but family {family.name!r} "
                                  f"needs a {family.model_class!r}")
     transformer = _load_component(transformer_dir, family.model_class, dtype)
-    vae_dir = Path(vae_path) if vae_path else (root / "vae" if pipeline else None)
+    vae_dir = vae_folder(root, vae_path)
     if vae_dir is None or not vae_dir.is_dir():
         raise ModelLoadError(f"no VAE for {root}: pass a pipeline folder with vae/ or a vae path")
     if isinstance(text_encoder_path, (str, Path)):
