@@ -1,11 +1,13 @@
 """What a run's options point at, fingerprinted: the data folder's files and captions, the model
 file, ComfyUI's prepared latents. Saved with the resumable state; a resume compares it with the
 inputs it finds, so a data folder that gained or lost images (the saved epoch position would
-then skip or repeat some) or a model file replaced under the same name is named before any work,
-not found in the results.
+then skip or repeat some) or a model file replaced under the same name by one of another size or
+layout is named before any work, not found in the results.
 
 Fingerprints are cheap: file sizes and the SHA-256 of captions and of a safetensors header (it
-lists every tensor's name, dtype, shape and byte range), never of the image or weight data.
+lists every tensor's name, dtype, shape and byte range), never of the image or weight data; so a
+file of the same size and header (another fine-tune of the same model, stored alike) is not told
+apart.
 """
 
 from __future__ import annotations
