@@ -29,13 +29,13 @@ from typing import Any, Callable, Mapping
 import safetensors
 import torch
 from accelerate import init_empty_weights
-from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from safetensors import safe_open
 
 from ..families import FamilyAdapter, get_family
 from ..files.checks import DamagedFileError, safetensors_header
 from .bundle import ModelBundle, ModelLoadError
 from .folders import SAFETENSORS_FLOAT, assemble_bundle
+from .layouts import diffusers_converter, get_layout
 from .lora_header import check_not_a_lora
 from .single_file_formats import FORMATS, RECOGNISED_ONLY, FileFormat, ShapeInferenceError, Shapes
 
@@ -137,8 +137,8 @@ def model_shapes(family: FamilyAdapter, config: Mapping[str, Any]) -> dict[str, 
 def _converter(fmt: FileFormat, family: FamilyAdapter) -> Callable[[dict], dict]:
     if fmt.convert is not None:
         return fmt.convert
-    mapping = SINGLE_FILE_LOADABLE_CLASSES[family.model_class]["checkpoint_mapping_fn"]
-    return lambda checkpoint: mapping(checkpoint=checkpoint, config={})
+    layout = get_layout(family.name)
+    return layout.from_original if layout is not None else diffusers_converter(family.model_class)
 
 
 def _converted_shapes(fmt: FileFormat, family: FamilyAdapter, shapes: Shapes) -> dict[str, tuple[int, ...]]:

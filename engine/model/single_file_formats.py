@@ -7,10 +7,8 @@ the conversions run on real tensors and, unchanged, on ``meta`` tensors built fr
 
 Sources: the signature keys of the original layouts are those of diffusers'
 ``single_file_utils.CHECKPOINT_KEY_NAMES`` (ComfyUI's ``comfy/model_detection.py`` tests the same
-keys); the conversions are diffusers' own (``SINGLE_FILE_LOADABLE_CLASSES``), except for Flux,
-whose diffusers 0.42 conversion hard-codes the released width (``inner_dim = 3072``) and so cannot
-convert any other width: :func:`flux_original_to_diffusers` applies the same published mapping
-(Black Forest Labs' ``flux`` reference code -> ``FluxTransformer2DModel``) at any width.
+keys); the conversions are the families' :mod:`.layouts` (diffusers' own functions, wrapped where
+diffusers hard-codes the released width), else diffusers' ``SINGLE_FILE_LOADABLE_CLASSES``.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
+
+from .layouts.flux import indices
 
 Shapes = Mapping[str, tuple[int, ...]]
 """Tensor shapes by key, the diffusers layout: ``{"x_embedder.weight": (3072, 64), ...}``."""
@@ -40,7 +40,8 @@ class FileFormat:
             original release layout.
         diffusers: keys all of which mark the diffusers layout.
         convert: original layout -> diffusers layout (``{key: tensor}`` in, a new dict out; it
-            may consume its input); ``None``: diffusers' own function for the family's class.
+            may consume its input); ``None``: the family's :class:`~.layouts.OriginalLayout`
+            ``from_original``, else diffusers' own function for the family's class.
         infer: diffusers-layout shapes -> the config keys the shapes determine (raises
             :class:`ShapeInferenceError`); ``None``: only the shipped variants are known.
     """
@@ -52,106 +53,9 @@ class FileFormat:
     infer: Callable[[Shapes], dict[str, Any]] | None = field(default=None)
 
 
-_FLUX_TOP = {  # BFL module -> diffusers module (weight and bias)
-    "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
-    "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
-    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
-    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
-    "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
-    "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
-    "txt_in": "context_embedder",
-    "img_in": "x_embedder",
-    "final_layer.linear": "proj_out",
-}
-_FLUX_DOUBLE = {
-    "img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
-    "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2",
-    "txt_mlp.0": "ff_context.net.0.proj", "txt_mlp.2": "ff_context.net.2",
-    "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
-}
-_FLUX_DOUBLE_NORMS = {
-    "img_attn.norm.query_norm.scale": "attn.norm_q.weight", "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
-    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
-    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
-}
-_FLUX_DOUBLE_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_FLUX_SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out"}
-_FLUX_SINGLE_NORMS = {"norm.query_norm.scale": "attn.norm_q.weight", "norm.key_norm.scale": "attn.norm_k.weight"}
-_FLUX_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # linear1 = [q; k; v; mlp-in]
-
-
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    """``[shift; scale]`` (BFL, SD3) -> ``[scale; shift]`` (diffusers' ``AdaLayerNormContinuous``)."""
-    shift, scale = t.chunk(2, dim=0)
-    return torch.cat([scale, shift], dim=0)
-
-
-def _move(src: dict, dst: dict, old: str, new: str, params: tuple[str, ...] = ("weight", "bias")) -> None:
-    for p in params:
-        if f"{old}.{p}" in src:
-            dst[f"{new}.{p}"] = src.pop(f"{old}.{p}")
-
-
-def flux_original_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Flux.1 transformer in Black Forest Labs' layout -> ``FluxTransformer2DModel`` keys.
-
-    Fused tensors are split: ``double_blocks.N.{img,txt}_attn.qkv`` (3H, H) into q, k, v;
-    ``single_blocks.N.linear1`` (3H + M, H) into q, k, v (H rows each) and the MLP input (M rows),
-    with H read from the tensor itself; ``final_layer.adaLN_modulation.1`` is reordered
-    ``[shift; scale] -> [scale; shift]``. Works at any width and on ``meta`` tensors; consumes
-    ``checkpoint``.
-
-    Raises:
-        KeyError: keys the mapping does not know are left over (named).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for old, new in _FLUX_TOP.items():
-        _move(checkpoint, out, old, new)
-    for p in ("weight", "bias"):
-        key = f"final_layer.adaLN_modulation.1.{p}"
-        if key in checkpoint:
-            out[f"norm_out.linear.{p}"] = _swap_halves(checkpoint.pop(key))
-    for i in _indices(checkpoint, "double_blocks."):
-        src, dst = f"double_blocks.{i}.", f"transformer_blocks.{i}."
-        for old, new in _FLUX_DOUBLE.items():
-            _move(checkpoint, out, src + old, dst + new)
-        for old, new in _FLUX_DOUBLE_NORMS.items():
-            if src + old in checkpoint:
-                out[dst + new] = checkpoint.pop(src + old)
-        for old, names in _FLUX_DOUBLE_QKV.items():
-            for p in ("weight", "bias"):
-                if f"{src}{old}.{p}" in checkpoint:
-                    for name, part in zip(names, checkpoint.pop(f"{src}{old}.{p}").chunk(3, dim=0)):
-                        out[f"{dst}{name}.{p}"] = part
-    for i in _indices(checkpoint, "single_blocks."):
-        src, dst = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
-        for old, new in _FLUX_SINGLE.items():
-            _move(checkpoint, out, src + old, dst + new)
-        for old, new in _FLUX_SINGLE_NORMS.items():
-            if src + old in checkpoint:
-                out[dst + new] = checkpoint.pop(src + old)
-        if f"{src}linear1.weight" in checkpoint:
-            hidden = checkpoint[f"{src}linear1.weight"].shape[1]
-            sizes = (hidden, hidden, hidden, checkpoint[f"{src}linear1.weight"].shape[0] - 3 * hidden)
-            for p in ("weight", "bias"):
-                if f"{src}linear1.{p}" in checkpoint:
-                    for name, part in zip(_FLUX_SINGLE_FUSED, checkpoint.pop(f"{src}linear1.{p}").split(sizes, dim=0)):
-                        out[f"{dst}{name}.{p}"] = part
-    if checkpoint:
-        raise KeyError(f"keys the Flux mapping does not know: {', '.join(sorted(checkpoint)[:5])}")
-    return out
-
-
-def _indices(keys, prefix: str) -> list[int]:
-    """Sorted block indices N of keys ``<prefix>N.<...>``."""
-    return sorted({int(k[len(prefix):].split(".", 1)[0]) for k in keys
-                   if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()})
-
-
 def _count(shapes: Shapes, prefix: str) -> int:
     """Number of blocks ``<prefix>0 .. <prefix>N-1`` (the highest index + 1)."""
-    found = _indices(shapes, prefix)
+    found = indices(shapes, prefix)
     return found[-1] + 1 if found else 0
 
 
@@ -226,7 +130,7 @@ def infer_sd3(shapes: Shapes) -> dict[str, Any]:
         "joint_attention_dim": joint, "caption_projection_dim": caption,
         "pooled_projection_dim": _shape(shapes, "time_text_embed.text_embedder.linear_1.weight")[1],
         "pos_embed_max_size": math.isqrt(_shape(shapes, "pos_embed.pos_embed")[1]),
-        "dual_attention_layers": tuple(i for i in _indices(shapes, "transformer_blocks.")
+        "dual_attention_layers": tuple(i for i in indices(shapes, "transformer_blocks.")
                                        if f"transformer_blocks.{i}.attn2.to_q.weight" in shapes),
         "qk_norm": (None if norm not in shapes else
                     "layer_norm" if "transformer_blocks.0.attn.norm_q.bias" in shapes else "rms_norm"),
@@ -238,7 +142,7 @@ FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's files also hol
                ("distilled_guidance_layer.in_proj.weight", "single_transformer_blocks.0.proj_mlp.weight")),
     FileFormat("flux", ("double_blocks.0.img_attn.norm.key_norm.scale",),
                ("single_transformer_blocks.0.proj_mlp.weight", "time_text_embed.timestep_embedder.linear_1.weight"),
-               convert=flux_original_to_diffusers, infer=infer_flux),
+               infer=infer_flux),
     FileFormat("sd3", ("joint_blocks.0.context_block.adaLN_modulation.1.bias",),
                ("transformer_blocks.0.norm1_context.linear.weight", "pos_embed.proj.weight"), infer=infer_sd3),
     FileFormat("wan", ("head.modulation",), ("condition_embedder.time_embedder.linear_1.weight", "scale_shift_table")),
