@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .options import check_options, option
 
+LORA_FORMATS = ("both", "comfyui", "diffusers")
+"""Which LoRA files a run writes (``engine/model/comfy_lora.py``, ``engine/model/lora_files.py``)."""
 ON_DATA_CHANGE = ("refuse", "new_epoch")
 """What a resume does when the data differ from the saved run's (``engine/data/fingerprint.py``)."""
 
@@ -30,6 +32,12 @@ class OutputConfig:
                                  "skip or repeat images), or new_epoch (continue with a fresh epoch order; the "
                                  "report records the change).", "--on-data-change", choices=ON_DATA_CHANGE,
                                  long_run=True)
+    lora_format: str = option("both", "LoRA file names: comfyui (the family's released layout, what ComfyUI's "
+                              "LoraLoaderModelOnly applies; fused q/k/v as one exact LoRA), diffusers (transformer.* "
+                              "keys, what diffusers' load_lora_weights reads), or both (the diffusers file, and the "
+                              "ComfyUI one beside it as <name>_comfyui.safetensors). Families without a ComfyUI "
+                              "layout write the diffusers file only (see segckpt families).", "--lora-format",
+                              choices=LORA_FORMATS, long_run=True)
     save_every: int = option(0, "Also save the resumable state every N steps (0 = only at the end or on "
                              "interruption).", "--save-every", min=0, max=10**8, long_run=True)
 

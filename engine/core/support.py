@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..config.data import MAX_RESOLUTION
 from ..families import family_names as _family_names
 from ..families import get_family
+from ..families.comfyui import comfyui_lora
 from ..families.limits import full_config, largest_square, model_limits, token_patch
 
 TINY_VAE_DOWNSCALE = 8
@@ -96,14 +97,16 @@ def data_sources_table() -> str:
     the text encoders ``segckpt --text-encoder`` takes, as markdown."""
     legend = ("*ComfyUI latent format*: the `comfy/latent_formats.py` class (ComfyUI 0.3.64) that maps a `LATENT` "
               "to the model's latents; Train LoRA refuses `latent` + `conditioning` for `-` (no mapping). "
-              "*text encoders*: the folders `--text-encoder` takes, by kind (`-`: one generic folder).\n")
+              "*text encoders*: the folders `--text-encoder` takes, by kind (`-`: one generic folder). *LoRA applied in "
+              "ComfyUI*: which `lora_format` files ComfyUI 0.3.64's LoRA loader applies with every key "
+              "(`engine/families/comfyui.py`).\n")
     rows = ["## Data sources besides images\n", legend,
-            "| family | ComfyUI latent format | text encoders |", "|---|---|---|"]
+            "| family | ComfyUI latent format | text encoders | LoRA applied in ComfyUI |", "|---|---|---|---|"]
     for name in _family_names():
         family = get_family(name)
         fmt = family.comfy_latents.describe() if family.comfy_latents else "-"
         kinds = " + ".join(family.text_encoders.kinds) if family.text_encoders else "-"
-        rows.append(f"| {name} | {fmt} | {kinds} |")
+        rows.append(f"| {name} | {fmt} | {kinds} | {comfyui_lora(name)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -40,7 +40,9 @@ from safetensors.torch import load_file
 from ..config.lora import LoraConfigError, LoraSettings
 from ..files.atomic import atomic_save_file
 from ..files.checks import check_safetensors
+from .comfy_lora import base_shapes, from_comfy_keys, to_comfy_keys
 from .distributed import full_tensor, plain_name
+from .layouts import LayoutError, get_layout
 from .precision import quiet_torchao
 
 PREFIX = "transformer."
@@ -178,9 +180,78 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
     return atomic_save_file(tensors, path, header)
 
 
-def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSettings) -> int:
-    """Start the model's adapter from a LoRA file: one this pack saved, or a diffusers/kohya-style
-    file with ``transformer.`` keys (``.alpha`` tensors or ``lora_adapter_metadata`` give its scale).
+def _from_comfy_file(model, path, tensors, family) -> dict[str, torch.Tensor]:
+    """A ComfyUI-format file of this pack as ``transformer.``-prefixed bare keys (its scale is 1)."""
+    layout = get_layout(family) if family else None
+    if layout is None:
+        raise LoraConfigError(f"init_lora={str(path)!r} is a ComfyUI-format LoRA; family {family!r} has no released "
+                              "layout to read it back: give the diffusers file (lora_format diffusers or both)")
+    modules = sorted(k[: -len(".lora_A.weight")] for k in lora_state_dict(model) if k.endswith(".lora_A.weight"))
+    try:
+        bare = from_comfy_keys(tensors, layout, base_shapes(model), modules)
+    except (LayoutError, ValueError) as exc:
+        raise LoraConfigError(f"init_lora={str(path)!r} does not match this run's adapter: {exc}") from exc
+    return {PREFIX + k: v for k, v in bare.items()}
+
+
+def lora_paths(path: str | Path, lora_format: str, family: str) -> dict[str, Path]:
+    """``{format: file}`` a save writes for ``lora_format`` (``engine/config/outputs.py``
+    ``LORA_FORMATS``): the diffusers file keeps ``path``; the ComfyUI file takes ``path`` when it is
+    the only one, else ``<stem>_comfyui.safetensors`` beside it. A family without a released layout
+    (:mod:`.layouts`) writes the diffusers file only.
+
+    Raises:
+        ValueError: ``comfyui`` for a family without a released layout (the run's checks refuse it
+            before any work: ``engine/train/checks.py``).
+    """
+    path = Path(path)
+    if get_layout(family) is None:
+        if lora_format == "comfyui":
+            raise ValueError(f"lora_format=comfyui: family {family!r} has no released layout mapped here")
+        return {"diffusers": path}
+    if lora_format == "diffusers":
+        return {"diffusers": path}
+    if lora_format == "comfyui":
+        return {"comfyui": path}
+    return {"diffusers": path, "comfyui": path.with_name(f"{path.stem}_comfyui{path.suffix}")}
+
+
+def save_lora_files(model: torch.nn.Module, path: str | Path, settings: LoraSettings, family: str,
+                    lora_format: str = "both", metadata: Mapping[str, Any] | None = None,
+                    write: bool = True) -> dict[str, Path]:
+    """Save the model's LoRA in the files of ``lora_format`` (:func:`lora_paths`); ``{format: file}``.
+
+    The diffusers file is :func:`save_lora`'s; the ComfyUI file holds the same update in the
+    family's released-layout names (:func:`~.comfy_lora.to_comfy_keys`), its header the same
+    ``metadata`` and ``lora_settings`` and ``lora_format = comfyui`` (no ``lora_adapter_metadata``:
+    its keys are not diffusers'). Each file is written atomically, the diffusers one first.
+
+    Raises:
+        OutputWriteError: a file could not be written.
+        LayoutError: an adapted module has no place in the released layout.
+    """
+    paths = lora_paths(path, lora_format, family)
+    if "diffusers" in paths:
+        save_lora(model, paths["diffusers"], settings, {**(metadata or {}), "family": family}, write)
+    if "comfyui" in paths:
+        scales = adapter_scales(model)
+        bare = {k: v * scales[k.partition(".lora_B.")[0]] if ".lora_B." in k else v
+                for k, v in lora_state_dict(model).items()}
+        tensors = to_comfy_keys(bare, get_layout(family), base_shapes(model))
+        if write:
+            header = {k: v if isinstance(v, str) else json.dumps(v)
+                      for k, v in {**(metadata or {}), "family": family}.items()}
+            header.update({"format": "pt", "lora_format": "comfyui", "lora_settings": json.dumps(asdict(settings))})
+            atomic_save_file(tensors, paths["comfyui"], header)
+    return paths
+
+
+def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSettings, family: str | None = None) -> int:
+    """Start the model's adapter from a LoRA file: one this pack saved (either ``lora_format``), or
+    a diffusers/kohya-style file with ``transformer.`` keys (``.alpha`` tensors or
+    ``lora_adapter_metadata`` give its scale). A ComfyUI-format file of this pack (header
+    ``lora_format = comfyui``) is split back into the adapter's modules exactly
+    (:func:`~.comfy_lora.from_comfy_keys`; needs ``family``).
 
     The file's effective update ``file_scale * B @ A`` is kept exactly: ``B`` is loaded as
     ``B_file * file_scale / run_scale`` (``run_scale`` = the run's alpha / rank).
@@ -195,6 +266,8 @@ def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSetti
     header = check_safetensors(path, "init_lora", "give another LoRA file or none")
     tensors = load_file(str(path))
     metadata = json.loads(header.get(LORA_ADAPTER_METADATA_KEY, "{}") or "{}")
+    if header.get("lora_format") == "comfyui":
+        tensors = _from_comfy_file(model, path, tensors, family)
     meta_scale = (metadata.get(PREFIX + "lora_alpha", 1.0) / metadata.get(PREFIX + "r", 1.0)
                   if PREFIX + "r" in metadata else 1.0)
     scales = adapter_scales(model)

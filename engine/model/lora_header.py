@@ -6,6 +6,7 @@ given as the model, is named in one line before the model loads, not in a dict d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,10 @@ def check_init_lora(path: str | Path, family: str, rank: int) -> None:
     header = safetensors_header(path, "init_lora", "give a complete .safetensors LoRA file")
     _training_state(path, header, "init_lora")
     ranks = lora_ranks(header)
+    meta = header.get("__metadata__") or {}
+    if ranks and meta.get("lora_format") == "comfyui" and "lora_settings" in meta:
+        # fused projections hold the parts' ranks stacked: the trained rank is in the settings
+        ranks = {int(json.loads(meta["lora_settings"])["rank"]): sum(ranks.values())}
     tensors = len(header) - ("__metadata__" in header)
     if not ranks:
         raise ConfigError(f"init_lora={str(path)!r} is invalid: allowed a LoRA file; its {tensors} tensors hold no "

@@ -13,6 +13,7 @@ from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.limits import check_resolution
+from ..families.comfyui import LAYOUT_MODULES
 from ..files.checks import safetensors_header
 from ..model.bundle import ModelBundle
 from ..model.lora_header import check_init_lora, check_not_a_lora
@@ -52,6 +53,20 @@ def check_input_paths(config: TrainConfig) -> None:
     check_dataset(config.data.folder)
 
 
+def check_lora_format(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
+    """Refuse ``lora_format=comfyui`` for a family whose released layout is not mapped here (its
+    LoRA could not be named as ComfyUI names it; ``both`` writes the diffusers file alone there).
+
+    Raises:
+        ConfigError: naming the family and the families that have a layout.
+    """
+    family = bundle.family.name if bundle is not None else config.model.family
+    if config.outputs.lora_format == "comfyui" and family is not None and family not in LAYOUT_MODULES:
+        raise ConfigError(f"lora_format='comfyui' is invalid for family {family!r}: its released layout is not mapped "
+                          f"here (comfyui files: {', '.join(sorted(LAYOUT_MODULES))}); allowed diffusers or both "
+                          "(see segckpt families, column 'LoRA applied in ComfyUI')")
+
+
 def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle | None = None) -> None:
     """Check paths (:func:`check_input_paths`), the resolution against the model's limits
     (:func:`~..data.limits.check_resolution`), device and saved state before any heavy work.
@@ -76,6 +91,7 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
         raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
                           "one latent shape): allowed false; bucketing needs an image folder")
     check_input_paths(config)
+    check_lora_format(config, bundle)
     if not prepared:
         check_resolution(config, bundle)
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,

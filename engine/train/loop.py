@@ -233,7 +233,8 @@ class TrainingRun:
             interrupted = self._stop and len(self.history) < self.config.steps
             state = None if self._done is None else (rng_state(ctx.noise_gen), ctx.sampler.state(), self._done)
             lora_path, report = self._write_outputs(interrupted, None, state)
-            self.log(f"wrote {lora_path}, {self.files.report}, {self.files.state}")
+            written = ", ".join(report.get("lora_files", {}).values()) or str(lora_path)
+            self.log(f"wrote {written}, {self.files.report}, {self.files.state}")
             if self.dist is not None:
                 self.dist.barrier()  # the files are complete before any rank returns
         self.result = TrainResult(self.config, self.plan, self.history, lora_path, self.files.state,

@@ -13,7 +13,7 @@ from ..config import TrainConfig
 from ..core.plan import ModelPlan
 from ..files.atomic import OutputWriteError, remove_stale_temporaries
 from ..model.distributed import full_optimizer_state
-from ..model.lora_files import lora_state_dict, save_lora
+from ..model.lora_files import lora_state_dict, save_lora_files
 from .report import REPORT_FILE, build_report, write_report
 from .state import STATE_FILE, TrainingState, save_state
 
@@ -98,7 +98,10 @@ class RunFiles:
         meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
                 "base_model": source}
         try:
-            lora_path = save_lora(ctx.model, self.lora, config.lora, meta, write=self.writer)
+            files = save_lora_files(ctx.model, self.lora, config.lora, ctx.family.name, config.outputs.lora_format,
+                                    meta, write=self.writer)
+            lora_path = files.get("diffusers", files.get("comfyui"))
+            sections = {**sections, "lora_files": {fmt: str(p) for fmt, p in files.items()}}
         except OutputWriteError as exc:
             raise self._failed(exc) from exc
         self._lora_step = len(history)

@@ -32,7 +32,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     ``comfyui conditioning``), ``schedule_switches`` (out-of-memory recoveries: step, schedule
     before and after, the error), ``watchdog`` (slowdown and memory-growth reports) and ``resume``
     (None, or a resume that went on although the data changed, ``on_data_change=new_epoch``: what
-    changed, the step it resumed from and the fresh epoch it continued with).
+    changed, the step it resumed from and the fresh epoch it continued with) and ``lora_files``
+    (``{format: path}`` of the LoRA files written, ``lora_format``).
 
     ``ignored_config_keys`` names the config file's keys that mean nothing here
     (:meth:`~..config.TrainConfig.from_json_file`). ``totals.sec_per_step`` is the median over steps after ``timing_warmup_steps`` (None when no

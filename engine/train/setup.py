@@ -110,7 +110,7 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
     torch.manual_seed(config.seed)
     add_lora(model, config.lora, bundle.family.lora_targets)
     if config.model.init_lora and state is None:
-        log(f"init_lora: {load_lora_file(model, config.model.init_lora, config.lora)} modules from "
+        log(f"init_lora: {load_lora_file(model, config.model.init_lora, config.lora, bundle.family.name)} modules from "
             f"{config.model.init_lora}")
     if state is not None:
         load_lora_state_dict(model, state.lora)

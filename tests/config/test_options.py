@@ -31,7 +31,7 @@ PINNED = (
     "gradient_checkpointing_offload_pin_memory_max_buckets",
     "weight_offload", "weight_offload_blocks", "weight_offload_prefetch",
     "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
-    "output", "resume", "overwrite", "on_data_change", "save_every",
+    "output", "resume", "overwrite", "on_data_change", "lora_format", "save_every",
     "fsdp", "fsdp_activation_checkpointing",
     "validation_every", "validation_prompts", "validation_num_inference_steps",
     "steps", "seed", "timing_warmup_steps",

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
+from ...families.comfyui import LAYOUT_MODULES
 from .renames import LayoutError
 
 StateDict = dict[str, torch.Tensor]
 
-_MODULES = {  # family -> module of this package that registers its layout
-    "flux": "flux", "chroma": "flux", "sd3": "sd3", "wan": "wan", "lumina2": "lumina2", "zimage": "zimage",
-    "qwenimage": "qwenimage",
-}
+_MODULES = LAYOUT_MODULES
 _LAYOUTS: dict[str, "OriginalLayout"] = {}
 
 
@@ -82,8 +81,6 @@ def get_layout(family: str) -> OriginalLayout | None:
 
 def diffusers_converter(model_class: str) -> Callable[[StateDict], StateDict]:
     """diffusers' own single-file conversion of ``model_class`` (``checkpoint_mapping_fn``)."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
     mapping = SINGLE_FILE_LOADABLE_CLASSES[model_class]["checkpoint_mapping_fn"]
     return lambda checkpoint: mapping(checkpoint=checkpoint, config={})
 

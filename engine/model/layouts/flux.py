@@ -4,7 +4,7 @@ Flux's without the per-block modulations, with a ``distilled_guidance_layer``).
 diffusers 0.42's conversions (``convert_flux_transformer_checkpoint_to_diffusers``,
 ``convert_chroma_transformer_checkpoint_to_diffusers``) hard-code the released width
 (``inner_dim = 3072``) to split ``single_blocks.N.linear1``, so they convert no other width. At the
-released width :func:`from_original` hands the file to diffusers' function; at any other width it
+released width ``from_original`` hands the file to diffusers' function; at any other width it
 applies the same mapping with the split read from the tensors (:func:`flux_original_to_diffusers`).
 ``tests/model/test_layouts.py`` checks that both give the same tensors at the released width.
 """
@@ -80,7 +80,7 @@ def flux_original_to_diffusers(checkpoint: StateDict) -> StateDict:
 
     Fused tensors are split: ``double_blocks.N.{img,txt}_attn.qkv`` (3H, H) into q, k, v;
     ``single_blocks.N.linear1`` (3H + M, H) into q, k, v (H rows each) and the MLP input (M rows),
-    H read from ``linear1``'s input width; ``final_layer.adaLN_modulation.1`` is reordered
+    H read from ``linear2``'s rows (its output width); ``final_layer.adaLN_modulation.1`` is reordered
     ``[shift; scale] -> [scale; shift]``. Works on ``meta`` tensors; consumes ``checkpoint``.
 
     Raises:
@@ -109,11 +109,11 @@ def flux_original_to_diffusers(checkpoint: StateDict) -> StateDict:
                         out[f"{dst}{name}.{p}"] = part
     for i in indices(checkpoint, "single_blocks."):
         src, dst = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        hidden = checkpoint[f"{src}linear2.weight"].shape[0] if f"{src}linear2.weight" in checkpoint else None
         for old, new in _SINGLE.items():
             _move(checkpoint, out, src + old, dst + new)
         _norms(checkpoint, out, _SINGLE_NORMS, src, dst, "scale", "weight")
-        if f"{src}linear1.weight" in checkpoint:
-            hidden = checkpoint[f"{src}linear1.weight"].shape[1]
+        if f"{src}linear1.weight" in checkpoint and hidden is not None:
             sizes = (hidden, hidden, hidden, checkpoint[f"{src}linear1.weight"].shape[0] - 3 * hidden)
             for p in _PARAMS:
                 if f"{src}linear1.{p}" in checkpoint:

@@ -21,6 +21,8 @@ import re
 import textwrap
 from typing import Callable, Mapping, Sequence
 
+import torch
+
 Pairs = tuple[tuple[str, str], ...]
 
 
@@ -113,8 +115,6 @@ def join_rows(state: dict, parts: Sequence[str], into: str) -> dict:
     """Every module with the sub-modules ``parts`` (``to_q``, ``to_k``, ``to_v``) gets one
     ``<module>.<into>`` weight (and bias) with their rows joined in that order (dim 0), as the
     released layouts store fused projections; the parts are removed. Returns a new dict."""
-    import torch
-
     out = dict(state)
     first = f".{parts[0]}."
     for key in [k for k in state if first in k]:

@@ -9,6 +9,8 @@ output projection (``head.head``; ``after_proj`` is VACE's, whose blocks hold it
 
 from __future__ import annotations
 
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
 from . import OriginalLayout, StateDict, register_layout
 from .renames import diffusers_renames, rename_all
 
@@ -19,19 +21,14 @@ RESOLVE = {
 }
 
 
-def _convert():
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-    return convert_wan_transformer_to_diffusers
-
-
 def wan_to_original(state: StateDict) -> StateDict:
     """``WanTransformer3DModel`` keys -> Wan-AI's layout (renames only; tensors unchanged). A new dict.
 
     Raises:
         LayoutError: a key no original key maps to.
     """
-    return rename_all(state, diffusers_renames(_convert(), "TRANSFORMER_KEYS_RENAME_DICT"), RESOLVE)
+    return rename_all(state, diffusers_renames(convert_wan_transformer_to_diffusers, "TRANSFORMER_KEYS_RENAME_DICT"), RESOLVE)
 
 
-WAN = register_layout(OriginalLayout("wan", wan_to_original, lambda checkpoint: _convert()(checkpoint),
+WAN = register_layout(OriginalLayout("wan", wan_to_original, convert_wan_transformer_to_diffusers,
                                      "Wan-AI's layout; diffusers' convert_wan_transformer_to_diffusers"))

@@ -8,6 +8,8 @@ three equal parts.
 
 from __future__ import annotations
 
+from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
 from . import OriginalLayout, StateDict, diffusers_converter, register_layout
 from .renames import diffusers_renames, join_rows, rename_all
 
@@ -18,9 +20,7 @@ def zimage_to_original(state: StateDict) -> StateDict:
     Raises:
         LayoutError: a key no original key maps to.
     """
-    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers as convert
-
-    pairs = tuple(p for p in diffusers_renames(convert, "Z_IMAGE_KEYS_RENAME_DICT") if p[0] != "model.diffusion_model.")
+    pairs = tuple(p for p in diffusers_renames(convert_z_image_transformer_checkpoint_to_diffusers, "Z_IMAGE_KEYS_RENAME_DICT") if p[0] != "model.diffusion_model.")
     return rename_all(join_rows(state, ("to_q", "to_k", "to_v"), "qkv"), pairs)
 
 
