@@ -37,6 +37,7 @@ from .config.schedule import check_supported
 from .config.table import options_table
 from .core.support import support_table
 from .families import FamilyAdapter, family_names, get_family
+from .families.comfyui import LAYOUT_MODULES
 
 if TYPE_CHECKING:
     from .measure.planner import PlanChoice
@@ -63,7 +64,7 @@ _ON_FIRST_USE = {
     ".measure.sweep": ("SweepCell", "sweep_schedules"),
     ".model.bundle": ("ModelBundle",),
     ".model.distributed": ("close_distributed",),
-    ".model.lora_files": ("save_lora",),
+    ".model.lora_files": ("save_lora", "save_lora_files"),
     ".train.checks": ("check_input_paths", "check_run"),
     ".train.loop": ("TrainResult",),
     ".train.previews": ("PreviewSource", "comfy_preview_source"),
@@ -99,9 +100,9 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "LAYOUT_MODULES", "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
-    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "sweep",
+    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "save_lora_files", "sweep",
     "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",
 ]
 

@@ -222,8 +222,10 @@ class TrainLoRA:
 
 class SaveLoRA:
     """Writes the trained LoRA into ``models/loras`` as ``<prefix>_00001.safetensors``, ``_00002``, ...
-    (never over an earlier file); it loads in ComfyUI's LoRA loaders and diffusers, and its
-    ``lora_name`` output can feed ``LoraLoaderModelOnly`` in the same graph."""
+    (never over an earlier file). Its default ``lora_format`` (``comfyui``) writes the family's
+    released-layout names, which ComfyUI's own ``LoraLoaderModelOnly`` applies with every key, so the
+    ``lora_name`` output can feed that loader in the same graph; ``diffusers`` writes diffusers'
+    names, ``both`` the two files (``lora_name`` then names the ComfyUI one)."""
 
     CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "save", True
     RETURN_TYPES, RETURN_NAMES = (AnyType("*"),), ("lora_name",)
@@ -234,6 +236,11 @@ class SaveLoRA:
             "run": (RUN, tip("From Train LoRA.")),
             "filename_prefix": ("STRING", tip("File name under models/loras (no '..', no absolute path); a number "
                                               "is added: prefix_00001.safetensors, ...", default="segckpt_lora")),
+        }, "optional": {
+            "lora_format": widget("lora_format", default="comfyui", tooltip=(
+                "comfyui: the names this graph's LoraLoaderModelOnly applies (the family's released layout); "
+                "diffusers: transformer.* names for diffusers' load_lora_weights; both: the two files "
+                "(the diffusers one as <name>_diffusers.safetensors).")),
         }}
 
     @classmethod
@@ -245,12 +252,24 @@ class SaveLoRA:
         return True
 
     @public_errors
-    def save(self, run, filename_prefix):
+    def save(self, run, filename_prefix, lora_format="comfyui"):
+        """Write the files; ``lora_name`` is the ComfyUI one's (the only one's) name under models/loras.
+
+        Raises:
+            ValueError: ``comfyui`` for a family without a released layout (named).
+        """
         host = current_host()
         path = next_file(host.loras_dir, filename_prefix, ".safetensors", "filename_prefix")
-        lora = run.config.lora
-        meta = {"family": run.plan.family, "schedule": run.config.schedule.to_dict(), "steps": len(run.history)}
-        api.save_lora(run.model, path, lora, meta)
-        name = path.relative_to(host.loras_dir.resolve()).as_posix()
-        return {"ui": {"text": [f"saved models/loras/{name} ({len(run.history)} steps, "
-                                f"rank {lora.rank}, alpha {lora.alpha:g})"]}, "result": (name,)}
+        lora, family = run.config.lora, run.plan.family
+        if lora_format == "comfyui" and family not in api.LAYOUT_MODULES:
+            raise ValueError(f"lora_format='comfyui' is invalid for family {family!r}: its released layout is not "
+                             "mapped here; allowed diffusers or both (the diffusers file alone)")
+        meta = {"schedule": run.config.schedule.to_dict(), "steps": len(run.history)}
+        # the graph's loader takes the ComfyUI file: with both, it keeps the plain name
+        files = api.save_lora_files(run.model, path, lora, family, lora_format, meta, primary="comfyui")
+        shown = files.get("comfyui", files.get("diffusers"))
+        name = shown.relative_to(host.loras_dir.resolve()).as_posix()
+        extra = "".join(f", {fmt}: {p.name}" for fmt, p in files.items() if p != shown)
+        return {"ui": {"text": [f"saved models/loras/{name} ({lora_format if len(files) == 1 else 'comfyui'}; "
+                                f"{len(run.history)} steps, rank {lora.rank}, alpha {lora.alpha:g}{extra})"]},
+                "result": (name,)}

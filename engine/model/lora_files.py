@@ -194,11 +194,12 @@ def _from_comfy_file(model, path, tensors, family) -> dict[str, torch.Tensor]:
     return {PREFIX + k: v for k, v in bare.items()}
 
 
-def lora_paths(path: str | Path, lora_format: str, family: str) -> dict[str, Path]:
+def lora_paths(path: str | Path, lora_format: str, family: str, primary: str = "diffusers") -> dict[str, Path]:
     """``{format: file}`` a save writes for ``lora_format`` (``engine/config/outputs.py``
-    ``LORA_FORMATS``): the diffusers file keeps ``path``; the ComfyUI file takes ``path`` when it is
-    the only one, else ``<stem>_comfyui.safetensors`` beside it. A family without a released layout
-    (:mod:`.layouts`) writes the diffusers file only.
+    ``LORA_FORMATS``): one format takes ``path``; with ``both``, ``primary`` takes it and the other
+    is ``<stem>_<format>.safetensors`` beside it (``segckpt``: ``lora.safetensors`` and
+    ``lora_comfyui.safetensors``). A family without a released layout (:mod:`.layouts`) writes the
+    diffusers file only.
 
     Raises:
         ValueError: ``comfyui`` for a family without a released layout (the run's checks refuse it
@@ -213,12 +214,13 @@ def lora_paths(path: str | Path, lora_format: str, family: str) -> dict[str, Pat
         return {"diffusers": path}
     if lora_format == "comfyui":
         return {"comfyui": path}
-    return {"diffusers": path, "comfyui": path.with_name(f"{path.stem}_comfyui{path.suffix}")}
+    other = "comfyui" if primary == "diffusers" else "diffusers"
+    return {primary: path, other: path.with_name(f"{path.stem}_{other}{path.suffix}")}
 
 
 def save_lora_files(model: torch.nn.Module, path: str | Path, settings: LoraSettings, family: str,
                     lora_format: str = "both", metadata: Mapping[str, Any] | None = None,
-                    write: bool = True) -> dict[str, Path]:
+                    write: bool = True, primary: str = "diffusers") -> dict[str, Path]:
     """Save the model's LoRA in the files of ``lora_format`` (:func:`lora_paths`); ``{format: file}``.
 
     The diffusers file is :func:`save_lora`'s; the ComfyUI file holds the same update in the
@@ -230,7 +232,7 @@ def save_lora_files(model: torch.nn.Module, path: str | Path, settings: LoraSett
         OutputWriteError: a file could not be written.
         LayoutError: an adapted module has no place in the released layout.
     """
-    paths = lora_paths(path, lora_format, family)
+    paths = lora_paths(path, lora_format, family, primary)
     if "diffusers" in paths:
         save_lora(model, paths["diffusers"], settings, {**(metadata or {}), "family": family}, write)
     if "comfyui" in paths:

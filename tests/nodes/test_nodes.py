@@ -66,12 +66,17 @@ def test_node_functions_return_the_declared_types(base):
     report = NODES["SegCkptRunReport"]().report(run)
     assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
     saved = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")
-    assert saved["ui"]["text"][0].startswith("saved models/loras/node_lora_00001.safetensors (2 steps")
+    assert saved["ui"]["text"][0].startswith("saved models/loras/node_lora_00001.safetensors (comfyui; 2 steps")
     assert saved["result"] == ("node_lora_00001.safetensors",)  # links into LoraLoaderModelOnly.lora_name
     tensors = load_file(base / "models" / "loras" / "node_lora_00001.safetensors")
-    assert tensors and all(k.startswith("transformer.") for k in tensors)
-    again = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")  # a second save never overwrites the first
+    assert tensors and all(k.startswith("diffusion_model.") for k in tensors)  # what ComfyUI maps for the family
+    again = NODES["SegCkptSaveLoRA"]().save(run, "node_lora", "both")  # never over the first; both files
     assert again["result"] == ("node_lora_00002.safetensors",)
+    assert "diffusers: node_lora_00002_diffusers.safetensors" in again["ui"]["text"][0]
+    twin = load_file(base / "models" / "loras" / "node_lora_00002_diffusers.safetensors")
+    assert twin and all(k.startswith("transformer.") for k in twin)
+    diffusers = NODES["SegCkptSaveLoRA"]().save(run, "node_lora", "diffusers")
+    assert all(k.startswith("transformer.") for k in load_file(base / "models" / "loras" / diffusers["result"][0]))
 
 
 @pytest.mark.parametrize("cls, inputs, text", [
