@@ -31,6 +31,18 @@ TINY_SD3 = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "out_channels
             "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
 
 
+COMFY_SMALL = {
+    # family -> a diffusers config ComfyUI 0.3.64's model_detection builds as it is (it derives these
+    # sizes from the shapes; the rest it hard-codes at the released values, which these keep)
+    "sd3": TINY_SD3,
+    # Wan: heads = width / 128, text width 4096, freq 256, q/k norms, cross-attention norm
+    "wan": {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 128, "in_channels": 16,
+            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 256, "num_layers": 2,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6},
+}
+"""Small models of the families' released layouts that ComfyUI builds (tests/live/test_comfyui_lora_keys.py)."""
+
+
 def tiny_sd3_transformer(seed: int = 0):
     """The tiny ``SD3Transformer2DModel`` (fp32) whose original-layout file the workflow loads."""
     from diffusers import SD3Transformer2DModel

@@ -6,8 +6,8 @@ Run by the live tests with ComfyUI's interpreter (``COMFYUI_PYTHON``)::
 
 Loads ``MODEL_FILE`` with ComfyUI's ``load_diffusion_model`` (``UNETLoader``), applies ``LORA_FILE``
 at strength 1 with ``load_lora_for_models`` (what ``LoraLoaderModelOnly`` calls), patches the
-weights, and writes ``patched - original`` of every weight to ``OUT_FILE`` (safetensors, fp32,
-ComfyUI's key names). ComfyUI's log lines (``lora key not loaded: ...``) go to stdout.
+weights, and writes ``patched - original`` of every weight it changed to ``OUT_FILE`` (safetensors,
+fp32, ComfyUI's key names). ComfyUI's log lines (``lora key not loaded: ...``) go to stdout.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def main(comfyui: str, model_file: str, lora_file: str, out_file: str) -> None:
     patched, _ = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)
     patched.patch_model()
     after = patched.model.diffusion_model.state_dict()
-    save_file({k: (after[k].detach().float() - before[k]).contiguous() for k in before}, out_file)
+    deltas = {k: (after[k].detach().float() - before[k]).contiguous() for k in before}
+    save_file({k: v for k, v in deltas.items() if v.abs().max() > 0}, out_file)  # the changed weights only
     print(f"patched {len(patched.patches)} weights from {len(lora)} LoRA tensors")
 
 
