@@ -33,7 +33,8 @@ StateDict = dict[str, torch.Tensor]
 
 _MODULES = {  # family -> module of this package that registers its layout
     "flux": "flux", "chroma": "flux", "sd3": "sd3", "wan": "wan", "lumina2": "lumina2", "zimage": "zimage",
-    "qwenimage": "qwenimage",
+    "qwenimage": "qwenimage", "hidream": "hidream", "auraflow": "auraflow", "flux2": "flux2",
+    "unet2dcondition": "unet2dcondition",
 }
 _LAYOUTS: dict[str, "OriginalLayout"] = {}
 
