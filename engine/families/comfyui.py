@@ -23,7 +23,8 @@ DIFFUSERS_KEYS = ("auraflow", "chroma", "flux", "pixart", "qwenimage", "sd3")
 
 LAYOUT_MODULES = {
     "flux": "flux", "chroma": "flux", "sd3": "sd3", "wan": "wan", "lumina2": "lumina2", "zimage": "zimage",
-    "qwenimage": "qwenimage",
+    "qwenimage": "qwenimage", "hidream": "hidream", "auraflow": "auraflow", "flux2": "flux2",
+    "unet2dcondition": "unet2dcondition",
 }
 """Family -> the module of ``engine/model/layouts/`` that holds its released layout."""
 

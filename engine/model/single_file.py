@@ -7,9 +7,9 @@ be in the original release layout or the diffusers layout. The order of work:
 
 1. the header is checked (:func:`~..files.checks.check_safetensors`) and read: names, dtypes, shapes;
 2. the family and layout are recognised from key names (:mod:`.single_file_formats`);
-3. the header is converted to the diffusers layout on ``meta`` tensors, and its shapes are compared
-   with the shipped configs of the family's released variants (``model_configs/*.json``) and the
-   family's tiny preset; if none matches exactly, the config is inferred from the shapes where the
+3. the header is converted to the diffusers layout on ``meta`` tensors (once per candidate config
+   where the conversion needs the config: the UNet's), and its shapes are compared with the shipped
+   configs of the family's released variants (``model_configs/*.json``) and the family's tiny preset; if none matches exactly, the config is inferred from the shapes where the
    family allows it, and the inferred model's shapes must match the file's exactly;
 4. only then are the weights read, each cast to the run's storage dtype as it is read (an fp8,
    fp16 or bf16 file never exists in fp32 when bf16 was asked for), converted with the same
@@ -134,22 +134,36 @@ def model_shapes(family: FamilyAdapter, config: Mapping[str, Any]) -> dict[str, 
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _converter(fmt: FileFormat, family: FamilyAdapter) -> Callable[[dict], dict]:
+def _needs_config(fmt: FileFormat, family: FamilyAdapter) -> bool:
+    """Whether the family's conversion takes the config converted for (:attr:`OriginalLayout.needs_config`)."""
+    layout = get_layout(family.name)
+    return fmt.convert is None and layout is not None and layout.needs_config
+
+
+def _converter(fmt: FileFormat, family: FamilyAdapter, config: Mapping[str, Any] | None = None
+               ) -> Callable[[dict], dict]:
+    """Original layout -> diffusers layout for ``family`` (given ``config`` where the layout needs it)."""
     if fmt.convert is not None:
         return fmt.convert
     layout = get_layout(family.name)
-    return layout.from_original if layout is not None else diffusers_converter(family.model_class)
+    if layout is None:
+        return diffusers_converter(family.model_class)
+    if layout.needs_config:
+        return lambda checkpoint: layout.from_original(checkpoint, config or {})
+    return layout.from_original
 
 
-def _converted_shapes(fmt: FileFormat, family: FamilyAdapter, shapes: Shapes) -> dict[str, tuple[int, ...]]:
-    """The file's shapes in the diffusers layout (the conversion run on ``meta`` tensors).
+def _converted_shapes(fmt: FileFormat, family: FamilyAdapter, shapes: Shapes,
+                      config: Mapping[str, Any] | None = None) -> dict[str, tuple[int, ...]]:
+    """The file's shapes in the diffusers layout (the conversion run on ``meta`` tensors; under
+    ``config`` where the family's conversion needs one).
 
     Raises:
         ModelLoadError: the conversion fails (keys it needs are missing, or sizes it assumes).
     """
     meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
     try:
-        converted = _converter(fmt, family)(meta)
+        converted = _converter(fmt, family, config)(meta)
     except (KeyError, IndexError, RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"a {family.name} file in the original layout that its conversion to diffusers "
                              f"cannot read: {type(exc).__name__}: {exc}") from exc
@@ -194,16 +208,23 @@ def identify(shapes: Shapes, family_name: str | None = None) -> Identified:
                              "diffusers folder (model_path)")
     family = get_family(found)
     shapes = {k: tuple(v) for k, v in shapes.items()}
-    have = _converted_shapes(fmt, family, shapes) if layout == "original" else shapes
+    per_config = layout == "original" and _needs_config(fmt, family)  # converted once per candidate config
+    have = _converted_shapes(fmt, family, shapes) if layout == "original" and not per_config else shapes
     variants = shipped_variants(family)
     closest = ""
     for name, config in variants.items():
+        if per_config:
+            try:
+                have = _converted_shapes(fmt, family, shapes, config)
+            except ModelLoadError as exc:
+                closest = closest or f"{name}: {exc}"
+                continue
         want = model_shapes(family, config)
         if want == have:
             return Identified(family, layout, name, config)
         closest = closest or f"{name}: {_first_difference(want, have)}"
     reason = "the family's shapes do not determine a config"
-    if fmt.infer is not None:
+    if fmt.infer is not None and not per_config:
         try:
             config = {**next(iter(variants.values())), **fmt.infer(have)}
             want = model_shapes(family, config)
@@ -286,7 +307,7 @@ def load_transformer_file(path: str | Path, family_name: str | None = None, dtyp
             tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if found.layout == "original":
         fmt = next(f for f in FORMATS if f.family == found.family.name)
-        tensors = _converter(fmt, found.family)(tensors)
+        tensors = _converter(fmt, found.family, found.config)(tensors)
     with init_empty_weights():
         model = found.family.model_cls().from_config(found.config)
     model.load_state_dict(tensors, strict=True, assign=True)

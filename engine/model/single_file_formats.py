@@ -137,9 +137,28 @@ def infer_sd3(shapes: Shapes) -> dict[str, Any]:
     }
 
 
-FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's files also hold Flux's signature key
+def infer_auraflow(shapes: Shapes) -> dict[str, Any]:
+    """``AuraFlowTransformer2DModel`` config keys from diffusers-layout shapes: the position table's
+    length ``pos_embed_max_size`` (``pos_embed.pos_embed`` (1, S, H)), the block counts and the text
+    width (``context_embedder`` (H, T)). The rest (width, heads, patch) comes from the first shipped
+    config, and the model built must match every shape.
+
+    Raises:
+        ShapeInferenceError: a key is missing.
+    """
+    return {
+        "pos_embed_max_size": _shape(shapes, "pos_embed.pos_embed")[1],
+        "num_mmdit_layers": _count(shapes, "joint_transformer_blocks."),
+        "num_single_dit_layers": _count(shapes, "single_transformer_blocks."),
+        "joint_attention_dim": _shape(shapes, "context_embedder.weight")[1],
+    }
+
+
+FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's files also hold Flux's signature key
     FileFormat("chroma", ("distilled_guidance_layer.in_proj.bias",),
                ("distilled_guidance_layer.in_proj.weight", "single_transformer_blocks.0.proj_mlp.weight")),
+    FileFormat("flux2", ("single_stream_modulation.lin.weight",),
+               ("single_stream_modulation.linear.weight", "time_guidance_embed.timestep_embedder.linear_1.weight")),
     FileFormat("flux", ("double_blocks.0.img_attn.norm.key_norm.scale",),
                ("single_transformer_blocks.0.proj_mlp.weight", "time_text_embed.timestep_embedder.linear_1.weight"),
                infer=infer_flux),
@@ -150,22 +169,25 @@ FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's files also hol
     FileFormat("lumina2", ("cap_embedder.0.weight",), ("time_caption_embed.caption_embedder.0.weight",)),
     # Qwen-Image was released in the diffusers layout (no original layout of its own)
     FileFormat("qwenimage", (), ("transformer_blocks.0.img_mod.1.weight", "txt_norm.weight")),
+    # HiDream-I1 too (diffusers' conversion strips the prefix only)
+    FileFormat("hidream", (), ("double_stream_blocks.0.block.adaLN_modulation.1.bias",)),
+    FileFormat("auraflow", ("double_layers.0.attn.w2q.weight",),
+               ("register_tokens", "time_step_proj.linear_1.weight"), infer=infer_auraflow),
+    # the LDM / SGM UNet: SD 1.x's signature key, or the UNet's input convolution (SDXL, inpainting)
+    FileFormat("unet2dcondition", ("output_blocks.11.0.skip_connection.weight", "input_blocks.0.0.weight"),
+               ("conv_in.weight", "time_embedding.linear_1.weight", "down_blocks.0.resnets.0.conv1.weight")),
 )
 """The families whose single files load; each has shipped variants under ``model_configs/``."""
 RECOGNISED_ONLY: tuple[tuple[str, str], ...] = (
     # (family, signature key of its original layout): recognised so that a refusal names them
-    ("flux2", "single_stream_modulation.lin.weight"),
     ("flux3", "early_stream_modulations.image.lin.weight"),
     ("hunyuanvideo", "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias"),
     ("wanvace", "vace_blocks.0.after_proj.bias"),
-    ("hidream", "double_stream_blocks.0.block.adaLN_modulation.1.bias"),
-    ("auraflow", "double_layers.0.attn.w2q.weight"),
     ("sana", "blocks.0.cross_attn.q_linear.weight"),
     ("ltxvideo", "patchify_proj.weight"),
     ("qwenimage21", "txt_in.text_norm.weight"),
     ("krea2", "txtfusion.projector.weight"),
     ("minimaxh3", "token_refiner.blocks.0.attn.qkv_proj.weight"),
-    ("unet2dcondition", "output_blocks.11.0.skip_connection.weight"),
 )
 """Layouts recognised but not loaded from a single file (checked before :data:`FORMATS` where a
-signature could collide: Flux.2/Flux.3 and HunyuanVideo files hold Flux-like keys, VACE files Wan's)."""
+signature could collide: Flux.3 and HunyuanVideo files hold Flux-like keys, VACE files Wan's)."""

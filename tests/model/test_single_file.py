@@ -258,10 +258,10 @@ def test_a_file_of_unknown_layout_is_refused_naming_what_was_seen(tmp_path):
 
 
 def test_a_recognised_family_without_single_file_support_is_named(tmp_path):
-    path = tmp_path / "hidream.safetensors"
-    save_file({"double_stream_blocks.0.block.adaLN_modulation.1.bias": torch.zeros(2)}, str(path))
-    with pytest.raises(ModelLoadError, match=r"holds a hidream transformer .*not loaded here"):
-        load_model(TrainConfig.create(family="hidream", model_file=str(path), base_model_precision="fp32"))
+    path = tmp_path / "sana.safetensors"
+    save_file({"blocks.0.cross_attn.q_linear.weight": torch.zeros(2, 2)}, str(path))
+    with pytest.raises(ModelLoadError, match=r"holds a sana transformer .*not loaded here"):
+        load_model(TrainConfig.create(family="sana", model_file=str(path), base_model_precision="fp32"))
 
 
 def test_a_truncated_file_is_refused_before_any_model_is_built(tmp_path):

@@ -46,17 +46,21 @@ class OriginalLayout:
         to_original: diffusers-layout state dict -> released layout (row-wise, see the module
             docstring; consumes nothing: returns a new dict).
         from_original: released layout -> diffusers layout (diffusers' conversion; may consume
-            its input).
+            its input); ``from_original(checkpoint, config)`` when ``needs_config``.
         lora_prefix: how ComfyUI names a LoRA of weight ``<key>.weight``: ``diffusion_model.``
             (``diffusion_model.<key>``) or ``lora_unet_`` (kohya: ``lora_unet_<key with _>``).
         source: where the released layout and the conversion come from (for docs and messages).
+        needs_config: ``from_original`` also takes the diffusers config of the model it converts
+            for (diffusers' UNet conversion reads ``layers_per_block`` from it, not from the keys);
+            a file is then converted once per candidate config.
     """
 
     family: str
     to_original: Callable[[StateDict], StateDict]
-    from_original: Callable[[StateDict], StateDict]
+    from_original: Callable[..., StateDict]
     source: str
     lora_prefix: str = "diffusion_model."
+    needs_config: bool = False
 
 
 def register_layout(layout: OriginalLayout) -> OriginalLayout:
