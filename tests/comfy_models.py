@@ -43,6 +43,32 @@ COMFY_SMALL = {
 """Small models of the families' released layouts that ComfyUI builds (tests/live/test_comfyui_lora_keys.py)."""
 
 
+CLOSED_LOOP_FLUX = {
+    # Flux.1-dev's layout at the width ComfyUI hard-codes (3072, 24 heads of 128), one block of each
+    # kind; pooled width 2048: the live test encodes with CLIP-L alone through CLIPLoader(type=sd3),
+    # whose pooled output is CLIP-L's 768 padded to 2048 (no T5-XXL, 4.7B parameters, on a CPU runner)
+    "patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 2048, "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+CLOSED_LOOP_FILES = {  # family -> (transformer file, VAE file) the shipped closed loop names
+    "sd3": (TRANSFORMER, VAE), "flux": ("flux1-dev.safetensors", "ae.safetensors"),
+    "wan": ("wan2.1_t2v_1.3B_fp16.safetensors", "wan_2.1_vae.safetensors"),
+}
+
+
+def write_transformer(path: Path, family: str, config: dict, seed: int = 0) -> Path:
+    """A random-init ``family`` transformer of ``config`` in its released layout (fp16) at ``path``."""
+    from segmented_checkpointing.engine.families import get_family
+    from segmented_checkpointing.engine.model.layouts import get_layout
+
+    torch.manual_seed(seed)
+    model = get_family(family).model_cls()(**config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_fp16(get_layout(family).to_original(model.state_dict())), str(path))
+    return path
+
+
 def tiny_sd3_transformer(seed: int = 0):
     """The tiny ``SD3Transformer2DModel`` (fp32) whose original-layout file the workflow loads."""
     from diffusers import SD3Transformer2DModel
@@ -84,6 +110,10 @@ def write_closed_loop_files(base: Path, seed: int = 0) -> dict[str, Path]:
                         scaling_factor=1.5305, shift_factor=0.0609)
     save_file(_fp16(vae.state_dict()), str(paths["vae"]))
     del vae
+    # the Flux closed loop: its transformer; its VAE has the SD3 VAE's structure (16 latent channels)
+    write_transformer(base / "models" / "diffusion_models" / CLOSED_LOOP_FILES["flux"][0], "flux", CLOSED_LOOP_FLUX)
+    (base / "models" / "vae" / CLOSED_LOOP_FILES["flux"][1]).write_bytes(paths["vae"].read_bytes())
+    write_transformer(base / "models" / "diffusion_models" / CLOSED_LOOP_FILES["wan"][0], "wan", COMFY_SMALL["wan"])
     (base / "input").mkdir(parents=True, exist_ok=True)
     for name in IMAGES:
         pixels = getattr(data, name.removesuffix(".png"))()

@@ -154,6 +154,43 @@ def infer_auraflow(shapes: Shapes) -> dict[str, Any]:
     }
 
 
+WAN_HEAD_WIDTH = 128
+"""Attention head width of Wan files: not stored in any tensor; every released Wan 2.1 / 2.2 model
+uses 128 (Wan-AI's configs: 1.3B 1536 / 12, 14B 5120 / 40), as ComfyUI's model_detection assumes
+(``num_heads = dim // 128``)."""
+
+
+def infer_wan(shapes: Shapes) -> dict[str, Any]:
+    """``WanTransformer3DModel`` config keys from diffusers-layout shapes.
+
+    Width, input channels and patch from ``patch_embedding.weight`` (H, C_in, Pt, Ph, Pw); heads
+    H / :data:`WAN_HEAD_WIDTH`; FFN width, text width and timestep-frequency width from their first
+    Linear layers; output channels from ``proj_out.weight`` rows over the patch volume; blocks from
+    the highest block index; the cross-attention norm from the blocks' ``norm2``; an image
+    embedder (I2V) from its presence.
+
+    Raises:
+        ShapeInferenceError: a key is missing, or the width is not a multiple of the head width.
+    """
+    inner, in_channels, *patch = _shape(shapes, "patch_embedding.weight")
+    if inner % WAN_HEAD_WIDTH:
+        raise ShapeInferenceError(f"width {inner} is not a multiple of Wan's head width {WAN_HEAD_WIDTH}")
+    image = "condition_embedder.image_embedder.norm1.weight"
+    return {
+        "patch_size": tuple(patch), "in_channels": in_channels,
+        "out_channels": _shape(shapes, "proj_out.weight")[0] // math.prod(patch),
+        "num_attention_heads": inner // WAN_HEAD_WIDTH, "attention_head_dim": WAN_HEAD_WIDTH,
+        "ffn_dim": _shape(shapes, "blocks.0.ffn.net.0.proj.weight")[0],
+        "text_dim": _shape(shapes, "condition_embedder.text_embedder.linear_1.weight")[1],
+        "freq_dim": _shape(shapes, "condition_embedder.time_embedder.linear_1.weight")[1],
+        "num_layers": _count(shapes, "blocks."),
+        "cross_attn_norm": "blocks.0.norm2.weight" in shapes,
+        "qk_norm": "rms_norm_across_heads" if "blocks.0.attn1.norm_q.weight" in shapes else None,
+        "image_dim": _shape(shapes, image)[0] if image in shapes else None,
+        "added_kv_proj_dim": inner if "blocks.0.attn2.add_k_proj.weight" in shapes else None,
+    }
+
+
 FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's files also hold Flux's signature key
     FileFormat("chroma", ("distilled_guidance_layer.in_proj.bias",),
                ("distilled_guidance_layer.in_proj.weight", "single_transformer_blocks.0.proj_mlp.weight")),
@@ -164,7 +201,8 @@ FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's f
                infer=infer_flux),
     FileFormat("sd3", ("joint_blocks.0.context_block.adaLN_modulation.1.bias",),
                ("transformer_blocks.0.norm1_context.linear.weight", "pos_embed.proj.weight"), infer=infer_sd3),
-    FileFormat("wan", ("head.modulation",), ("condition_embedder.time_embedder.linear_1.weight", "scale_shift_table")),
+    FileFormat("wan", ("head.modulation",), ("condition_embedder.time_embedder.linear_1.weight", "scale_shift_table"),
+               infer=infer_wan),
     FileFormat("zimage", ("layers.0.adaLN_modulation.0.weight",), ("all_x_embedder.2-1.weight",)),
     FileFormat("lumina2", ("cap_embedder.0.weight",), ("time_caption_embed.caption_embedder.0.weight",)),
     # Qwen-Image was released in the diffusers layout (no original layout of its own)

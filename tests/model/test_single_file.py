@@ -137,6 +137,8 @@ def test_diffusers_layout_file_loads_as_it_is(tmp_path):
     ("flux", {"attention_head_dim": 128, "num_attention_heads": 1, "num_layers": 1, "num_single_layers": 2,
               "axes_dims_rope": (16, 56, 56), "guidance_embeds": True}),
     ("sd3", {"num_layers": 3, "dual_attention_layers": (1,)}),
+    ("wan", {"attention_head_dim": 128, "num_attention_heads": 1, "num_layers": 2, "text_dim": 24, "ffn_dim": 48,
+             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads"}),
 ])
 def test_a_file_of_no_shipped_variant_is_inferred_from_shapes(tmp_path, family_name, overrides):
     original = _tiny(family_name, **overrides)
