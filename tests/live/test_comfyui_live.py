@@ -91,7 +91,7 @@ def _completed(server, ws, graph: dict) -> tuple[str, dict]:
     assert status == 200, body
     prompt_id = body["prompt_id"]
     end = ws.wait_for(finished(prompt_id))
-    assert end["type"] != "execution_error", end
+    assert end["type"] != "execution_error", (end["data"].get("node_type"), end["data"].get("exception_message"))
     history = server.get(f"/history/{prompt_id}")[prompt_id]
     assert history["status"]["status_str"] == "success", history["status"]
     return prompt_id, history
@@ -215,7 +215,7 @@ def test_every_workflow_queued_twice_completes_into_two_runs(server, ws):
             status, body = queue(server, ws, graph)
             assert status == 200, body
             end = ws.wait_for(finished(body["prompt_id"]))
-            assert end["type"] != "execution_error", end
+            assert end["type"] != "execution_error", (end["data"].get("node_type"), end["data"].get("exception_message"))
         node = next(n for n in graph.values() if "run_name" in n["inputs"])
         run_name = node["inputs"]["run_name"]
         runs = sorted(p.name for p in (server.base / "output" / "segckpt").glob(f"{run_name}_*") if p.is_dir())
