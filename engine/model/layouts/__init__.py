@@ -33,7 +33,8 @@ StateDict = dict[str, torch.Tensor]
 
 _MODULES = {  # family -> module of this package that registers its layout
     "flux": "flux", "chroma": "flux", "sd3": "sd3", "wan": "wan", "lumina2": "lumina2", "zimage": "zimage",
-    "qwenimage": "qwenimage",
+    "qwenimage": "qwenimage", "hunyuanvideo": "hunyuanvideo", "ltxvideo": "ltxvideo", "cosmos": "cosmos",
+    "wanvace": "wanvace",
 }
 _LAYOUTS: dict[str, "OriginalLayout"] = {}
 
