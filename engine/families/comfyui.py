@@ -23,8 +23,9 @@ DIFFUSERS_KEYS = ("auraflow", "chroma", "flux", "pixart", "qwenimage", "sd3")
 
 LAYOUT_MODULES = {
     "flux": "flux", "chroma": "flux", "sd3": "sd3", "wan": "wan", "lumina2": "lumina2", "zimage": "zimage",
-    "qwenimage": "qwenimage", "hidream": "hidream", "auraflow": "auraflow", "flux2": "flux2",
-    "unet2dcondition": "unet2dcondition",
+    "qwenimage": "same_names", "hidream": "same_names", "auraflow": "auraflow", "flux2": "flux2",
+    "unet2dcondition": "unet2dcondition", "hunyuanvideo": "hunyuanvideo", "ltxvideo": "ltxvideo", "cosmos": "cosmos",
+    "wanvace": "wan",
 }
 """Family -> the module of ``engine/model/layouts/`` that holds its released layout."""
 

@@ -191,7 +191,10 @@ def infer_wan(shapes: Shapes) -> dict[str, Any]:
     }
 
 
-FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's files also hold Flux's signature key
+FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's, Flux.2's and HunyuanVideo's files also hold Flux's keys
+    FileFormat("hunyuanvideo", ("txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",),
+               ("context_embedder.token_refiner.refiner_blocks.0.norm_out.linear.weight",
+                "single_transformer_blocks.0.proj_mlp.weight")),
     FileFormat("chroma", ("distilled_guidance_layer.in_proj.bias",),
                ("distilled_guidance_layer.in_proj.weight", "single_transformer_blocks.0.proj_mlp.weight")),
     FileFormat("flux2", ("single_stream_modulation.lin.weight",),
@@ -201,10 +204,20 @@ FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's f
                infer=infer_flux),
     FileFormat("sd3", ("joint_blocks.0.context_block.adaLN_modulation.1.bias",),
                ("transformer_blocks.0.norm1_context.linear.weight", "pos_embed.proj.weight"), infer=infer_sd3),
+    # VACE files hold Wan's keys too
+    FileFormat("wanvace", ("vace_blocks.0.after_proj.bias",),
+               ("vace_blocks.0.proj_out.weight", "condition_embedder.time_embedder.linear_1.weight")),
     FileFormat("wan", ("head.modulation",), ("condition_embedder.time_embedder.linear_1.weight", "scale_shift_table"),
                infer=infer_wan),
     FileFormat("zimage", ("layers.0.adaLN_modulation.0.weight",), ("all_x_embedder.2-1.weight",)),
     FileFormat("lumina2", ("cap_embedder.0.weight",), ("time_caption_embed.caption_embedder.0.weight",)),
+    FileFormat("ltxvideo", ("patchify_proj.weight",),
+               ("proj_in.weight", "time_embed.emb.timestep_embedder.linear_1.weight",
+                "caption_projection.linear_1.weight")),
+    # Predict 2 / 2.5, with NVIDIA's net. prefix or without it (ComfyUI strips it)
+    FileFormat("cosmos", ("net.blocks.0.self_attn.q_proj.weight", "blocks.0.self_attn.q_proj.weight"),
+               ("patch_embed.proj.weight", "time_embed.t_embedder.linear_1.weight",
+                "transformer_blocks.0.norm1.linear_1.weight")),
     # Qwen-Image was released in the diffusers layout (no original layout of its own)
     FileFormat("qwenimage", (), ("transformer_blocks.0.img_mod.1.weight", "txt_norm.weight")),
     # HiDream-I1 too (diffusers' conversion strips the prefix only)
@@ -219,13 +232,11 @@ FORMATS: tuple[FileFormat, ...] = (  # first match wins: Chroma's and Flux.2's f
 RECOGNISED_ONLY: tuple[tuple[str, str], ...] = (
     # (family, signature key of its original layout): recognised so that a refusal names them
     ("flux3", "early_stream_modulations.image.lin.weight"),
-    ("hunyuanvideo", "txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias"),
-    ("wanvace", "vace_blocks.0.after_proj.bias"),
     ("sana", "blocks.0.cross_attn.q_linear.weight"),
-    ("ltxvideo", "patchify_proj.weight"),
+    ("ltx2video", "av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight"),  # LTX-2 holds LTX-Video's keys
     ("qwenimage21", "txt_in.text_norm.weight"),
     ("krea2", "txtfusion.projector.weight"),
     ("minimaxh3", "token_refiner.blocks.0.attn.qkv_proj.weight"),
 )
-"""Layouts recognised but not loaded from a single file (checked before :data:`FORMATS` where a
-signature could collide: Flux.3 and HunyuanVideo files hold Flux-like keys, VACE files Wan's)."""
+"""Layouts recognised but not loaded from a single file (checked before :data:`FORMATS`, where a
+signature could collide: Flux.3 files hold Flux-like keys, LTX-2 files LTX-Video's)."""
