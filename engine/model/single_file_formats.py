@@ -81,6 +81,12 @@ _FLUX_SINGLE_NORMS = {"norm.query_norm.scale": "attn.norm_q.weight", "norm.key_n
 _FLUX_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # linear1 = [q; k; v; mlp-in]
 
 
+def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape a tensor stands for: a GGUF weight's ``quant_shape`` (its data is ``(rows, row
+    bytes)``), else its own."""
+    return tuple(getattr(t, "quant_shape", None) or t.shape)
+
+
 def _swap_halves(t: torch.Tensor) -> torch.Tensor:
     """``[shift; scale]`` (BFL, SD3) -> ``[scale; shift]`` (diffusers' ``AdaLayerNormContinuous``)."""
     shift, scale = t.chunk(2, dim=0)
@@ -99,7 +105,8 @@ def flux_original_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str,
     Fused tensors are split: ``double_blocks.N.{img,txt}_attn.qkv`` (3H, H) into q, k, v;
     ``single_blocks.N.linear1`` (3H + M, H) into q, k, v (H rows each) and the MLP input (M rows),
     with H read from the tensor itself; ``final_layer.adaLN_modulation.1`` is reordered
-    ``[shift; scale] -> [scale; shift]``. Works at any width and on ``meta`` tensors; consumes
+    ``[shift; scale] -> [scale; shift]``. Works at any width, on ``meta`` tensors and on GGUF
+    weights (rows are whole quantization blocks: the splits are exact on the raw data); consumes
     ``checkpoint``.
 
     Raises:
@@ -132,8 +139,8 @@ def flux_original_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str,
             if src + old in checkpoint:
                 out[dst + new] = checkpoint.pop(src + old)
         if f"{src}linear1.weight" in checkpoint:
-            hidden = checkpoint[f"{src}linear1.weight"].shape[1]
-            sizes = (hidden, hidden, hidden, checkpoint[f"{src}linear1.weight"].shape[0] - 3 * hidden)
+            rows, hidden = logical_shape(checkpoint[f"{src}linear1.weight"])
+            sizes = (hidden, hidden, hidden, rows - 3 * hidden)
             for p in ("weight", "bias"):
                 if f"{src}linear1.{p}" in checkpoint:
                     for name, part in zip(_FLUX_SINGLE_FUSED, checkpoint.pop(f"{src}linear1.{p}").split(sizes, dim=0)):
