@@ -5,10 +5,9 @@ then skip or repeat some) or a model file replaced under the same name by one of
 layout is named before any work, not found in the results.
 
 Fingerprints are cheap: file sizes and the SHA-256 of captions and of a safetensors header (it
-lists every tensor's name, dtype, shape and byte range; a GGUF file's tensor table, the same), never of
-the image or weight data; so a
-file of the same size and header (another fine-tune of the same model, stored alike) is not told
-apart.
+lists every tensor's name, dtype, shape and byte range; of a GGUF file, its tensor table), never
+of the image or weight data; so a file of the same size and header (another fine-tune of the same
+model, stored alike) is not told apart.
 """
 
 from __future__ import annotations
