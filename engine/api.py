@@ -127,8 +127,8 @@ def load_model(config: TrainConfig, log: Callable[[str], None] = print) -> Model
 
 
 def model_family(model_path: str | None, model_file: str | None) -> str | None:
-    """The family of a model folder (its config's class) or of one ``.safetensors`` file (its
-    keys); None when neither is given or exists.
+    """The family of a model folder (its config's class) or of one ``.safetensors`` or ``.gguf``
+    file (its keys); None when neither is given or exists.
 
     Raises:
         ModelLoadError: the folder or file is of no known family.
@@ -137,7 +137,7 @@ def model_family(model_path: str | None, model_file: str | None) -> str | None:
         from .model.folders import detect_family
 
         return detect_family(model_path)
-    if model_file and model_file.endswith(".safetensors") and Path(model_file).is_file():
+    if model_file and model_file.endswith((".safetensors", ".gguf")) and Path(model_file).is_file():
         from .model.single_file import identify_file
 
         return identify_file(model_file).family.name

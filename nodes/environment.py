@@ -24,6 +24,13 @@ BUILTIN_DATA = "(built-in sample photos)"
 TINY_PRESET = "(tiny preset)"
 MODEL_FILE_FOLDERS = ("diffusion_models", "checkpoints")
 """ComfyUI's folder kinds of single model files (``diffusion_models`` includes ``models/unet``)."""
+MODEL_FILE_SUFFIXES = {"diffusion_models": (".safetensors", ".gguf"), "checkpoints": (".safetensors",)}
+"""File names listed per folder kind: a GGUF file holds a transformer alone (city96/ComfyUI-GGUF puts them
+in ``models/unet`` or ``models/diffusion_models``), never a full checkpoint. Filtered here, not by
+``folder_paths``' extension sets (ComfyUI's ``supported_pt_extensions`` holds no ``.gguf``)."""
+GGUF_FOLDER = "unet_gguf"
+"""The folder kind ComfyUI-GGUF registers (``models/unet`` and ``models/diffusion_models``, and what an
+``extra_model_paths.yaml`` adds to it): its folders are listed as ``diffusion_models/``."""
 
 
 class PathError(ValueError):
@@ -161,6 +168,9 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
 
     diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
     files = {name: [Path(p) for p in folder_paths.get_folder_paths(name)] for name in MODEL_FILE_FOLDERS}
+    if GGUF_FOLDER in folder_paths.folder_names_and_paths:  # ComfyUI-GGUF is installed
+        files["diffusion_models"] += [Path(p) for p in folder_paths.get_folder_paths(GGUF_FOLDER)
+                                      if Path(p) not in files["diffusion_models"]]
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
                 Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
                 progress, comfy.model_management.processing_interrupted, send, files,
@@ -176,10 +186,15 @@ def model_folders(host: Host) -> list[str]:
     return sorted(names)
 
 
+def _suffixes(kind: str) -> tuple[str, ...]:
+    return MODEL_FILE_SUFFIXES.get(kind, (".safetensors",))
+
+
 def model_files(host: Host) -> list[str]:
-    """``<folder kind>/<relative path>`` of every ``.safetensors`` file under the host's single-file
-    model folders (recursive, as ComfyUI lists them; hidden entries and links that lead outside
-    the folder are left out)."""
+    """``<folder kind>/<relative path>`` of every model file under the host's single-file model
+    folders: ``.safetensors``, and ``.gguf`` under ``diffusion_models`` (:data:`MODEL_FILE_SUFFIXES`;
+    recursive, as ComfyUI lists them; hidden entries and links that lead outside the folder are
+    left out)."""
     names = set()
     for kind, roots in host.model_file_dirs.items():
         for root in roots:
@@ -187,7 +202,7 @@ def model_files(host: Host) -> list[str]:
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
                 for name in files:
                     rel = (Path(folder) / name).relative_to(root).as_posix()
-                    if name.endswith(".safetensors") and not name.startswith(".") and _inside(root, rel):
+                    if name.endswith(_suffixes(kind)) and not name.startswith(".") and _inside(root, rel):
                         names.add(f"{kind}/{rel}")
     return sorted(names)
 
@@ -205,15 +220,16 @@ def resolve_model(host: Host, name: str) -> Path:
     model file ``<folder kind>/<relative path>`` (as :func:`model_files` lists it).
 
     Raises:
-        PathError: outside every directory, not found, or a file that is not ``.safetensors``.
+        PathError: outside every directory, not found, or a file of a kind the folder does not list
+            (:data:`MODEL_FILE_SUFFIXES`).
     """
     kind, _, rel = name.partition("/") if isinstance(name, str) else ("", "", "")
     if kind in host.model_file_dirs and rel:
         for root in host.model_file_dirs[kind]:
             path = contained(root, rel, "source")
-            if path.is_file() and path.name.endswith(".safetensors"):
+            if path.is_file() and path.name.endswith(_suffixes(kind)):
                 return path
-        raise PathError(f"source={_shown(name)} is invalid: no such .safetensors file under "
+        raise PathError(f"source={_shown(name)} is invalid: no such {' or '.join(_suffixes(kind))} file under "
                         f"{', '.join(map(str, host.model_file_dirs[kind]))}")
     for root in host.diffusers_dirs:
         path = contained(root, name, "source")

@@ -23,8 +23,9 @@ from .widgets import NodeOptions, tip, widget
 
 class LoadDiffusionModel:
     """A diffusers folder under ``models/diffusers``, one ``.safetensors`` file under
-    ``models/diffusion_models``, ``models/unet`` or ``models/checkpoints`` (shown as
-    ``diffusion_models/<file>``, ``checkpoints/<file>``), or the family's tiny random-init preset."""
+    ``models/diffusion_models``, ``models/unet`` or ``models/checkpoints`` or one ``.gguf`` file under
+    the first two (shown as ``diffusion_models/<file>``, ``checkpoints/<file>``), or the family's tiny
+    random-init preset."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "load", (MODEL,), ("model",)
     OPTIONS = NodeOptions({"family": "family", "seed": "seed", "base_model_precision": "base_model_precision"})
@@ -35,9 +36,10 @@ class LoadDiffusionModel:
             "family": widget("family"),
             "source": ([TINY_PRESET] + model_folders(current_host()) + model_files(current_host()),
                        tip("A diffusers folder under models/diffusers; a .safetensors file under "
-                           "models/diffusion_models, unet or checkpoints (original release or diffusers layout; "
-                           "the variant is read from its shapes; training then needs a VAE, which a single file "
-                           "does not hold); or the tiny random-init preset.")),
+                           "models/diffusion_models, unet or checkpoints, or a .gguf file under diffusion_models or "
+                           "unet (original release or diffusers layout; scaled fp8 and GGUF files load as a "
+                           "quantized base; the variant is read from its shapes; training then needs a VAE, which "
+                           "a single file does not hold); or the tiny random-init preset.")),
             "seed": widget("seed", tooltip="Seed of the preset's random init."),
             "base_model_precision": widget("base_model_precision"),
         }}

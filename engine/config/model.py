@@ -79,7 +79,8 @@ class ModelConfig:
     """The model source and how it runs. Validated at construction.
 
     Raises:
-        ConfigError: a field is out of range, or ``model_path`` and ``model_file`` are both set.
+        ConfigError: a field is out of range; ``model_path`` and ``model_file`` are both set; a
+            torchao ``base_model_precision`` with a GGUF ``model_file``.
         AttentionBackendError: an invalid ``attention_backend``.
     """
 
@@ -90,9 +91,10 @@ class ModelConfig:
     model_path: str | None = option(None, "Local diffusers folder (pipeline with transformer/ and vae/, or a "
                                     "transformer). Never downloaded.", "--model-path")
     model_file: str | None = option(
-        None, "One local .safetensors file holding the transformer (ComfyUI's models/diffusion_models, unet or "
-        "checkpoints; the original release layout or the diffusers layout); the variant is read from its tensor "
-        "shapes. Needs vae_path for image data. Never downloaded.", "--model-file")
+        None, "One local .safetensors or .gguf file holding the transformer (ComfyUI's models/diffusion_models, unet "
+        "or checkpoints; the original release layout or the diffusers layout; ComfyUI's scaled fp8 files are "
+        "dequantized as read, a GGUF file's quantized Linear weights stay quantized and are dequantized per layer); "
+        "the variant is read from its tensor shapes. Needs vae_path for image data. Never downloaded.", "--model-file")
     vae_path: str | None = option(None, "Local diffusers VAE folder, when model_path is a bare transformer folder "
                                   "or model_file is set.", "--vae-path")
     text_encoder_path: tuple[str, ...] | None = option(
@@ -119,6 +121,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.model_file and self.model_file.lower().endswith(".gguf") and self.base_model_precision in QUANTIZED:
+            raise ConfigError(f"base_model_precision={self.base_model_precision!r} is invalid with a GGUF model_file "
+                              f"({self.model_file!r}), whose Linear weights are already quantized and stay so: allowed "
+                              "auto, bf16, fp16, fp32 or no_change (the dtype they dequantize to).")
         if self.model_path and self.model_file:
             raise ConfigError(f"model_file={self.model_file!r} is invalid: allowed unset when model_path is set "
                               f"({self.model_path!r}): model_path and model_file both name the model, give one of "

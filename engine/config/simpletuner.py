@@ -63,7 +63,7 @@ def _family(value: Any) -> dict[str, Any]:
 
 
 def _model(value: Any) -> dict[str, Any]:
-    if isinstance(value, str) and value.lower().endswith(".safetensors"):
+    if isinstance(value, str) and value.lower().endswith((".safetensors", ".gguf")):
         return {"model_file": value}
     return {"model_path": value}
 
@@ -100,7 +100,7 @@ ALIASES: dict[str, Alias] = {a.key: a for a in (
     Alias("model_family", "family", "the model family; SimpleTuner's names that differ from ours (pixart_sigma, "
           "qwen_image, z_image, ...) read as ours", _family),
     Alias("pretrained_model_name_or_path", "model_path, model_file", "a local diffusers folder (model_path), or one "
-          ".safetensors file (model_file); never downloaded, so a Hub name is refused as a missing folder", _model),
+          ".safetensors or .gguf file (model_file); never downloaded, so a Hub name is refused as a missing folder", _model),
     Alias("pretrained_vae_model_name_or_path", "vae_path", "the local VAE folder", _as("vae_path")),
     Alias("instance_data_dir", "data", "the image folder", _as("data")),
     Alias("output_dir", "output", "the output folder", _as("output")),

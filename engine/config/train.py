@@ -109,6 +109,9 @@ class TrainConfig:
             raise ConfigError(f"base_model_precision={base!r} is invalid: allowed bf16, fp32, no_change or auto with "
                               "fsdp (torchao's quantized weights are not sharded here, and fp16's loss scaling is "
                               "not wired for sharded gradients).")
+        if self.model.model_file and self.model.model_file.lower().endswith(".gguf"):
+            raise ConfigError(f"fsdp=True is invalid with a GGUF model_file ({self.model.model_file!r}): allowed false "
+                              "(its quantized weights are not sharded here); or a .safetensors model file.")
         if self.schedule.gradient_checkpointing_offload_attention:
             raise ConfigError("gradient_checkpointing_offload_attention=True is invalid: allowed false with fsdp (it "
                               "would copy the blocks' all-gathered weights to host memory); the unsloth backends, "

@@ -5,9 +5,9 @@ then skip or repeat some) or a model file replaced under the same name by one of
 layout is named before any work, not found in the results.
 
 Fingerprints are cheap: file sizes and the SHA-256 of captions and of a safetensors header (it
-lists every tensor's name, dtype, shape and byte range), never of the image or weight data; so a
-file of the same size and header (another fine-tune of the same model, stored alike) is not told
-apart.
+lists every tensor's name, dtype, shape and byte range; of a GGUF file, its tensor table), never
+of the image or weight data; so a file of the same size and header (another fine-tune of the same
+model, stored alike) is not told apart.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from ..config import TrainConfig
 from ..files.checks import safetensors_header
+from ..model.quantized.gguf_file import is_gguf, open_gguf
 from .folder import scan_dataset
 
 FIRST = 3
@@ -32,9 +33,13 @@ def _sha(data: bytes) -> str:
 
 
 def _file_identity(path: Path) -> dict[str, Any]:
-    """A weights file's size and the hash of its safetensors header (read and checked by
-    :func:`~..files.checks.safetensors_header`)."""
-    header = safetensors_header(path, "model_file", "download or copy the file again")
+    """A weights file's size and the hash of its header: a safetensors header (read and checked by
+    :func:`~..files.checks.safetensors_header`), or a GGUF file's architecture and tensor table
+    (:meth:`~..model.quantized.gguf_file.GGUFFile.identity`)."""
+    if is_gguf(path):
+        header = open_gguf(path, "model_file").identity()
+    else:
+        header = safetensors_header(path, "model_file", "download or copy the file again")
     return {"name": path.name, "bytes": path.stat().st_size,
             "header_sha": _sha(json.dumps(header, sort_keys=True).encode())}
 
@@ -69,7 +74,8 @@ def input_fingerprint(config: TrainConfig, prepared=None) -> dict[str, Any]:
 
     Raises:
         DatasetError: the data folder cannot be read (see ``engine/data/folder.py``).
-        DamagedFileError: ``model_file`` is not a complete safetensors file.
+        DamagedFileError: ``model_file`` is not a complete safetensors or GGUF file.
+        ModelLoadError: a GGUF ``model_file`` holds a tensor type no GGUF version defines.
     """
     found: dict[str, Any] = {}
     if config.data.folder is not None:

@@ -5,7 +5,7 @@ Weight streaming (docs/STREAMING.md) keeps one host copy of every streamed block
 weights; offloaded activations wait in host memory too. The planner counts both against the host
 budget; :func:`check_host_budget` refuses a run that asks for more streaming than the host holds
 before a weight is read, from the model's config alone (the class is instantiated on the ``meta``
-device: no memory is allocated, no file but ``config.json`` is read).
+device: no memory is allocated, no file but ``config.json`` or a single file's header is read).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..core.plan import count_blocks, effective_plan
 from ..families import get_family
 from ..model.folders import transformer_folder
 from ..model.loading import resolve_device, run_precision
+from ..model.single_file import identify_file, quantized_weight_bytes
 
 HOST_MARGIN = 0.10
 """The default host budget leaves this share of the available host memory free (the OS, the
@@ -54,17 +55,27 @@ def streamed_bytes_estimate(config: TrainConfig) -> int | None:
     on the ``meta`` device at the run's storage precision (a quantized base: 1 byte per weight
     plus a 4-byte scale and, for int8, a 1-byte zero point per output row, as torchao stores them).
 
+    A single file's config is read from its header (:func:`~..model.single_file.identify_file`);
+    a GGUF file's quantized Linear weights count their stored bytes (they stream as stored), a
+    scaled fp8 file's weights the storage dtype's (they are dequantized as read).
+
     Returns:
-        The bytes, 0 without streaming, or None when only the weights could tell (a single file).
+        The bytes, 0 without streaming, or None when the model's files cannot tell (the run's own
+        checks name what is wrong with them).
     """
     schedule = config.schedule
     if not schedule.streams:
         return 0
     model_cfg = config.model
     family = get_family(model_cfg.family)
+    stored: dict[str, int] = {}
     if model_cfg.model_file:
-        return None
-    if model_cfg.model_path:
+        try:
+            values = identify_file(model_cfg.model_file, family.name).config
+            stored = quantized_weight_bytes(model_cfg.model_file, family.name)
+        except (OSError, ValueError):
+            return None
+    elif model_cfg.model_path:
         try:
             values = family.model_cls().load_config(str(transformer_folder(model_cfg.model_path)))
         except (OSError, ValueError):
@@ -73,22 +84,29 @@ def streamed_bytes_estimate(config: TrainConfig) -> int | None:
         values = dict(family.tiny_config)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = family.model_cls().from_config(values) if model_cfg.model_path else family.model_cls()(**values)
+        model = family.model_cls().from_config(values) if model_cfg.model_path or model_cfg.model_file \
+            else family.model_cls()(**values)
     precision = run_precision(model_cfg, resolve_device(model_cfg))
     plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    names = {id(m): n for n, m in model.named_modules()}
     total = 0
     for block_list, list_plan in zip(family.block_lists, plan.lists):
         blocks = family.blocks(model, block_list)
         for index in list_plan.streamed:
-            total += _block_bytes(blocks[index], precision)
+            total += _block_bytes(blocks[index], precision, names, stored)
     return total
 
 
-def _block_bytes(block: torch.nn.Module, precision) -> int:
+def _block_bytes(block: torch.nn.Module, precision, names: dict[int, str], stored: dict[str, int]) -> int:
+    """Host bytes of ``block``'s weights: ``stored`` bytes for a GGUF file's quantized Linear weights
+    (``{model key: bytes}``), torchao's layout for a quantized precision, else the storage dtype's."""
     total = 0
     for module in block.modules():
         for name, param in module.named_parameters(recurse=False):
-            if precision.quantized and isinstance(module, torch.nn.Linear) and name == "weight":
+            key = f"{names[id(module)]}.{name}"
+            if key in stored and isinstance(module, torch.nn.Linear):
+                total += stored[key]
+            elif precision.quantized and isinstance(module, torch.nn.Linear) and name == "weight":
                 rows = param.shape[0]
                 total += param.numel() + rows * (5 if precision.base == "int8-torchao" else 4)
             else:

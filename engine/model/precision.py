@@ -10,6 +10,9 @@ quantized parameter (already resident) for backward and dequantizes it again the
 linear saves the dequantized full-precision weight of every call for backward, which would undo
 the quantization for every block that is not checkpointed and hand the offload hooks a "weight"
 to copy. Checkpointing, recompute and offload then see only activations, as with a plain base.
+A GGUF model file's quantized layers (:class:`~.quantized.gguf_linear.GGUFLinear`) follow the same
+pattern with the file's own blocks; the precision then sets the dtype they dequantize to (a torchao
+precision over a GGUF file is refused by its config).
 
 Rules and their sources: torchao's weight-only configs (``Int8WeightOnlyConfig``,
 ``Float8WeightOnlyConfig``; fp8 needs compute capability 8.9+ on CUDA per torchao's docs);
@@ -22,7 +25,7 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..config.model import BASE_PRECISIONS, QUANTIZED
 from ..core.memory import format_mib
 from .distributed import local_tensor
+from .quantized.gguf_linear import GGUFLinear
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -171,7 +175,8 @@ class BaseWeights:
 
     Attributes:
         linear_layers: ``nn.Linear`` modules of the base (LoRA layers are added later).
-        quantized_linear_layers: how many of them hold a quantized weight.
+        quantized_linear_layers: how many of them hold a quantized weight (torchao's, or a GGUF
+            file's :class:`~.quantized.gguf_linear.GGUFLinear`).
         frozen_bytes: bytes of the frozen parameters and buffers (quantized: data + scales).
     """
 
@@ -202,6 +207,13 @@ def _keep_fp32(model: torch.nn.Module) -> list[str]:
 def _in_keep(name: str, keep: list[str]) -> bool:
     parts = name.split(".")
     return any(k in parts or name == k or name.startswith(k + ".") for k in keep)
+
+
+def keeps_fp32(model: torch.nn.Module) -> Callable[[str], bool]:
+    """``name -> whether the module of that name is one the class keeps in fp32``
+    (``_keep_in_fp32_modules``: never quantized, stored in fp32)."""
+    keep = _keep_fp32(model)
+    return lambda name: _in_keep(name, keep)
 
 
 def host_parameters(modules: list[torch.nn.Module]) -> set[int]:
@@ -241,12 +253,13 @@ def apply_base_precision(model: torch.nn.Module, precision: Precision, device: t
     keep = _keep_fp32(model)
     for name, module in model.named_modules():
         dtype = torch.float32 if _in_keep(name, keep) else precision.storage_dtype
+        if isinstance(module, GGUFLinear):  # a GGUF file's layer: its weight stays quantized
+            module.compute_dtype = dtype
         for key, value in list(module._parameters.items()) + list(module._buffers.items()):
             if value is not None and value.is_floating_point() and not is_traceable_wrapper_subclass(value) \
                     and value.dtype != dtype:
                 with torch.no_grad():
                     value.data = value.data.to(dtype)
-    quantized = 0
     if precision.quantized:
         quantize, config = _torchao(precision.base)
 
@@ -264,7 +277,7 @@ def apply_base_precision(model: torch.nn.Module, precision: Precision, device: t
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and is_traceable_wrapper_subclass(module.weight):
                 module.__class__ = QuantizedLinear
-                quantized += 1
+    quantized = sum(1 for m in model.modules() if isinstance(m, (QuantizedLinear, GGUFLinear)))
     move_to(model, device, host_parameters(host_modules))
     linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     return BaseWeights(linear, quantized, frozen_bytes(model))
@@ -321,6 +334,7 @@ def check_torchao(base_model_precision: str) -> None:
 def describe_precision(precision: Precision, base: BaseWeights, kernels: tuple[str, ...]) -> str:
     """The run's one log line on its base precision, frozen bytes, compute dtype and SDPA kernels."""
     quantized = (f", {base.quantized_linear_layers}/{base.linear_layers} Linear layers quantized"
-                 if precision.quantized else "")
+                 + ("" if precision.quantized else " (GGUF, dequantized per layer)")
+                 if base.quantized_linear_layers else "")
     return (f"base: {precision.base} ({format_mib(base.frozen_bytes, 1)} frozen weights{quantized}), compute "
             f"{precision.to_dict()['compute']}, LoRA fp32; attention kernels {','.join(kernels)}")

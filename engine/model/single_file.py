@@ -1,19 +1,24 @@
-"""Single-file checkpoints: one ``.safetensors`` file holding a transformer, loaded offline.
+"""Single-file checkpoints: one ``.safetensors`` or GGUF file holding a transformer, loaded offline.
 
 A file comes from ``models/diffusion_models`` (the transformer alone), ``models/unet`` or
 ``models/checkpoints`` (a full checkpoint: its transformer is the ``model.diffusion_model.`` part,
 the prefix ComfyUI and diffusers both strip; the VAE and text encoders in it are not read). It may
 be in the original release layout or the diffusers layout. The order of work:
 
-1. the header is checked (:func:`~..files.checks.check_safetensors`) and read: names, dtypes, shapes;
-2. the family and layout are recognised from key names (:mod:`.single_file_formats`);
+1. the header is checked (:func:`~..files.checks.check_safetensors`, or
+   :func:`~.quantized.gguf_file.open_gguf` for a GGUF file) and read: names, dtypes, shapes;
+2. the family and layout are recognised from key names (:mod:`.single_file_formats`; ComfyUI's
+   scaled fp8 marker and scale keys set aside, :mod:`.quantized.scaled_fp8`);
 3. the header is converted to the diffusers layout on ``meta`` tensors (once per candidate config
    where the conversion needs the config: the UNet's), and its shapes are compared with the shipped
-   configs of the family's released variants (``model_configs/*.json``) and the family's tiny preset; if none matches exactly, the config is inferred from the shapes where the
+   configs of the family's released variants (``model_configs/*.json``) and the family's tiny
+   preset; if none matches exactly, the config is inferred from the shapes where the
    family allows it, and the inferred model's shapes must match the file's exactly;
 4. only then are the weights read, each cast to the run's storage dtype as it is read (an fp8,
-   fp16 or bf16 file never exists in fp32 when bf16 was asked for), converted with the same
-   function, and assigned to a model built without initialising its weights.
+   fp16 or bf16 file never exists in fp32 when bf16 was asked for; a scaled fp8 weight is
+   dequantized; a GGUF file's quantized weights stay as they are stored), converted with the same
+   function, and assigned to a model built without initialising its weights (a GGUF Linear
+   weight's layer becoming a :class:`~.quantized.gguf_linear.GGUFLinear`).
 
 Nothing touches the network: the configs ship with the pack, and no diffusers loader that could
 fetch a default config is called.
@@ -37,13 +42,15 @@ from .bundle import ModelBundle, ModelLoadError
 from .folders import SAFETENSORS_FLOAT, assemble_bundle
 from .layouts import diffusers_converter, get_layout
 from .lora_header import check_not_a_lora
+from .precision import keeps_fp32
+from .quantized import gguf_file, scaled_fp8
+from .quantized.gguf_linear import GGUFWeight, assign_weights, is_gguf_weight
 from .single_file_formats import FORMATS, RECOGNISED_ONLY, FileFormat, ShapeInferenceError, Shapes
 
 PREFIX = "model.diffusion_model."
 CONFIG_DIR = Path(__file__).with_name("model_configs")
 TINY = "tiny preset"
 INFERRED = "inferred from shapes"
-SCALED_FP8_MARKS = ("scaled_fp8", ".scale_weight")
 
 
 @dataclass(frozen=True)
@@ -68,13 +75,16 @@ class Identified:
 
 
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{key: (safetensors dtype, shape)}`` of a complete ``.safetensors`` file (no tensor is read).
+    """``{key: (dtype, shape)}`` of a complete ``.safetensors`` file (safetensors' dtype names) or
+    GGUF file (GGUF's type names, ``Q8_0``, ``F32``, ...; torch shapes); no tensor is read.
 
     Raises:
-        ModelLoadError: missing, truncated or unreadable file, or not a safetensors file (named,
-            with what to do).
+        ModelLoadError: missing, truncated or unreadable file, or not a safetensors or GGUF file
+            (named, with what to do); a GGUF tensor type no GGUF version defines.
         ConfigError: the file is a LoRA, not a model.
     """
+    if gguf_file.is_gguf(path):
+        return _open(path)[0]
     try:
         check_not_a_lora(path, safetensors_header(path, "model file", "download or copy the file again"))
         with safe_open(str(path), framework="pt") as fh:
@@ -264,64 +274,133 @@ def identify_file(path: str | Path, family_name: str | None = None) -> Identifie
     """:func:`identify` on the header of the file at ``path`` (its transformer part).
 
     Raises:
-        ModelLoadError: see :func:`identify` and :func:`read_header`, or scaled fp8 weights; the
+        ModelLoadError: see :func:`identify`, :func:`read_header` and :func:`_identify_part`; the
             message names the file.
     """
-    return _identify_part(path, read_header(path), family_name)[0]
+    header, gguf = _open(path)
+    return _identify_part(path, header, family_name, gguf)[0]
 
 
-def _identify_part(path, header, family_name) -> tuple[Identified, dict[str, str]]:
-    """:func:`identify` on ``header``'s transformer part, and that part (``{key: key in the file}``)."""
-    part = transformer_keys(header)
-    if any(k == SCALED_FP8_MARKS[0] or k.endswith(SCALED_FP8_MARKS[1]) for k in part):
-        raise ModelLoadError(f"model file {str(path)!r} holds scaled fp8 weights (per-layer scale_weight tensors, "
-                             "ComfyUI's fp8_scaled format), which are not loaded here: use an fp8 (unscaled), fp16 "
-                             "or bf16 file")
+def _identify_part(path, header, family_name, gguf=None) -> tuple[Identified, dict[str, str], dict[str, str]]:
+    """:func:`identify` on ``header``'s transformer part; that part (``{key: key in the file}``,
+    less the scale keys of a scaled fp8 file) and the scales (``{weight key: scale key}``).
+
+    Raises:
+        ModelLoadError: see :func:`identify`; a GGUF of another architecture or of a type not
+            loaded (:func:`~.quantized.gguf_file.check_transformer`). The message names the file.
+    """
+    part, scales = transformer_keys(header), {}
+    if gguf is not None:
+        gguf_file.check_transformer(gguf, part)
+    elif scaled_fp8.is_scaled_fp8(part):
+        part, scales = scaled_fp8.split_scales(part)
     try:
-        return identify({k: header[full][1] for k, full in part.items()}, family_name), part
+        return identify({k: header[full][1] for k, full in part.items()}, family_name), part, scales
     except ModelLoadError as exc:
         raise ModelLoadError(f"model file {str(path)!r}: {exc}") from exc
 
 
-def load_transformer_file(path: str | Path, family_name: str | None = None, dtype: torch.dtype = torch.float32,
-                          log: Callable[[str], None] = print) -> tuple[torch.nn.Module, Identified]:
-    """The transformer in the ``.safetensors`` file at ``path``, in ``dtype``, eval mode.
+def _open(path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], gguf_file.GGUFFile | None]:
+    """The header of the file at ``path``, and the opened GGUF file when it is one."""
+    if not gguf_file.is_gguf(path):
+        return read_header(path), None
+    try:
+        opened = gguf_file.open_gguf(path)
+    except DamagedFileError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return opened.header(), opened
 
-    Each floating tensor is cast to ``dtype`` as it is read, before the conversion (so for an
-    fp16 base, modules a class keeps in fp32 carry fp16 rounding; training brings them back to
-    fp32), and integer tensors keep theirs. The model is built without initialising weights
-    (``accelerate.init_empty_weights``, as diffusers' loaders do) and its parameters are the
-    file's tensors (``load_state_dict(assign=True)``); buffers are cast as ``from_pretrained``
-    casts them. One line goes to ``log``: the family, layout, variant and dtypes.
+
+def quantized_weight_bytes(path: str | Path, family_name: str | None = None) -> dict[str, int]:
+    """``{diffusers key: bytes}`` of the quantized tensors of a GGUF file's transformer, as the
+    model holds them after the layout conversion (run on ``meta`` tensors: nothing is read);
+    empty for a safetensors file (its weights are held in the run's storage dtype).
 
     Raises:
         ModelLoadError: see :func:`identify_file`.
     """
-    header = read_header(path)
-    found, part = _identify_part(path, header, family_name)
-    stored = _dtype_counts(header, part.values())
+    header, gguf = _open(path)
+    if gguf is None:
+        return {}
+    found, part, _ = _identify_part(path, header, family_name, gguf)
+    meta = {}
+    for key, full in part.items():
+        info, raw = gguf.tensors[full], gguf.reader.tensors[gguf.tensors[full].index]
+        meta[key] = (torch.empty(info.shape, device="meta") if info.type_name in gguf_file.PLAIN or info.reshaped
+                     else GGUFWeight(torch.empty(tuple(raw.data.shape), dtype=torch.uint8, device="meta"),
+                                     quant_type=raw.tensor_type))
+    if found.layout == "original":
+        meta = _converter(next(f for f in FORMATS if f.family == found.family.name), found.family, found.config)(meta)
+    return {k: v.numel() for k, v in meta.items() if is_gguf_weight(v)}
+
+
+def load_transformer_file(path: str | Path, family_name: str | None = None, dtype: torch.dtype = torch.float32,
+                          log: Callable[[str], None] = print) -> tuple[torch.nn.Module, Identified]:
+    """The transformer in the ``.safetensors`` or GGUF file at ``path``, in ``dtype``, eval mode.
+
+    Each floating tensor is cast to ``dtype`` as it is read, before the conversion (so for an
+    fp16 base, modules a class keeps in fp32 carry fp16 rounding; training brings them back to
+    fp32), and integer tensors keep theirs. A scaled fp8 weight is dequantized to ``dtype`` as it
+    is read (:mod:`.quantized.scaled_fp8`). A GGUF file's quantized Linear weights stay quantized
+    (their layers become :class:`~.quantized.gguf_linear.GGUFLinear`, dequantizing to ``dtype``
+    per call); its other tensors are read like a safetensors file's. The model is built without
+    initialising weights (``accelerate.init_empty_weights``, as diffusers' loaders do) and its
+    parameters are the file's tensors (assigned); buffers are cast as ``from_pretrained`` casts
+    them. One line goes to ``log``: the family, layout, variant, dtypes and quantized layers.
+
+    Raises:
+        ModelLoadError: see :func:`identify_file`; a conversion that cannot run on a GGUF file's
+            quantized tensors, or weights that do not fit the model (the key named).
+    """
+    header, gguf = _open(path)
+    found, part, scales = _identify_part(path, header, family_name, gguf)
+    if gguf is not None:
+        tensors = {key: gguf_file.read_tensor(gguf, full, dtype) for key, full in part.items()}
+        stored = (f"GGUF {'/'.join(sorted({header[full][0] for full in part.values()}))} "
+                  f"(general.architecture {gguf.architecture})")
+    else:
+        tensors = _read_safetensors(path, part, scales, dtype)
+        stored = "/".join(sorted(_dtype_counts(header, part.values()))) or "no floats"
+        stored += f", scaled fp8 ({len(scales)} layers, dequantized as read)" if scales else ""
+    if found.layout == "original":
+        fmt = next(f for f in FORMATS if f.family == found.family.name)
+        try:
+            tensors = _converter(fmt, found.family, found.config)(tensors)
+        except (KeyError, IndexError, RuntimeError, ValueError) as exc:  # on the real tensors: GGUF blocks
+            raise ModelLoadError(f"model file {str(path)!r}: the {found.family.name} conversion to the diffusers "
+                                 f"layout cannot run on its tensors: {type(exc).__name__}: {exc}") from exc
+    with init_empty_weights():
+        model = found.family.model_cls().from_config(found.config)
+    try:
+        kept = assign_weights(model, tensors, dtype, keeps_fp32(model))
+    except RuntimeError as exc:
+        raise ModelLoadError(f"model file {str(path)!r}: its {found.describe()} weights do not fit the model "
+                             f"({exc})") from exc
+    if not (dtype == torch.float16 and model._keep_in_fp32_modules):
+        model.to(dtype)
+    quantized = f"; {kept} Linear layers kept quantized (dequantized per layer)" if gguf is not None else ""
+    log(f"model file {path}: {found.describe()}; stored as {stored}, loaded as {str(dtype).removeprefix('torch.')}"
+        f"{quantized}")
+    return model.eval(), found
+
+
+def _read_safetensors(path, part: dict[str, str], scales: dict[str, str], dtype: torch.dtype) -> dict:
+    """``{key: tensor}`` of ``part`` read from a safetensors file one tensor at a time: floats cast to
+    ``dtype``, scaled fp8 weights (``scales``: ``{weight key: scale key}``) dequantized to it."""
     tensors = {}
     with safe_open(str(path), framework="pt") as fh:
         for key, full in part.items():
             tensor = fh.get_tensor(full)
+            if key in scales:
+                tensor = scaled_fp8.dequantize_fp8(tensor, fh.get_tensor(scales[key]), dtype)
             tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if found.layout == "original":
-        fmt = next(f for f in FORMATS if f.family == found.family.name)
-        tensors = _converter(fmt, found.family, found.config)(tensors)
-    with init_empty_weights():
-        model = found.family.model_cls().from_config(found.config)
-    model.load_state_dict(tensors, strict=True, assign=True)
-    if not (dtype == torch.float16 and model._keep_in_fp32_modules):
-        model.to(dtype)
-    log(f"model file {path}: {found.describe()}; stored as {'/'.join(sorted(stored)) or 'no floats'}, "
-        f"loaded as {str(dtype).removeprefix('torch.')}")
-    return model.eval(), found
+    return tensors
 
 
 def load_model_file(path: str | Path, family_name: str | None = None, vae_path: str | Path | None = None,
                     text_encoder_path: str | Path | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.float32, log: Callable[[str], None] = print) -> ModelBundle:
-    """A :class:`~.loading.ModelBundle` of the transformer in one ``.safetensors`` file (never the
+    """A :class:`~.loading.ModelBundle` of the transformer in one ``.safetensors`` or GGUF file (never the
     network), with the VAE of ``vae_path`` (a diffusers folder; ``None``: no VAE, so image data
     cannot be encoded) and the text encoder of ``text_encoder_path`` (default: the deterministic
     embedder).

@@ -53,6 +53,12 @@ class FileFormat:
     infer: Callable[[Shapes], dict[str, Any]] | None = field(default=None)
 
 
+def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape a tensor stands for: a GGUF weight's ``quant_shape`` (its data is ``(rows, row
+    bytes)``), else its own."""
+    return tuple(getattr(t, "quant_shape", None) or t.shape)
+
+
 def _count(shapes: Shapes, prefix: str) -> int:
     """Number of blocks ``<prefix>0 .. <prefix>N-1`` (the highest index + 1)."""
     found = indices(shapes, prefix)

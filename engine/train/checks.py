@@ -17,6 +17,8 @@ from ..families.comfyui import LAYOUT_MODULES
 from ..files.checks import safetensors_header
 from ..model.bundle import ModelBundle
 from ..model.lora_header import check_init_lora, check_not_a_lora
+from ..model.quantized.gguf_file import check_transformer, is_gguf, open_gguf
+from ..model.single_file import transformer_keys
 from .state import STATE_FILE, read_state_header
 
 
@@ -31,10 +33,12 @@ def check_input_paths(config: TrainConfig) -> None:
     (``engine/data/checks.py`` ``check_dataset``).
 
     Raises:
-        ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` file, or is
-            a LoRA; ``init_lora`` holds no LoRA, or one of another family or rank (both named).
+        ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` or ``.gguf``
+            file, or is a LoRA; ``init_lora`` holds no LoRA, or one of another family or rank (both named).
         DamagedFileError: ``model_file`` or ``init_lora`` is truncated, unreadable or not a
-            safetensors file (a text file, a pickle).
+            safetensors (or GGUF) file (a text file, a pickle).
+        ModelLoadError: a GGUF ``model_file`` of another architecture, or holding a tensor type
+            not loaded (one line naming the file).
         DatasetError: a caption cannot be decoded, an image is not one or is truncated (named).
     """
     model = config.model
@@ -43,11 +47,15 @@ def check_input_paths(config: TrainConfig) -> None:
     for value in model.text_encoder_path or ():
         _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
     if model.model_file is not None:
-        _need(model.model_file.endswith(".safetensors") and Path(model.model_file).is_file(), "model_file",
-              model.model_file, "an existing .safetensors file (pickle checkpoints are refused: loading one can "
-              "run arbitrary code)")
-        header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
-        check_not_a_lora(model.model_file, header)
+        _need(model.model_file.endswith((".safetensors", ".gguf")) and Path(model.model_file).is_file(),
+              "model_file", model.model_file, "an existing .safetensors or .gguf file (pickle checkpoints are "
+              "refused: loading one can run arbitrary code)")
+        if is_gguf(model.model_file):  # complete, of a diffusion architecture and of loaded types
+            opened = open_gguf(model.model_file)
+            check_transformer(opened, transformer_keys(opened.tensors))
+        else:
+            header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
+            check_not_a_lora(model.model_file, header)
     if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
         check_init_lora(model.init_lora, model.family, config.lora.rank)
     check_dataset(config.data.folder)

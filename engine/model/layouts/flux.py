@@ -81,7 +81,8 @@ def flux_original_to_diffusers(checkpoint: StateDict) -> StateDict:
     Fused tensors are split: ``double_blocks.N.{img,txt}_attn.qkv`` (3H, H) into q, k, v;
     ``single_blocks.N.linear1`` (3H + M, H) into q, k, v (H rows each) and the MLP input (M rows),
     H read from ``linear2``'s rows (its output width); ``final_layer.adaLN_modulation.1`` is reordered
-    ``[shift; scale] -> [scale; shift]``. Works on ``meta`` tensors; consumes ``checkpoint``.
+    ``[shift; scale] -> [scale; shift]``. Works on ``meta`` tensors and on GGUF weights (it splits
+rows only, and rows are whole quantization blocks: exact on the raw data); consumes ``checkpoint``.
 
     Raises:
         KeyError: keys the mapping does not know are left over (named).
