@@ -45,6 +45,7 @@ CORE_NODES = {
                     ("height", "INT", 512), ("crop", "COMBO", "disabled")], ["IMAGE"]),
     "ImageBatch": ([("image1", "IMAGE"), ("image2", "IMAGE")], ["IMAGE"]),
     "VAEEncode": ([("pixels", "IMAGE"), ("vae", "VAE")], ["LATENT"]),
+    "LatentBatch": ([("samples1", "LATENT"), ("samples2", "LATENT")], ["LATENT"]),
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], ["IMAGE"]),
     "ConditioningCombine": ([("conditioning_1", "CONDITIONING"), ("conditioning_2", "CONDITIONING")], ["CONDITIONING"]),
     "CLIPTextEncode": ([("text", "STRING", "", {"multiline": True}), ("clip", "CLIP")], ["CONDITIONING"]),

@@ -172,14 +172,18 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
 
 def comfy_preview_source(family: FamilyAdapter, prepared: PreparedData, vae) -> PreviewSource:
     """Previews of a run on ComfyUI latents: the first conditioning's text, decoded by ComfyUI's
-    VAE (``VAE.decode`` takes the family's raw latents and gives ``(B, H, W, 3)`` in [0, 1]; the
-    family's ComfyUI latent format undoes the normalisation first)."""
+    VAE (``VAE.decode`` takes the family's raw latents and gives ``(B, H, W, 3)`` in [0, 1], or
+    ``(B, T, H, W, 3)`` for a video VAE (Wan's), of which the first frame is shown; the family's
+    ComfyUI latent format undoes the normalisation first)."""
     fmt = comfy_latent_format(family)
     cache = prepared.cache
     text = TextBatch(cache["text_seq"][:1], cache["text_mask"][:1],
                      cache["text_pooled"][:1] if "text_pooled" in cache else None)
 
     def decode(latents: torch.Tensor) -> torch.Tensor:
-        return vae.decode(fmt.process_out(latents)).movedim(-1, 1).float().clamp(0, 1).cpu()
+        images = vae.decode(fmt.process_out(latents))
+        if images.ndim == 5:  # (B, T, H, W, 3): a video VAE's frames
+            images = images[:, 0]
+        return images.movedim(-1, 1).float().clamp(0, 1).cpu()
 
     return PreviewSource(text, decode, sample_latent_shape(cache), ["conditioning0"])

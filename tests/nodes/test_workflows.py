@@ -31,7 +31,7 @@ CORE_WIDGETS = {
     "EmptyHunyuanLatentVideo": [("width", False), ("height", False), ("length", False), ("batch_size", False)],
     "LoadImage": [("image", False), None],
     "ImageScale": [("upscale_method", False), ("width", False), ("height", False), ("crop", False)],
-    "ImageBatch": [], "VAEEncode": [], "VAEDecode": [], "ConditioningCombine": [],
+    "ImageBatch": [], "LatentBatch": [], "VAEEncode": [], "VAEDecode": [], "ConditioningCombine": [],
     "CLIPTextEncode": [("text", False)],
     "LoraLoaderModelOnly": [("lora_name", False), ("strength_model", False)],
     "EmptySD3LatentImage": [("width", False), ("height", False), ("batch_size", False)],

@@ -124,3 +124,26 @@ def test_an_epsilon_family_says_previews_are_off(data_dir):
 def test_bad_preview_settings_are_refused_by_name(key, value):
     with pytest.raises(ConfigError, match=key):
         TrainConfig.from_dict({key: value})
+
+
+def test_a_comfyui_video_vae_preview_shows_each_samples_first_frame():
+    """ComfyUI's Wan VAE decodes (B, C, T, h, w) latents to (B, T, H, W, 3) frames: the preview
+    takes frame 0 of each sample, as (B, 3, H, W)."""
+    from segmented_checkpointing.engine.data.comfy_data import PreparedData
+    from segmented_checkpointing.engine.families import get_family
+    from segmented_checkpointing.engine.train.previews import comfy_preview_source
+
+    frames = torch.rand(2, 3, 16, 16, 3)
+    seen = []
+
+    class VideoVAE:
+        def decode(self, latents):
+            seen.append(tuple(latents.shape))
+            return frames
+
+    cache = {"latents": torch.zeros(2, 16, 1, 2, 2), "text_seq": torch.zeros(2, 4, 8),
+             "text_mask": torch.ones(2, 4, dtype=torch.bool)}
+    source = comfy_preview_source(get_family("wan"), PreparedData("wan", cache, {}), VideoVAE())
+    images = source.decode(torch.zeros(2, 16, 1, 2, 2))
+    assert seen == [(2, 16, 1, 2, 2)] and images.shape == (2, 3, 16, 16)
+    assert torch.equal(images, frames[:, 0].movedim(-1, 1))
