@@ -40,6 +40,37 @@ COMFY_SMALL = {
             "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 256, "num_layers": 2,
             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6},
 }
+
+
+def _over_tiny(family: str, **overrides) -> dict:
+    from segmented_checkpointing.engine.families import get_family
+
+    return {**get_family(family).tiny_config, **overrides}
+
+
+COMFY_SMALL.update({
+    # hidden = heads x 128, rotary axes (16, 56, 56), MLP ratio 4, two refiner blocks, pooled CLIP 768
+    "hunyuanvideo": _over_tiny("hunyuanvideo", num_attention_heads=1, attention_head_dim=128, num_layers=1,
+                               num_single_layers=1, num_refiner_layers=2, mlp_ratio=4.0, pooled_projection_dim=768,
+                               rope_axes_dim=(16, 56, 56)),
+    # 32 heads, caption width 4096, cross-attention width = hidden
+    "ltxvideo": _over_tiny("ltxvideo", num_attention_heads=32, attention_head_dim=4, cross_attention_dim=128,
+                           caption_channels=4096, num_layers=2),
+    # Predict 2: 16 heads, 10 blocks, text 1024, AdaLN-LoRA 256, the padding-mask channel
+    "cosmos": _over_tiny("cosmos", num_attention_heads=16, attention_head_dim=16, num_layers=10, mlp_ratio=4.0,
+                         text_embed_dim=1024, adaln_lora_dim=256, concat_padding_mask=True, extra_pos_embed_type=None),
+    # heads of 128, frequency width 256, text 4096, VACE blocks at 0 and 2
+    "wanvace": _over_tiny("wanvace", num_attention_heads=1, attention_head_dim=128, freq_dim=256, text_dim=4096,
+                          num_layers=4, vace_layers=(0, 2)),
+    # SD 1.x-shaped: ComfyUI's 32 norm groups need >= 32 channels; 320/640, cross-attention first (SD15)
+    "unet2dcondition": _over_tiny("unet2dcondition", block_out_channels=(320, 640), layers_per_block=1,
+                                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=768,
+                                  attention_head_dim=8, transformer_layers_per_block=1, addition_embed_type=None,
+                                  projection_class_embeddings_input_dim=None, addition_time_embed_dim=None,
+                                  use_linear_projection=False, norm_num_groups=32, in_channels=4, out_channels=4,
+                                  sample_size=32),
+})
 """Small models of the families' released layouts that ComfyUI builds (tests/live/test_comfyui_lora_keys.py)."""
 
 
