@@ -145,7 +145,7 @@ def model_shapes(family: FamilyAdapter, config: Mapping[str, Any]) -> dict[str, 
 
 
 def _needs_config(fmt: FileFormat, family: FamilyAdapter) -> bool:
-    """Whether the family's conversion takes the config converted for (:attr:`OriginalLayout.needs_config`)."""
+    """Whether the family's conversion takes the config converted for (:attr:`~.layouts.OriginalLayout.needs_config`)."""
     layout = get_layout(family.name)
     return fmt.convert is None and layout is not None and layout.needs_config
 
