@@ -35,6 +35,13 @@ class TrainResult:
     model: Any = field(default=None, repr=False)
     writer: bool = True
     """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
+    resumed_at: int = 0
+    """The step this run started at (a resume's saved step; 0 for a fresh run)."""
+
+    @property
+    def trained_steps(self) -> int:
+        """The steps this run trained (0 for a resume with nothing left: its LoRA is unchanged)."""
+        return len(self.history) - self.resumed_at
 
 
 class RunFiles:
@@ -85,11 +92,12 @@ class RunFiles:
         self.saved_step = step
 
     def write(self, ctx, config: TrainConfig, plan: ModelPlan, history: list[dict[str, Any]], source: str,
-              sections: dict[str, Any], interrupted: bool, save_state: Callable[[], None] | None = None
-              ) -> tuple[Path, dict[str, Any]]:
+              sections: dict[str, Any], interrupted: bool, save_state: Callable[[], None] | None = None,
+              start_step: int = 0) -> tuple[Path, dict[str, Any]]:
         """Save the LoRA (its header: family, schedule, steps, base model), then the state
         (``save_state``, when given) and ``report.json`` (:func:`~.report.build_report` with the
-        run's ``sections``); ``(LoRA path, report)``.
+        run's ``sections``); ``(LoRA path, report)``. A resume that trained nothing (its history
+        ends at ``start_step``) keeps the LoRA the folder holds: it is that step's.
 
         Raises:
             OutputWriteError: a file could not be written; the message names it, the last saved
@@ -98,13 +106,15 @@ class RunFiles:
         meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
                 "base_model": source}
         try:
-            lora_path = save_lora(ctx.model, self.lora, config.lora, meta, write=self.writer)
+            unchanged = start_step > 0 and len(history) == start_step and self.lora.is_file()
+            lora_path = self.lora if unchanged else save_lora(ctx.model, self.lora, config.lora, meta,
+                                                               write=self.writer)
         except OutputWriteError as exc:
             raise self._failed(exc) from exc
         self._lora_step = len(history)
         if save_state is not None:
             save_state()
-        report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections)
+        report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections, start_step)
         if self.writer:
             try:
                 write_report(report, self.output)
