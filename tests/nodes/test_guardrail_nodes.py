@@ -124,7 +124,10 @@ def test_bad_guardrails_are_refused_at_validation(inputs, text):
     assert text in verdict(NODES["SegCkptFitGuardrails"], **inputs)
 
 
-def test_the_planner_judges_its_choice_per_bucket(events, tmp_path):
+def test_the_planner_judges_its_choice_per_bucket(events, tmp_path, monkeypatch):
+    from segmented_checkpointing.nodes import planning_nodes
+
+    monkeypatch.setattr(planning_nodes, "current_host", training_nodes.current_host)  # the bar's updates
     graph = json.loads((WORKFLOW.parent / "plan_then_train.api.json").read_text())
     graph["2"]["inputs"].update(resolution=64, buckets=True)
     graph["3"]["inputs"].update(measured_steps=0, budget_gib=1.0)
@@ -134,3 +137,8 @@ def test_the_planner_judges_its_choice_per_bucket(events, tmp_path):
     assert "pre-flight:" in text and "fits in 1 GiB" in text
     assert text.count(" ok ") >= 2  # one line per bucket
     assert results["3"]["result"][0].schedule.mode in text
+    # one bar for the probe, then the per-bucket check after it: it moves on and ends full
+    bar = [data for event, data in events if event == "progress"][:-2]  # Train LoRA's own two steps follow
+    values = [value for value, _ in bar]
+    assert values[0] == 1 and all(b - a in (0, 1) for a, b in zip(values, values[1:])), bar
+    assert bar[-1][0] == bar[-1][1] == len(set(values)) > 11, bar  # the probe's 11 steps, then the buckets' probes
