@@ -47,13 +47,14 @@ if TYPE_CHECKING:
     from .train.loop import TrainResult
 
 _ON_FIRST_USE = {
-    ".core.plan": ("ModelPlan",),
+    ".core.plan": ("ModelPlan", "unused_keys"),
     ".core.plan_query": ("PlanQueryError", "plan_for_query"),
     ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
     ".data.folder": ("write_sample_dataset",),
     ".data.limits": ("check_resolution",),
     ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
+    ".files.checks": ("same_safetensors",),
     ".files.lock": ("FolderInUseError",),
     ".measure.host": ("HostBudgetError",),
     ".measure.planner": ("PlanChoice", "PlannerError"),
@@ -102,8 +103,9 @@ __all__ = [
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
     "LAYOUT_MODULES", "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
-    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "save_lora", "save_lora_files", "sweep",
-    "sweep_schedules", "train", "write_fit", "write_plan", "write_sample_dataset", "write_sweep",
+    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
+    "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
+    "write_sample_dataset", "write_sweep",
 ]
 
 
@@ -188,7 +190,8 @@ def _recovery_guided_by(verdict: Verdict) -> Callable[[CheckpointSchedule, Any],
 
 
 def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callable[[str], None] = print,
-          on_verdict: Callable[[Verdict], None] | None = None, **run: Any) -> TrainResult:
+          on_verdict: Callable[[Verdict], None] | None = None,
+          on_preflight: Callable[[int, int], None] | None = None, **run: Any) -> TrainResult:
     """Train a LoRA with the fit guardrails: the pre-flight (when ``memory_budget`` is set) before
     step 1, out-of-memory recovery guided by its probes, and the receipt after the run
     (``report.json`` ``preflight`` and ``receipt``).
@@ -197,6 +200,9 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         config: the run. bundle: the loaded model (default: loaded here when the pre-flight needs
             it, else by the run). log: where lines go.
         on_verdict: called with the verdict before training starts (a node shows it).
+        on_preflight: the pre-flight's progress, ``(probe steps done, probe steps in all)``:
+            ``(0, 0)`` while it encodes the data, then ``(0, K)`` and one call per probe step
+            (``engine/measure/preflight.py``).
         run: passed to the run (``on_step``, ``should_stop``, ``cache_dir``, ``prepared``,
             ``preview_source``; ``engine/train/loop.py``).
 
@@ -221,15 +227,15 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
     if guards.memory_budget is not None:
         bundle = bundle or load_model(config, log)
         verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"),
-                            prepared=run.get("prepared"), should_stop=run.get("should_stop"))
+                            prepared=run.get("prepared"), should_stop=run.get("should_stop"), on_step=on_preflight)
         log(verdict.render())
         if on_verdict is not None:
             on_verdict(verdict)
         if not verdict.fits and not guards.start_anyway:
             fix = (f"set the schedule it names ({verdict.suggestion.mode})" if verdict.suggestion
                    else "lower the resolution or batch size")
-            raise PreflightRefused(f"{verdict.render()}\nnot started: {fix}, raise memory_budget, or start anyway "
-                                   "(--start-anyway, the node's start_anyway)")
+            raise PreflightRefused(f"{verdict.render()}\nnot started: {fix}, raise --budget, or start anyway "
+                                   "(--start-anyway)")
         run["next_schedule"] = _recovery_guided_by(verdict)
     result = _train(config, bundle=bundle, log=log, **run)
     if not result.writer:  # a rank other than 0 of a sharded run: rank 0 writes and prints

@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -76,7 +78,8 @@ class Host:
     Attributes:
         input_dir: datasets live under it. diffusers_dirs: model folders live under them.
         loras_dir: LoRA files are written there. output_dir: training runs are written there.
-        progress: ``progress(node_id, total) -> update(value)``.
+        progress: ``progress(node_id, total) -> update(value, total=None)`` (a new ``total``
+            replaces the bar's: a node's phases count their own work).
         interrupted: polled between optimizer steps.
         send: ``send(event, data)`` to the page (no-op without ComfyUI).
         model_file_dirs: single ``.safetensors`` model files live under them, by the prefix they
@@ -87,7 +90,7 @@ class Host:
     diffusers_dirs: list[Path]
     loras_dir: Path
     output_dir: Path
-    progress: Callable[[Any, int], Callable[[int], None]]
+    progress: Callable[[Any, int], Callable[..., None]]
     interrupted: Callable[[], bool]
     send: Callable[[str, dict], None]
     model_file_dirs: dict[str, list[Path]] = field(default_factory=dict)
@@ -105,6 +108,9 @@ class Host:
         roots += [(d, f"models/{d.name}") for dirs in self.model_file_dirs.values() for d in dirs]
         if self.base_dir is not None:
             roots.append((self.base_dir, "<comfyui>"))
+        # where else the engine's messages may point: its temporary run folders, Python, the pack
+        roots += [(Path(tempfile.gettempdir()), "<tmp>"), (Path(sys.prefix), "<python>"),
+                  (Path(sys.base_prefix), "<python>"), (Path(__file__).resolve().parents[1], "<pack>")]
         for root, name in sorted(roots, key=lambda r: -len(str(Path(r[0]).resolve()))):
             # absolute forms only: a relative root ("." for the current folder) would match any text
             for form in {str(root), str(Path(root).resolve())} - {""}:
@@ -133,8 +139,8 @@ def local_host(base: Path) -> Host:
     base = Path(base)
     models = base / "models"
 
-    def progress(node_id: Any, total: int) -> Callable[[int], None]:
-        return lambda value: None
+    def progress(node_id: Any, total: int) -> Callable[..., None]:
+        return lambda value, total=None: None
 
     files = {"diffusion_models": [models / "unet", models / "diffusion_models"],  # ComfyUI's order
              "checkpoints": [models / "checkpoints"]}
@@ -147,15 +153,15 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
     import comfy.utils
     import folder_paths
 
-    def progress(node_id: Any, total: int) -> Callable[[int], None]:
+    def progress(node_id: Any, total: int) -> Callable[..., None]:
         bar = comfy.utils.ProgressBar(total, node_id=node_id)
 
-        def update(value: int) -> None:
+        def update(value: int, total: int | None = None) -> None:
             # ComfyUI's progress hook raises (and clears the flag) when the user interrupted: keep
             # the flag set instead, so the trainer sees `interrupted` at its next check, saves the
             # resumable state and returns; ComfyUI then stops before the next node.
             try:
-                bar.update_absolute(value, total)
+                bar.update_absolute(value, total if total is not None else bar.total)
             except comfy.model_management.InterruptProcessingException:
                 comfy.model_management.interrupt_current_processing(True)
 
@@ -168,7 +174,7 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
 
     diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
     files = {name: [Path(p) for p in folder_paths.get_folder_paths(name)] for name in MODEL_FILE_FOLDERS}
-    if GGUF_FOLDER in folder_paths.folder_names_and_paths:  # ComfyUI-GGUF is installed
+    if GGUF_FOLDER in getattr(folder_paths, "folder_names_and_paths", {}):  # ComfyUI-GGUF is installed
         files["diffusion_models"] += [Path(p) for p in folder_paths.get_folder_paths(GGUF_FOLDER)
                                       if Path(p) not in files["diffusion_models"]]
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
@@ -296,18 +302,53 @@ def _run_numbers(root: Path, name: str) -> list[int]:
     return found
 
 
+def package_module(name: str) -> str:
+    """A module's dotted name inside the package ``segmented_checkpointing``, however it was
+    imported: ComfyUI imports a custom-node pack under its folder's path (``/.../custom_nodes/<pack>``,
+    dots as ``_x_``), and builds an error's ``exception_type`` from its class's ``__module__``, which
+    reaches the page and ``/history``; this name holds no path."""
+    inner = name.partition(".")[2]
+    return f"segmented_checkpointing.{inner}" if inner else "segmented_checkpointing"
+
+
 class NodeError(ValueError):
-    """An error a node reports to the page: the engine's message with server paths hidden."""
+    """An error a node reports to the page: the engine's message with server paths hidden and the
+    options named by the nodes' inputs."""
+
+
+NodeError.__module__ = PathError.__module__ = package_module(__name__)
+
+
+def node_error(exc: BaseException) -> NodeError:
+    """``exc`` as the page shows it: server paths hidden (:meth:`Host.public`), the command line's
+    flags and keys as the nodes name them (:func:`~.messages.node_words`)."""
+    from .messages import node_words
+
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # a KeyError's str() is quoted
+    return NodeError(current_host().public(node_words(text)))
+
+
+def _ours(exc: BaseException) -> bool:
+    """Whether ``exc``'s class is one of the pack's (its module name carries the pack's path)."""
+    return type(exc).__module__.partition(".")[0] == __name__.partition(".")[0]
 
 
 def public_errors(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a node's function: the project's errors (``ValueError``) and file errors reach the
-    page with the host's folders named as ComfyUI names them, never as absolute paths."""
+    """Decorate a node's function: the project's errors (every ``ValueError``, file errors, any
+    exception class of the pack) reach the page as :class:`NodeError` (:func:`node_error`): no
+    absolute path in its message or its type's name. A measurement that the user cancelled ends
+    the prompt as interrupted (the host's own exception)."""
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
-        except (ValueError, OSError) as exc:
-            raise NodeError(current_host().public(str(exc))) from None
+        except NodeError:
+            raise
+        except Exception as exc:
+            if type(exc).__name__ in ("MeasurementInterrupted", "PlanInterrupted") and _ours(exc):
+                current_host().raise_interrupt()
+            if isinstance(exc, (ValueError, OSError)) or _ours(exc):
+                raise node_error(exc) from None
+            raise
 
     return wrapper

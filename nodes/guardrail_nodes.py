@@ -4,6 +4,7 @@ of a Train LoRA run (``engine/config/guardrails.py``; the facade's ``train`` app
 from __future__ import annotations
 
 from ..engine import api
+from .environment import public_errors
 from .payloads import CATEGORY, GUARDRAILS
 from .widgets import NodeOptions, widget
 
@@ -38,6 +39,7 @@ class FitGuardrails:
     def VALIDATE_INPUTS(cls, **inputs):
         return cls.OPTIONS.validate(cls.values(inputs))
 
+    @public_errors
     def build(self, memory_budget, start_anyway, on_oom, watchdog_slowdown):
         inputs = {"memory_budget": memory_budget, "start_anyway": start_anyway, "on_oom": on_oom,
                   "watchdog_slowdown": watchdog_slowdown}

@@ -1,6 +1,7 @@
 """What Train LoRA shows while it trains: ComfyUI's progress bar, the loss curve, the previews and
-the guardrails' notes (the pre-flight verdict, out-of-memory switches, the watchdog), sent to the
-page as the pack's events (``web/train_loss_curve.js`` draws them on the node)."""
+the guardrails' notes (the pre-flight's progress and verdict, out-of-memory switches, the
+watchdog), sent to the page as the pack's events (``web/train_loss_curve.js`` draws them on the
+node)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ..engine import api
 from .environment import Host
+from .messages import node_words
 
 
 class LiveRun:
@@ -20,21 +22,42 @@ class LiveRun:
     """
 
     def __init__(self, host: Host, node: Any, config: api.TrainConfig):
-        self.host, self.node, self.notes = host, node, []
+        self.host, self.node, self.notes, self.status = host, node, [], None
         self.update = host.progress(node, config.steps)
         self.folder = Path(config.outputs.output).resolve().relative_to(host.output_dir.resolve()).as_posix()
 
+    def shown(self, line: str) -> str:
+        """``line`` as the page shows it: server paths hidden, options named by the nodes' inputs."""
+        return self.host.public(node_words(line))
+
+    def log(self, line: str) -> None:
+        """The run's log line, on the server's console in the nodes' words (``resume=true``, not
+        ``--resume``)."""
+        print(self.shown(line))
+
+    def _send(self) -> None:
+        lines = self.notes + ([self.status] if self.status else [])
+        self.host.send("segckpt.notes", {"node": self.node, "lines": lines})
+
     def note(self, lines: list[str]) -> None:
         """Add lines to the notes drawn on the node (server paths hidden)."""
-        self.notes.extend(self.host.public(line) for line in lines)
-        self.host.send("segckpt.notes", {"node": self.node, "lines": list(self.notes)})
+        self.notes.extend(self.shown(line) for line in lines)
+        self._send()
+
+    def on_preflight(self, done: int, total: int) -> None:
+        """The pre-flight's progress: on the bar (its own total) and as the node's last line."""
+        self.update(done, max(total, 1))
+        self.status = (f"pre-flight: probe step {done}/{total} (one probe per batch shape)" if total
+                       else "pre-flight: encoding the data")
+        self._send()
 
     def on_verdict(self, verdict: api.Verdict) -> None:
+        self.status = None
         self.note(verdict.render().splitlines())
 
     def on_step(self, record, total: int) -> None:
         """Progress, the step's switches and watchdog reports, its loss and previews."""
-        self.update(record.step)
+        self.update(record.step, total)
         self.note([f"step {s['step']}: out of memory under {s['from']}: switched to {s['to']}"
                    for s in record.schedule_switches] + [found["message"] for found in record.watchdog])
         self.host.send("segckpt.loss", {"node": self.node, "step": record.step, "total": total, "loss": record.loss})

@@ -8,12 +8,12 @@ from ..engine import api
 from .environment import (
     BUILTIN_DATA,
     TINY_PRESET,
-    NodeError,
     PathError,
     contained,
     current_host,
     model_files,
     model_folders,
+    node_error,
     public_errors,
     resolve_model,
 )
@@ -51,7 +51,7 @@ class LoadDiffusionModel:
                 resolve_model(current_host(), source)
             cls.OPTIONS.config(inputs)
         except ValueError as exc:  # PathError, ConfigError: raised, so that ComfyUI lists it once
-            raise NodeError(current_host().public(str(exc))) from None
+            raise node_error(exc) from None
         return True
 
     @public_errors
@@ -91,7 +91,7 @@ class ImageCaptionDataset:
                     return f"folder={folder!r} is invalid: no such folder under the input folder"
                 api.check_dataset(path)  # captions decoded, images read through: refused at /prompt
         except (PathError, ValueError) as exc:
-            raise NodeError(host.public(str(exc))) from None
+            raise node_error(exc) from None
         return True
 
     @public_errors
@@ -123,6 +123,7 @@ class LoRAConfig:
     def VALIDATE_INPUTS(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @public_errors
     def build(self, rank, alpha, dropout, target_modules):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
         return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets),)

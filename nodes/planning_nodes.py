@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from ..engine import api
-from .environment import NodeError, PathError, contained, current_host, numbered_run, public_errors
+from .environment import PathError, contained, current_host, node_error, numbered_run, public_errors
+from .messages import node_words
 from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, FamilySchedule
 from .widgets import NodeOptions, tip, widget
 
@@ -46,31 +47,33 @@ def _validate(run_name, inputs) -> bool:
             contained(current_host().output_dir / "segckpt", run_name, "run_name")
         OPTIONS.config(inputs)
     except (PathError, ValueError) as exc:
-        raise NodeError(current_host().public(str(exc))) from None
+        raise node_error(exc) from None
     return True
 
 
-def _supported(family, schedule) -> bool:
-    try:
-        api.check_supported(family, schedule)
-    except api.ScheduleError:
-        return False
-    return True
+class _Progress:
+    """A node's progress bar over the engine's measurements, ``(done, total)`` per step (the
+    engine's totals follow what it decided to run: the bar ends at its end); :meth:`next` starts
+    another measurement after the ones before, on the same bar."""
+
+    def __init__(self, update):
+        self.update, self.base, self.done = update, 0, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done = done
+        self.update(self.base + done, max(self.base + total, 1))
+
+    def next(self) -> None:
+        self.base, self.done = self.base + self.done, 0
 
 
 @contextlib.contextmanager
-def _measuring(host, unique_id, total_steps: int):
-    """Progress after every measured step, and Cancel within one step: ``(on_step, should_stop)``.
+def _measuring(host, unique_id):
+    """Progress after every measured step, and Cancel within one step: ``(progress, should_stop)``.
 
     Cancel ends the prompt as interrupted (the host's own exception), not as a failed node."""
-    update, done = host.progress(unique_id, total_steps), [0]
-
-    def on_step() -> None:
-        done[0] += 1
-        update(min(done[0], total_steps))
-
     try:
-        yield on_step, host.interrupted
+        yield _Progress(host.progress(unique_id, 1)), host.interrupted
     except api.MeasurementInterrupted:
         host.raise_interrupt()
         raise
@@ -110,8 +113,7 @@ class CheckpointingSweep:
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         schedules = api.sweep_schedules(attention_offload_modes)
-        supported = [s for s in schedules if _supported(model.family, s)]
-        with _measuring(host, unique_id, len(supported) * (warmup_steps + measured_steps)) as (on_step, stop):
+        with _measuring(host, unique_id) as (on_step, stop):
             cells = api.sweep(config, model, schedules, warmup_steps, measured_steps, on_step=on_step,
                               should_stop=stop)
         budget = int(budget_gib * 2**30) if budget_gib > 0 else None
@@ -162,14 +164,12 @@ class SchedulePlanner:
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         budget = api.budget("device" if budget_gib == 0 else budget_gib, config, key="budget_gib")
-        # the probe (warm-up + 2), the offload calibration (2 runs of warm-up + 3) and up to 3
-        # contenders timed head to head (warm-up + measured each)
-        total = (warmup_steps + 2) + 2 * (warmup_steps + 3) + (3 * (warmup_steps + measured_steps) if measured_steps else 0)
-        with _measuring(host, unique_id, total) as (on_step, stop):
+        with _measuring(host, unique_id) as (on_step, stop):
             choice = api.plan(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
                               on_step=on_step, should_stop=stop)
             verdict = None
             if config.data.buckets:  # the probe mixed the buckets: judge the choice per bucket (pre-flight)
+                on_step.next()
                 verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), model, budget,
                                         warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
         api.write_plan(choice, folder)
@@ -184,5 +184,5 @@ class SchedulePlanner:
                 summary += f"\nper bucket it does not fit: chosen instead {chosen.mode}"
             summary += "\n" + verdict.render()
             api.write_schedule(chosen, folder)
-        return {"ui": {"text": [summary + "\n\n" + report]},
-                "result": (FamilySchedule(model.family.name, chosen), summary + "\n\n" + report)}
+        text = host.public(node_words(summary + "\n\n" + report))
+        return {"ui": {"text": [text]}, "result": (FamilySchedule(model.family.name, chosen), text)}

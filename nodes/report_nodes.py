@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from ..engine import api
-from .environment import current_host
+from .environment import current_host, public_errors
+from .messages import node_words
 from .payloads import CATEGORY, RUN
 
 
@@ -25,6 +26,7 @@ class LossGraph:
     def INPUT_TYPES(cls):
         return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
 
+    @public_errors
     def plot(self, run):
         result = run
         rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
@@ -50,13 +52,20 @@ class RunReport:
     def INPUT_TYPES(cls):
         return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
 
+    @public_errors
     def report(self, run):
         result = run
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
         report = result.report
+        resumed = ""
+        if result.resumed_at:
+            resumed = (f" ({result.trained_steps} trained in this run, resumed at step {result.resumed_at})"
+                       if result.trained_steps else
+                       f" (0 trained in this run: it resumed at step {result.resumed_at} of {result.config.steps}, "
+                       "nothing left; raise steps to continue it; the LoRA is unchanged)")
         lines = [
-            f"{totals['steps']} steps{' (interrupted, resumable)' if result.interrupted else ''}, "
+            f"{totals['steps']} steps{resumed}{' (interrupted, resumable)' if result.interrupted else ''}, "
             f"final loss {totals['final_loss']:.4f}",
             f"{sec:.3f} sec/step (median after warm-up)" if sec is not None else "sec/step: too few steps",
             f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})",
@@ -73,5 +82,5 @@ class RunReport:
         if report.get("receipt"):
             lines.append(api.render_receipt(report["receipt"]))
         lines.append(f"report: {current_host().public(str(result.report_path))}")
-        text = "\n".join(lines)
+        text = current_host().public(node_words("\n".join(lines)))
         return {"ui": {"text": [text], "plan": [json.dumps(result.plan.to_dict())]}, "result": (text,)}

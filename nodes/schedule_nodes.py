@@ -4,7 +4,7 @@ Schedule, Activation Offload Options and Weight Offload Options."""
 from __future__ import annotations
 
 from ..engine import api
-from .environment import NodeError
+from .environment import node_error, public_errors
 from .payloads import CATEGORY, OFFLOAD, SCHEDULE, WEIGHT_OFFLOAD, FamilySchedule, OffloadOptions, WeightOffload
 from .widgets import NodeOptions, tip, widget
 
@@ -53,9 +53,10 @@ class GradientCheckpointingSchedule:
         try:
             cls.schedule(family, **keys)
         except (ValueError, KeyError) as exc:
-            raise NodeError(str(exc).strip("'\"")) from None
+            raise node_error(exc) from None
         return True
 
+    @public_errors
     def build(self, family, **keys):
         return (FamilySchedule(family, self.schedule(family, **keys)),)
 
@@ -77,6 +78,7 @@ class ActivationOffloadOptions:
     def VALIDATE_INPUTS(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @public_errors
     def build(self, **keys):
         return (OffloadOptions(**keys),)
 
@@ -102,6 +104,7 @@ class WeightOffloadOptions:
     def VALIDATE_INPUTS(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @public_errors
     def build(self, **keys):
         return (WeightOffload(**self.OPTIONS.values(keys)),)
 

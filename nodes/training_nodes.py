@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from ..engine import api
+from . import messages
 from .environment import (
-    NodeError,
     PathError,
     contained,
     current_host,
     latest_run,
     next_file,
+    node_error,
     numbered_run,
     public_errors,
 )
@@ -46,6 +47,7 @@ OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_s
                        "seed": "seed", "attention_backend": "attention_backend", "on_nonfinite": "on_nonfinite",
                        "preview_every": "validation_every"})
 """Train LoRA's widgets that are engine options (``preview_every`` is ``validation_every``)."""
+messages.register({"run_name": "output"})  # the node's run_name makes the engine's output folder
 
 
 def data_source(dataset: bool, latent: bool, conditioning: bool) -> str:
@@ -177,7 +179,7 @@ class TrainLoRA:
             run_config({k: v for k, v in inputs.items() if v is not None}, find_run=False)
             data_source("dataset" in inputs, "latent" in inputs, "conditioning" in inputs)
         except (PathError, ValueError) as exc:
-            raise NodeError(current_host().public(str(exc))) from None
+            raise node_error(exc) from None
         return True
 
     @classmethod
@@ -211,13 +213,24 @@ class TrainLoRA:
             if config.validation.validation_every and inputs.get("vae") is not None:
                 previews = api.comfy_preview_source(model.family, prepared, inputs["vae"])
         live = LiveRun(current_host(), unique_id, config)
+        unused = api.unused_keys(config.schedule) if inputs.get("offload") is not None else []
+        if unused:  # e.g. unsloth over the planner's `none`: say that it does nothing
+            live.note([f"Activation Offload Options: {note}" for note in unused])
         with torch.inference_mode(False):  # our copy: the loaded model is shared with other nodes
             bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
         # one latent cache for every run of this server: its keys are the data, the model and the
         # resolution, so queueing again (or changing a training setting) does not encode again
-        return (api.train(config, bundle=bundle, on_step=live.on_step, should_stop=live.host.interrupted,
-                          cache_dir=live.host.output_dir / "segckpt" / "cache", prepared=prepared,
-                          preview_source=previews, on_verdict=live.on_verdict),)
+        result = api.train(config, bundle=bundle, on_step=live.on_step, should_stop=live.host.interrupted,
+                           cache_dir=live.host.output_dir / "segckpt" / "cache", prepared=prepared,
+                           preview_source=previews, on_verdict=live.on_verdict, on_preflight=live.on_preflight,
+                           log=live.log)
+        if result.interrupted:
+            live.note([f"cancelled after step {len(result.history)} of {config.steps}: the state is saved; queue "
+                       "again with resume on (same run_name) to continue"])
+        elif result.trained_steps == 0:
+            live.note([f"0 steps trained: the run already had {len(result.history)} of {config.steps} steps "
+                       "(raise steps to continue it)"])
+        return (result,)
 
 
 class SaveLoRA:
@@ -267,9 +280,31 @@ class SaveLoRA:
         meta = {"schedule": run.config.schedule.to_dict(), "steps": len(run.history)}
         # the graph's loader takes the ComfyUI file: with both, it keeps the plain name
         files = api.save_lora_files(run.model, path, lora, family, lora_format, meta, primary="comfyui")
-        shown = files.get("comfyui", files.get("diffusers"))
-        name = shown.relative_to(host.loras_dir.resolve()).as_posix()
-        extra = "".join(f", {fmt}: {p.name}" for fmt, p in files.items() if p != shown)
-        return {"ui": {"text": [f"saved models/loras/{name} ({lora_format if len(files) == 1 else 'comfyui'}; "
-                                f"{len(run.history)} steps, rank {lora.rank}, alpha {lora.alpha:g}{extra})"]},
-                "result": (name,)}
+        path = files.get("comfyui", files.get("diffusers"))
+        same = _same_earlier_file(path, filename_prefix) if run.trained_steps == 0 else None
+        if same is not None:  # a resume with nothing left: the earlier file is this LoRA
+            for written in files.values():
+                written.unlink()
+            path = same
+        name = path.relative_to(host.loras_dir.resolve()).as_posix()
+        fmt = lora_format if len(files) == 1 else "comfyui"
+        steps = f"{len(run.history)} steps, rank {lora.rank}, alpha {lora.alpha:g}"
+        if same is not None:
+            text = (f"unchanged: models/loras/{name} ({steps}); this run trained 0 steps (it resumed at step "
+                    f"{run.resumed_at} of {run.config.steps}: nothing left), so no new file was written")
+        else:
+            extra = "".join(f", {kind}: {p.name}" for kind, p in files.items() if p != path)
+            trained = f"; 0 trained in this run (nothing left after step {run.resumed_at})" if run.trained_steps == 0 else ""
+            text = f"saved models/loras/{name} ({fmt}; {steps}{trained}{extra})"
+        return {"ui": {"text": [text]}, "result": (name,)}
+
+
+def _same_earlier_file(path: Path, prefix: str) -> Path | None:
+    """The latest other ``<prefix>_NNNNN.safetensors`` beside ``path`` holding the same LoRA, if any."""
+    stem = Path(prefix).name
+    earlier = sorted((p for p in path.parent.glob(f"{stem}_*.safetensors")
+                      if p != path and p.name[len(stem) + 1:-len(".safetensors")].isdigit()), reverse=True)
+    try:
+        return earlier[0] if earlier and api.same_safetensors(earlier[0], path) else None
+    except ValueError:  # a damaged earlier file is not this LoRA
+        return None

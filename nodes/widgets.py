@@ -14,7 +14,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from ..engine import api
-from .environment import NodeError, current_host
+from . import messages
+from .environment import node_error
 
 _KINDS = {bool: "BOOLEAN", int: "INT", float: "FLOAT", str: "STRING", tuple: "STRING"}
 _MISSING = object()
@@ -67,6 +68,9 @@ class NodeOptions:
     names: Mapping[str, str]
     zero_unset: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        messages.register(self.names)  # the engine's messages name these keys by the node's inputs
+
     def values(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The option values among a node's ``inputs`` (by option key); linked or missing ones
         (``None`` at validation) are left out."""
@@ -89,11 +93,12 @@ class NodeOptions:
         """A node's ``VALIDATE_INPUTS``: True when the engine takes the option values of ``inputs``.
 
         Raises:
-            NodeError: the engine's message (server paths hidden). Raised, not returned: ComfyUI
-                lists a returned message once per input the validator takes, a raised one once.
+            NodeError: the engine's message, naming the node's inputs (:func:`~.environment.node_error`).
+                Raised, not returned: ComfyUI lists a returned message once per input the
+                validator takes, a raised one once (``routes.py`` names the input it is about).
         """
         try:
             self.config(inputs, base)
         except ValueError as exc:
-            raise NodeError(current_host().public(str(exc))) from None
+            raise node_error(exc) from None
         return True

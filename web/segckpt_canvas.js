@@ -31,6 +31,15 @@ export function fitHeight(node) {
   node.setDirtyCanvas?.(true, true);
 }
 
+let measurer = null;
+
+/** Width in pixels of `text` drawn in `font` (a canvas of its own: no node's context needed). */
+export function textWidth(text, font) {
+  measurer ??= document.createElement("canvas").getContext("2d");
+  measurer.font = font;
+  return measurer.measureText(text).width;
+}
+
 /** Draw `text` clipped to `width` pixels. */
 export function fillText(ctx, text, x, y, width) {
   let shown = String(text);

@@ -166,16 +166,64 @@ export function widgetValue(node, name) {
 export const TEXT_NODES = ["SegCkptRunReport", "SegCkptSchedulePlanner", "SegCkptSaveLoRA", "SegCkptSweep"];
 
 /**
- * The lines a node shows of an `executed` message's text: its first `maxLines` lines (an elided
- * last line says how many were left out), each at most `maxChars` characters.
+ * The lines of an `executed` message's text (or a list of lines), none left out.
  * @param {unknown} text the `ui.text` list (or one string) the node returned
  * @returns {string[]}
  */
-export function textLines(text, maxLines = 12, maxChars = 96) {
+export function textLines(text) {
   const joined = Array.isArray(text) ? text.join("\n") : String(text ?? "");
-  const lines = joined.split("\n").map((line) => (line.length > maxChars ? line.slice(0, maxChars - 1) + "…" : line));
-  if (lines.length <= maxLines) return lines;
-  return [...lines.slice(0, maxLines - 1), `… ${lines.length - maxLines + 1} more lines`];
+  return joined.split("\n");
+}
+
+/**
+ * Lines wrapped to a width: a line breaks at spaces, or inside a long word after a `/`, `_`, `-`
+ * or `.` (file names), else anywhere; a piece that continues a line is indented as that line plus
+ * two spaces. Nothing is left out: the pieces, read in order, hold every character of the lines
+ * but the spaces they broke at.
+ * @param {string[]} lines
+ * @param {number} width pixels (or characters) available
+ * @param {(text: string) => number} measure the width of a text, in the same unit
+ * @returns {string[]}
+ */
+export function wrapLines(lines, width, measure) {
+  const out = [];
+  for (const line of lines) {
+    if (measure(line) <= width) {
+      out.push(line);
+      continue;
+    }
+    const indent = line.match(/^ */)[0];
+    const more = indent + "  ";
+    let current = indent, fresh = true;  // fresh: nothing on the current piece yet but its indent
+    const push = () => {
+      out.push(current);
+      current = more;
+      fresh = true;
+    };
+    line.slice(indent.length).split(/ +/).forEach((word, w) => {
+      word.split(/(?<=[/_.-])/).forEach((part, i) => {
+        const gap = w > 0 && i === 0 && !fresh ? " " : "";
+        if (measure(current + gap + part) <= width) {
+          current += gap + part;
+          fresh = false;
+          return;
+        }
+        if (!fresh) push();
+        let rest = part;
+        while (measure(current + rest) > width && rest.length > 1) {  // a part wider than a line
+          let cut = rest.length - 1;
+          while (cut > 1 && measure(current + rest.slice(0, cut)) > width) cut--;
+          current += rest.slice(0, cut);
+          rest = rest.slice(cut);
+          push();
+        }
+        current += rest;
+        fresh = false;
+      });
+    });
+    if (!fresh) out.push(current);
+  }
+  return out;
 }
 
 /**

@@ -4,15 +4,27 @@
 // (the pre-flight verdict, schedule switches, watchdog reports) from `segckpt.notes` ({node, lines}).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
-import { lossPoints, previewUrl, recordLoss, textLines } from "./segckpt_common.js";
+import { addBottomPanel, fillText, fitHeight, textWidth } from "./segckpt_canvas.js";
+import { lossPoints, previewUrl, recordLoss, textLines, wrapLines } from "./segckpt_common.js";
 
 const HEIGHT = 96;
 const PREVIEW = 112;
 const NOTE = 14;
 
+const NOTE_FONT = "11px sans-serif";
+
+/** The notes as drawn: wrapped to the node's width (none cut), cached per width. */
+function notes(node) {
+  const width = node.size[0] - 16;
+  if (node.segckptNotesWrapped?.width !== width || node.segckptNotesWrapped.of !== node.segckptNotes) {
+    const lines = wrapLines(node.segckptNotes ?? [], width, (text) => textWidth(text, NOTE_FONT));
+    node.segckptNotesWrapped = { width, of: node.segckptNotes, lines };
+  }
+  return node.segckptNotesWrapped.lines;
+}
+
 function panelHeight(node) {
-  return HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0) + (node.segckptNotes?.length ?? 0) * NOTE;
+  return HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0) + notes(node).length * NOTE;
 }
 
 function draw(node, ctx, area) {
@@ -36,12 +48,14 @@ function draw(node, ctx, area) {
     points.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
     ctx.stroke();
   }
-  const notes = node.segckptNotes ?? [];
+  const lines = notes(node);
   ctx.fillStyle = "#fbbf24";
-  notes.forEach((line, i) => fillText(ctx, line, area.x, area.y + HEIGHT + 4 + i * NOTE, area.w));
+  ctx.font = NOTE_FONT;
+  lines.forEach((line, i) => ctx.fillText(line, area.x, area.y + HEIGHT + 4 + i * NOTE));
+  node.segckptNotesDrawn = { lines, x: area.x, y: area.y + HEIGHT + 4, line: NOTE, font: NOTE_FONT, middle: true };
   const previews = node.segckptPreviews;
   if (previews?.images.length) {
-    const y = area.y + HEIGHT + notes.length * NOTE;
+    const y = area.y + HEIGHT + lines.length * NOTE;
     ctx.fillStyle = "#a1a1aa";
     fillText(ctx, `previews after step ${previews.step}`, area.x, y + 6, area.w);
     const side = PREVIEW - 20;

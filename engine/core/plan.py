@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from ..config.backends import DEFAULT as DEFAULT_BACKEND
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families.base import FamilyAdapter
 
@@ -160,6 +161,24 @@ class ModelPlan:
         }
 
 
+def unused_keys(schedule: CheckpointSchedule) -> list[str]:
+    """Notes for the keys that do nothing because ``schedule`` checkpoints no block
+    (``gradient_checkpointing=False``, the planner's ``none``): a backend other than the default
+    (``unsloth``'s offload acts on checkpointed regions' inputs), an interval, a stride. An
+    Activation Offload Options node's backend over such a schedule is one (the node says so)."""
+    if schedule.gradient_checkpointing:
+        return []
+    unused = [f"{key}={value}" for key, value in (
+        ("gradient_checkpointing_backend", None if schedule.backend == DEFAULT_BACKEND
+         else schedule.gradient_checkpointing_backend),
+        ("gradient_checkpointing_interval", schedule.gradient_checkpointing_interval),
+        ("gradient_checkpointing_segment_stride", schedule.gradient_checkpointing_segment_stride)) if value is not None]
+    if not unused:
+        return []
+    return [f"gradient_checkpointing=False: {' and '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing "
+            "(no block is checkpointed, so no checkpointed region's inputs are offloaded or recomputed)"]
+
+
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
                    num_blocks: Mapping[str, int], warn: bool = True, fsdp_checkpointing: bool = False) -> ModelPlan:
     """The plan the engine will actually apply to a model of ``family``.
@@ -198,6 +217,7 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
             "ignored, every block is checkpointed in segments of the interval"
         )
         stride = None
+    notes += unused_keys(schedule)
     lists = []
     for block_list in family.block_lists:
         list_notes: tuple[str, ...] = ()

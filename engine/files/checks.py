@@ -92,6 +92,28 @@ def safetensors_header(path: str | Path, what: str, advice: str = "") -> dict[st
     return header
 
 
+def same_safetensors(a: str | Path, b: str | Path) -> bool:
+    """Whether two complete ``.safetensors`` files hold the same tensors and metadata: their
+    headers equal as JSON data (the order of the metadata's keys aside) and their tensor bytes
+    equal byte for byte.
+
+    Raises:
+        DamagedFileError: a file is missing or damaged (see :func:`check_safetensors`).
+    """
+    header_a, header_b = safetensors_header(a, "file"), safetensors_header(b, "file")
+    if header_a != header_b:
+        return False
+    with Path(a).open("rb") as fa, Path(b).open("rb") as fb:
+        for fh in (fa, fb):
+            fh.seek(8 + struct.unpack("<Q", fh.read(8))[0])
+        while True:
+            chunk = fa.read(1 << 20)
+            if chunk != fb.read(1 << 20):
+                return False
+            if not chunk:
+                return True
+
+
 def _kind(start: bytes) -> str:
     """What a file that begins with ``start`` looks like: `` (a text file)``, `` (a pickle ...)``."""
     if start.startswith(b"PK\x03\x04") or start.startswith(b"\x80"):

@@ -65,7 +65,7 @@ from ..core.plan import effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_text
 from .lockstep import lockstep_runs, paired_ratio
-from .probe import Probe, probe
+from .probe import Probe, probe, probe_steps
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .sweep import sweep_schedules
 
@@ -405,7 +405,7 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, start_run: StartRun | None = None,
-                    max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[], None] | None = None,
+                    max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[int, int], None] | None = None,
                     should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
@@ -425,12 +425,17 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
             there raises it too).
     """
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
+        # the progress total: the probe, then as many contenders as can be timed (corrected when known)
+        timed = (1 + len(SENSITIVITY)) * (warmup_steps + measure_steps) if measure_steps > 0 else 0
+        workspace.expect((probe_steps(warmup_steps) if probe_ is None else 0) + timed)
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
-                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes)
+                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes,
+                     timed)
 
 
 def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,
-          measured_probe: Probe, workspace: RunWorkspace, host_budget_bytes: int | None = None) -> PlanChoice:
+          measured_probe: Probe, workspace: RunWorkspace, host_budget_bytes: int | None = None,
+          announced: int = 0) -> PlanChoice:
     excluded: list[str] = []
     notes: list[str] = []
     for _ in range(max_tries):
@@ -441,6 +446,8 @@ def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, wa
         if measure_steps <= 0:
             return choice
         timed = contenders(choice)
+        workspace.expect(len(timed) * (warmup_steps + measure_steps) - announced)  # the steps that run now
+        announced = 0
         try:
             _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, workspace)
         except (MeasurementInterrupted, KeyboardInterrupt) as exc:  # keep what was decided before it

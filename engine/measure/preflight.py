@@ -26,7 +26,7 @@ from ..data.buckets import shape_classes
 from ..data.comfy_data import PreparedData
 from ..families import get_family
 from .planner import MARGIN, TIE, Prediction, fewest_streamed, predict, preference
-from .probe import Probe, probe
+from .probe import Probe, probe, probe_steps
 from .runs import RunWorkspace, StartRun
 from .sweep import sweep_schedules
 
@@ -197,7 +197,7 @@ def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float) -
 
 def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
               prepared: PreparedData | None = None, start_run: StartRun | None = None,
-              on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+              on_step: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
               host_budget_bytes: int | None = None) -> Verdict:
     """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
     schedule against ``budget_bytes``.
@@ -208,14 +208,20 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         budget_bytes: the memory budget, bytes.
         warmup_steps: probe steps before the measured one.
         prepared: ComfyUI's latents and text, when the run trains on them.
-        start_run, on_step, should_stop: see :class:`~.runs.RunWorkspace`.
+        start_run, on_step, should_stop: see :class:`~.runs.RunWorkspace`; ``on_step`` is also
+            called with ``(0, 0)`` before the data is encoded and ``(0, K)`` before the first of
+            the ``K`` probe steps.
         host_budget_bytes: the host memory the streamed weights and offloaded activations may use.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
     with RunWorkspace(config, bundle, start_run, on_step, should_stop, prepared) as workspace:
+        workspace.report()  # (0, 0): encoding the data
         classes = shape_classes(workspace.data_cache())
+        # one probe per shape; the first calibrates the offloader for the others
+        workspace.expect(probe_steps(warmup_steps) + (len(classes) - 1) * probe_steps(warmup_steps, calibrate=False))
+        workspace.report()  # (0, K): probing starts
         total = sum(len(rows) for _, rows in classes)
         probes: dict[str, Probe] = {}
         shares: dict[str, float] = {}

@@ -262,6 +262,19 @@ class _Collector:
             handle.remove()
 
 
+CALIBRATION_STEPS = 3
+"""Measured steps of each of the two calibration runs (:func:`_offload_cost`)."""
+
+
+def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
+    """The steps one probe runs: its plain run (``warmup_steps`` + the recorded step + a clean
+    one) and, with ``calibrate`` (no calibration given), the two calibration runs; what a caller
+    announces to its workspace (:meth:`~.runs.RunWorkspace.expect`) before probing. A family
+    without attention activations to offload skips the calibration, and the probe takes those
+    steps back."""
+    return warmup_steps + 2 + (2 * (warmup_steps + CALIBRATION_STEPS) if calibrate else 0)
+
+
 def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace, tensors: int,
                   nbytes: int) -> tuple[float, float]:
     """(seconds per offloaded tensor, seconds per offloaded byte) of the engine's offloader on this
@@ -269,10 +282,11 @@ def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, workspace: Run
     lockstep (:mod:`.lockstep`: a step of each in turn, so machine drift cancels), divided by what
     it offloads (0 when the family has no attention boundary)."""
     if not tensors:
+        workspace.expect(-(probe_steps(warmup_steps) - probe_steps(warmup_steps, calibrate=False)))
         return 0.0, 0.0
     plain = CheckpointSchedule(gradient_checkpointing=False)
     without, with_offload = lockstep_runs(config, bundle, [plain, plain.replace(
-        gradient_checkpointing_offload_attention=True)], warmup_steps, 3, workspace=workspace)
+        gradient_checkpointing_offload_attention=True)], warmup_steps, CALIBRATION_STEPS, workspace=workspace)
     extra = max(0.0, paired_difference(with_offload, without, warmup_steps))
     # split between per-tensor bookkeeping and per-byte copies: copies at the measured memcpy rate
     per_byte = _copy_seconds_per_byte(torch.device(with_offload.report["environment"]["device"]))

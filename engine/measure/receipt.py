@@ -90,8 +90,8 @@ def build_receipt(result: TrainResult, verdict: Verdict | None) -> dict[str, Any
         "options": [],
     }
     if verdict is None:
-        receipt["note"] = ("no probe of this run's shapes (no memory budget): give --budget (or the node's "
-                           "memory_budget) for what each memory option saved and cost")
+        receipt["note"] = ("no probe of this run's shapes (no memory budget): give --budget for what each "
+                           "memory option saved and cost")
     else:
         receipt["options"] = option_effects(verdict, result.config.schedule)
         receipt["predicted_peak_bytes"] = _mixed(verdict, result.config.schedule)[0]

@@ -24,6 +24,9 @@ from ..data.comfy_data import PreparedData
 from ..data.folder import write_sample_dataset
 from ..train.loop import TrainingRun, TrainResult
 
+Progress = Callable[[int, int], None]
+"""Called after every step of a measurement with ``(steps done, steps expected in all)``."""
+
 StartRun = Callable[..., Any]
 """Makes one run: called like :class:`~..train.loop.TrainingRun` (``config, bundle=, log=,
 cache_dir=``) and returns an iterable of step records with a ``result`` once exhausted (tests
@@ -52,7 +55,10 @@ class RunWorkspace:
             replaces the schedule, the steps and the output folder.
         bundle: the loaded model; never changed (each run trains a deep copy).
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
-        on_step: called after every step of every run (progress).
+        on_step: called after every step of every run with ``(done, total)``: the steps done so
+            far and the steps the measurement expects in all, which is what it has done, what is
+            left of the runs it started and what its caller said comes next (:meth:`expect`);
+            when the workspace closes without an error, ``total`` equals ``done``.
         should_stop: polled after every step of every run; True raises
             :class:`MeasurementInterrupted` there (Cancel in a node, within one step).
         prepared: latents and text states a caller prepared (ComfyUI's encoders), trained on
@@ -60,13 +66,25 @@ class RunWorkspace:
     """
 
     def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None,
-                 on_step: Callable[[], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                 on_step: Progress | None = None, should_stop: Callable[[], bool] | None = None,
                  prepared: PreparedData | None = None):
         self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
         self.prepared = prepared
         self.on_step, self.should_stop = on_step, should_stop
         self._folder: tempfile.TemporaryDirectory | None = None
         self._runs = 0
+        self.done, self._ahead = 0, 0
+        self._live: list[_Watched] = []
+
+    @property
+    def total(self) -> int:
+        """The steps this workspace expects in all: done, left in its started runs, announced."""
+        return self.done + sum(run.left for run in self._live) + self._ahead
+
+    def expect(self, steps: int) -> None:
+        """Announce ``steps`` more steps of runs not started yet (negative: fewer); each started run
+        takes its steps from them."""
+        self._ahead = max(0, self._ahead + steps)
 
     def __enter__(self) -> "RunWorkspace":
         self._folder = tempfile.TemporaryDirectory(prefix="segckpt-runs-")
@@ -76,6 +94,9 @@ class RunWorkspace:
 
     def __exit__(self, *exc: Any) -> None:
         self._folder.cleanup()
+        if exc[0] is None and self.on_step is not None and self.total != self.done:
+            self._ahead = 0  # announced runs that did not happen (a decision made on the way)
+            self.on_step(self.done, self.done)
 
     def _config(self, **changes: Any) -> TrainConfig:
         """The shared settings for the next run: its own output folder, the workspace's data."""
@@ -100,7 +121,8 @@ class RunWorkspace:
         if isinstance(self.start_run, type) and issubclass(self.start_run, TrainingRun):
             extra["announce"] = False  # the stand-in text encoder's warning is the real run's to give
         run = self.start_run(config, bundle=model, log=lambda line: None, cache_dir=self.root / "cache", **extra)
-        return _Watched(run, self) if self.on_step or self.should_stop else run
+        self._ahead = max(0, self._ahead - config.steps)
+        return _Watched(run, self, config.steps) if self.on_step or self.should_stop else run
 
     def data_cache(self) -> dict[str, torch.Tensor]:
         """The workspace's encoded data (latents, text), as every run of it trains on; encoded
@@ -118,27 +140,41 @@ class RunWorkspace:
             pass
         return run.result
 
+    def report(self) -> None:
+        """Call ``on_step`` with the progress now (before a measurement's first step)."""
+        if self.on_step is not None:
+            self.on_step(self.done, self.total)
+
     def after_step(self) -> None:
         """Report a finished step; raise :class:`MeasurementInterrupted` when asked to stop."""
+        self.done += 1
         if self.on_step is not None:
-            self.on_step()
+            self.on_step(self.done, self.total)
         if self.should_stop is not None and self.should_stop():
             raise MeasurementInterrupted("measurement interrupted after a step")
 
 
 class _Watched:
-    """A run whose steps report to the workspace (progress, Cancel)."""
+    """A run whose steps report to the workspace (progress, Cancel); ``left``: its steps not run yet
+    (0 once it ended, however: a run that ran out of memory drops the rest)."""
 
-    def __init__(self, run: Any, workspace: RunWorkspace):
-        self.run, self.workspace = run, workspace
+    def __init__(self, run: Any, workspace: RunWorkspace, steps: int):
+        self.run, self.workspace, self.left = run, workspace, steps
+        workspace._live.append(self)
 
     def __getattr__(self, name: str) -> Any:  # result, bundle, context, ...
         return getattr(self.run, name)
 
     def __iter__(self):
-        for record in self.run:
-            self.workspace.after_step()
-            yield record
+        try:
+            for record in self.run:
+                self.left = max(0, self.left - 1)
+                self.workspace.after_step()
+                yield record
+        finally:
+            self.left = 0
+            if self in self.workspace._live:
+                self.workspace._live.remove(self)
 
 
 def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,

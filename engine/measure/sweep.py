@@ -107,6 +107,14 @@ class SweepCell:
         return f"{self.sec_per_step:.3f} / {self.peak_bytes / 2**30:.4g}"
 
 
+def _supported(family, schedule: CheckpointSchedule) -> bool:
+    try:
+        check_supported(family, schedule)
+    except ScheduleError:
+        return False
+    return True
+
+
 def _is_oom(exc: BaseException) -> bool:
     return is_out_of_memory(exc) or isinstance(exc, OutOfMemoryStop)
 
@@ -121,7 +129,7 @@ def _free_memory() -> None:
 def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] | None = None,
               warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
               start_run: StartRun | None = None, log: Callable[[str], None] = print,
-              on_step: Callable[[], None] | None = None,
+              on_step: Callable[[int, int], None] | None = None,
               should_stop: Callable[[], bool] | None = None,
               on_cell: Callable[[list[SweepCell]], None] | None = None) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
@@ -151,6 +159,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     cells: list[SweepCell] = []
     schedules = schedules or sweep_schedules()
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:
+        workspace.expect((warmup_steps + measured_steps) * sum(
+            1 for s in schedules if not (skip is not None and skip(s)) and _supported(family, s)))
         for schedule in schedules:
             cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
             if skip is not None and skip(schedule):

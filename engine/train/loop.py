@@ -214,7 +214,7 @@ class TrainingRun:
 
     def _run(self) -> Iterator[StepRecord]:
         with self._work():
-            start = self._set_up()
+            start = self._start = self._set_up()
         ctx = self.context
         try:
             for step in range(start, self.config.steps):
@@ -233,12 +233,17 @@ class TrainingRun:
             interrupted = self._stop and len(self.history) < self.config.steps
             state = None if self._done is None else (rng_state(ctx.noise_gen), ctx.sampler.state(), self._done)
             lora_path, report = self._write_outputs(interrupted, None, state)
-            written = ", ".join(report.get("lora_files", {}).values()) or str(lora_path)
-            self.log(f"wrote {written}, {self.files.report}, {self.files.state}")
+            if start == self.config.steps and start > 0:
+                self.log(f"nothing left to train: the run already has {start} of {self.config.steps} steps "
+                         f"(raise --steps to continue it); 0 steps trained, {lora_path} is unchanged; "
+                         f"wrote {self.files.report}")
+            else:
+                written = ", ".join(report.get("lora_files", {}).values()) or str(lora_path)
+                self.log(f"wrote {written}, {self.files.report}, {self.files.state}")
             if self.dist is not None:
                 self.dist.barrier()  # the files are complete before any rank returns
         self.result = TrainResult(self.config, self.plan, self.history, lora_path, self.files.state,
-                                  self.files.report, report, interrupted, ctx.model, self.writer)
+                                  self.files.report, report, interrupted, ctx.model, self.writer, start)
 
     def _step(self, step: int, position: dict[str, int], rng: dict[str, torch.Tensor]) -> StepRecord:
         """One step with out-of-memory recovery, logged, watched and followed by its previews; a
@@ -350,7 +355,7 @@ class TrainingRun:
                                              "memory_scope": "rank 0 (each process holds its shard of the weights)"}}
         save_state = None if state is None else (lambda: self._save_state(*state))
         return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted,
-                                save_state)
+                                save_state, getattr(self, "_start", 0))
 
 
 def train(config: TrainConfig, *, on_step: Callable[[StepRecord, int], None] | None = None,

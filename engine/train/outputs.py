@@ -13,7 +13,7 @@ from ..config import TrainConfig
 from ..core.plan import ModelPlan
 from ..files.atomic import OutputWriteError, remove_stale_temporaries
 from ..model.distributed import full_optimizer_state
-from ..model.lora_files import lora_state_dict, save_lora_files
+from ..model.lora_files import lora_paths, lora_state_dict, save_lora_files
 from .report import REPORT_FILE, build_report, write_report
 from .state import STATE_FILE, TrainingState, save_state
 
@@ -35,6 +35,13 @@ class TrainResult:
     model: Any = field(default=None, repr=False)
     writer: bool = True
     """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
+    resumed_at: int = 0
+    """The step this run started at (a resume's saved step; 0 for a fresh run)."""
+
+    @property
+    def trained_steps(self) -> int:
+        """The steps this run trained (0 for a resume with nothing left: its LoRA is unchanged)."""
+        return len(self.history) - self.resumed_at
 
 
 class RunFiles:
@@ -53,13 +60,14 @@ class RunFiles:
         self.saved_step: int | None = None
         """The step of the last state this run saved or resumed from (None: none yet)."""
         self._lora_step: int | None = None
+        self._lora_files: list[Path] = []
 
     def _failed(self, exc: OutputWriteError) -> OutputWriteError:
         """``exc`` with what is still safe: the last saved state (and a LoRA written before it)."""
         kept = (f"the last saved state (step {self.saved_step}, {self.state}) is intact and resumes with --resume"
                 if self.saved_step is not None else "no state of this run was saved before")
         if self._lora_step is not None:
-            kept += f"; the LoRA of step {self._lora_step} is saved in {self.lora}"
+            kept += f"; the LoRA of step {self._lora_step} is saved in {', '.join(map(str, self._lora_files))}"
         return OutputWriteError(f"{exc}; {kept}")
 
     def remove_stale(self) -> None:
@@ -85,11 +93,12 @@ class RunFiles:
         self.saved_step = step
 
     def write(self, ctx, config: TrainConfig, plan: ModelPlan, history: list[dict[str, Any]], source: str,
-              sections: dict[str, Any], interrupted: bool, save_state: Callable[[], None] | None = None
-              ) -> tuple[Path, dict[str, Any]]:
+              sections: dict[str, Any], interrupted: bool, save_state: Callable[[], None] | None = None,
+              start_step: int = 0) -> tuple[Path, dict[str, Any]]:
         """Save the LoRA (its header: family, schedule, steps, base model), then the state
         (``save_state``, when given) and ``report.json`` (:func:`~.report.build_report` with the
-        run's ``sections``); ``(LoRA path, report)``.
+        run's ``sections``); ``(LoRA path, report)``. A resume that trained nothing (its history
+        ends at ``start_step``) keeps the LoRA the folder holds: it is that step's.
 
         Raises:
             OutputWriteError: a file could not be written; the message names it, the last saved
@@ -98,16 +107,21 @@ class RunFiles:
         meta = {"family": ctx.family.name, "schedule": config.schedule.to_dict(), "steps": len(history),
                 "base_model": source}
         try:
-            files = save_lora_files(ctx.model, self.lora, config.lora, ctx.family.name, config.outputs.lora_format,
-                                    meta, write=self.writer)
-            lora_path = files.get("diffusers", files.get("comfyui"))
+            unchanged = start_step > 0 and len(history) == start_step and self.lora.is_file()
+            if unchanged:  # a resume with nothing left: the files of the earlier run are this LoRA
+                files = {fmt: p for fmt, p in lora_paths(self.lora, config.outputs.lora_format, ctx.family.name).items()
+                         if p.is_file()}
+            else:
+                files = save_lora_files(ctx.model, self.lora, config.lora, ctx.family.name, config.outputs.lora_format,
+                                        meta, write=self.writer)
+            lora_path = files.get("diffusers", files.get("comfyui", self.lora))
             sections = {**sections, "lora_files": {fmt: str(p) for fmt, p in files.items()}}
         except OutputWriteError as exc:
             raise self._failed(exc) from exc
-        self._lora_step = len(history)
+        self._lora_step, self._lora_files = len(history), list(files.values())
         if save_state is not None:
             save_state()
-        report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections)
+        report = build_report(config, plan, history, ctx.timer, ctx.device, source, interrupted, sections, start_step)
         if self.writer:
             try:
                 write_report(report, self.output)

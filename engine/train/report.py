@@ -20,8 +20,13 @@ REPORT_FILE = "report.json"
 
 def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: StepTimer,
                  device: torch.device, source: str, interrupted: bool,
-                 setup: dict[str, Any] | None = None) -> dict[str, Any]:
+                 setup: dict[str, Any] | None = None, start_step: int = 0) -> dict[str, Any]:
     """The run report as a JSON-ready dict.
+
+    ``totals.steps`` counts every step of the run's history (a resumed run's earlier steps too);
+    ``totals.trained_steps`` the steps this process trained after resuming at
+    ``totals.resumed_at_step`` (``start_step``: 0 for a fresh run; a resume with nothing left
+    trains 0).
 
     ``setup`` (from the trainer): ``precision`` (base, storage and compute dtypes, Linear layers
     and how many are quantized), ``attention_backend`` (SDPA kernels), ``memory`` (bytes of the
@@ -57,6 +62,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
         "steps": history,
         "totals": {
             "steps": len(history),
+            "trained_steps": len(history) - start_step,
+            "resumed_at_step": start_step,
             "interrupted": interrupted,
             "sec_per_step": statistics.median(measured) if measured else None,
             "timing_warmup_steps": config.timing_warmup_steps,

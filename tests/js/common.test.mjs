@@ -85,13 +85,30 @@ test("linkedTrainInput follows schedule -> train.<input> -> node", () => {
   assert.equal(widgetValue(null, "x"), undefined);
 });
 
-test("textLines keeps the first lines, elides the rest and long lines", async () => {
+test("textLines keeps every line", async () => {
   const { textLines, TEXT_NODES } = await import("../../web/segckpt_common.js");
   assert.deepEqual(textLines(["a\nb", "c"]), ["a", "b", "c"]);
-  const many = textLines(Array.from({ length: 20 }, (_, i) => `line ${i}`).join("\n"), 5);
-  assert.deepEqual(many, ["line 0", "line 1", "line 2", "line 3", "… 16 more lines"]);
-  assert.equal(textLines("x".repeat(200), 3, 10)[0], "xxxxxxxxx…");
+  const many = Array.from({ length: 40 }, (_, i) => `line ${i} ${"x".repeat(150)}`);
+  assert.deepEqual(textLines(many.join("\n")), many);
   assert.ok(TEXT_NODES.includes("SegCkptSaveLoRA") && TEXT_NODES.includes("SegCkptSchedulePlanner"));
+});
+
+test("wrapLines breaks at spaces and inside file names, indents the rest, loses nothing", async () => {
+  const { wrapLines } = await import("../../web/segckpt_common.js");
+  const chars = (text) => text.length;  // one unit per character, as a monospace font
+  const saved = "saved models/loras/segckpt_segmented_lora_00001.safetensors (3 steps, rank 16, alpha 16)";
+  assert.deepEqual(wrapLines([saved], 40, chars), [
+    "saved models/loras/segckpt_segmented_", "  lora_00001.safetensors (3 steps, rank", "  16, alpha 16)"]);
+  assert.deepEqual(wrapLines(["  legend: C = checkpointed block (recomputed)"], 24, chars),
+                   ["  legend: C =", "    checkpointed block", "    (recomputed)"]);
+  assert.deepEqual(wrapLines(["x".repeat(25)], 10, chars), ["xxxxxxxxxx", "  xxxxxxxx", "  xxxxxxx"]);
+  assert.deepEqual(wrapLines(["short", ""], 10, chars), ["short", ""]);
+  const text = "peak train 1x16x8x8: 0.548 MiB; gradient_checkpointing_interval=2: saves 0.205 MiB, costs 6%";
+  for (const width of [12, 20, 33, 50]) {
+    const lines = wrapLines([text], width, chars);
+    assert.ok(lines.every((line) => line.length <= width), `${width}: ${lines}`);
+    assert.equal(lines.map((l) => l.trim()).join("").replace(/ /g, ""), text.replace(/ /g, ""));
+  }
 });
 
 test("previewUrl names the output file for ComfyUI's /view route", async () => {

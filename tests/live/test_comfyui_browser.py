@@ -37,6 +37,49 @@ SET_WIDGETS = """(changes) => {
 }"""
 
 
+RESULTS = """() => window.app.graph._nodes.filter(n => n.segckptText || n.segckptNotes?.length).map(n => {
+  const measure = document.createElement("canvas").getContext("2d");
+  const [x, y, w, h] = window.app.canvas.visible_area;
+  const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  const panels = [[n.segckptText, n.segckptDrawn], [n.segckptNotes, n.segckptNotesDrawn]].filter(([text]) => text?.length)
+    .map(([text, drawn]) => {
+      if (!drawn) return { text, drawn: null };
+      measure.font = drawn.font;
+      return { text, drawn: drawn.lines, right: Math.max(...drawn.lines.map(l => drawn.x + measure.measureText(l).width)),
+               bottom: drawn.y + (drawn.lines.length - (drawn.middle ? 0.5 : 0)) * drawn.line };
+    });
+  return { id: n.id, type: n.type, size: [...n.size], panels,
+           onScreen: n.pos[0] >= x && n.pos[1] - title >= y && n.pos[0] + n.size[0] <= x + w && n.pos[1] + n.size[1] <= y + h };
+})"""
+"""Each node's result text as drawn on the canvas (``web/node_text.js``, Train LoRA's notes in
+``web/train_loss_curve.js``): the lines drawn, the rightmost and lowest pixel of the text in node
+coordinates, and whether the whole node lies in the view."""
+
+
+def _words(lines) -> str:
+    """The characters of ``lines`` but their spaces (a wrapped line breaks at spaces, or inside a
+    file name)."""
+    return "".join("".join(lines).split())
+
+
+def _check_results_are_whole(page, history: dict, types: set) -> None:
+    """Every result the run returned is drawn whole at the workflow's own view: each line within the
+    node's width, the text's bottom within its height, nothing left out, the node in the view."""
+    page.wait_for_function(f"() => ({RESULTS})().every(n => n.panels.every(p => p.drawn))", timeout=30_000)
+    results = {str(r["id"]): r for r in page.evaluate(RESULTS)}
+    for node_id, output in history["outputs"].items():
+        if output.get("text"):
+            text = "\n".join(output["text"]).splitlines()
+            assert _words(results[node_id]["panels"][0]["drawn"]) == _words(text), (node_id, results[node_id])
+    assert {r["type"] for r in results.values()} >= types & {"SegCkptSaveLoRA", "SegCkptRunReport", "SegCkptSweep",
+                                                               "SegCkptSchedulePlanner"}
+    for result in results.values():
+        assert result["onScreen"], result
+        for panel in result["panels"]:
+            assert _words(panel["drawn"]) == _words(panel["text"]), result  # no line cut, none elided
+            assert panel["right"] <= result["size"][0] and panel["bottom"] <= result["size"][1], result
+
+
 @pytest.fixture(scope="module")
 def browser_server(tmp_path_factory):
     checkout = comfyui_path()
@@ -110,6 +153,7 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
     page.evaluate("() => window.app.queuePrompt(0, 1)")
     entry = _new_history_entry(server, known)
     assert entry["status"]["status_str"] == "success", entry["status"]
+    _check_results_are_whole(page, entry, types)
     if "SegCkptTrainLoRA" in types:
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
             && n.segckptLoss?.history.length === 3)""", timeout=30_000)

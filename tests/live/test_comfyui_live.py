@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -125,10 +127,17 @@ def test_api_workflow_completes_with_one_progress_event_per_step(server, ws, nam
         return
     train = node_id_of(graph, "SegCkptTrainLoRA")
     steps = graph[train]["inputs"]["steps"]
-    progress = [m["data"] for m in ws.messages
+    progress = [(m["data"]["value"], m["data"]["max"]) for m in ws.messages
                 if m["type"] == "progress" and m["data"].get("node") == train and m["data"].get("prompt_id") == prompt_id]
-    assert [p["value"] for p in progress] == list(range(1, steps + 1))
-    assert all(p["max"] == steps for p in progress)
+    before = []
+    if any(node["class_type"] == "SegCkptFitGuardrails" for node in graph.values()):
+        # the pre-flight before step 1: encoding the data, then its K probe steps on the same bar
+        probes = progress[1][1]
+        before = [(0, 1), (0, probes)] + [(k, probes) for k in range(1, probes + 1)]
+        notes = [m["data"]["lines"][-1] for m in ws.messages if m["type"] == "segckpt.notes"
+                 and m["data"]["node"] == train and m["data"]["lines"][-1].startswith("pre-flight: probe step")]
+        assert notes[-1].startswith(f"pre-flight: probe step {probes}/{probes}") and probes >= 3, notes
+    assert progress == before + [(k, steps) for k in range(1, steps + 1)]
     losses = [m["data"] for m in ws.messages if m["type"] == "segckpt.loss" and m["data"]["node"] == train]
     assert [m["step"] for m in losses][-steps:] == list(range(1, steps + 1))
     save = node_id_of(graph, "SegCkptSaveLoRA")
@@ -170,6 +179,51 @@ def test_invalid_inputs_are_refused_at_validation_naming_node_and_input(server, 
         assert not list(server.base.parent.glob("x*.safetensors")) and not list(server.base.glob("*/x*.safetensors"))
     else:
         assert status == 400, body
+
+
+NODE_ERROR = "segmented_checkpointing.nodes.environment.NodeError"
+ABSOLUTE = re.compile(r"(^|[\s'\"(=,\[])/[^\s'\"/]+/")  # an absolute path (two components at least)
+
+
+def _no_path(server, text: str) -> bool:
+    return str(server.base) not in text and "custom_nodes" not in text and not ABSOLUTE.search(text)
+
+
+@pytest.mark.parametrize("node_class, changes, input_name", [
+    ("SegCkptTrainLoRA", {"run_name": "../up"}, "run_name"),
+    ("SegCkptTrainLoRA", {"preview_every": -1}, "preview_every"),
+    ("SegCkptSchedule", {"gradient_checkpointing_interval": 4, "gradient_checkpointing_segment_stride": 2},
+     "gradient_checkpointing_segment_stride"),
+])
+def test_a_refused_value_names_the_nodes_own_input_and_no_path(server, ws, node_class, changes, input_name):
+    """ComfyUI reports a fed node's refused value under the consumer's input (Train LoRA's error as
+    Save LoRA's ``run``): the pack's middleware names the node's own input; the type holds no path."""
+    graph = _short(api_workflow("train_segmented_lora.api.json"), steps=1)
+    ids = {v["class_type"]: k for k, v in graph.items()}
+    graph[ids[node_class]]["inputs"].update(changes)
+    status, body = queue(server, ws, graph)
+    assert status == 400, body
+    errors = body["node_errors"][ids[node_class]]["errors"]
+    assert len(errors) == 1 and errors[0]["extra_info"]["input_name"] == input_name, errors
+    assert errors[0]["details"].startswith(f"{input_name}=") and errors[0]["extra_info"]["exception_type"] == NODE_ERROR
+    assert _no_path(server, json.dumps(errors))
+
+
+def test_a_failed_run_reports_no_server_path_in_history(server, ws):
+    broken = server.base / "models" / "diffusion_models" / "broken.safetensors"
+    broken.write_bytes(b"not a model at all")
+    graph = _short(api_workflow("train_segmented_lora.api.json"), steps=1)
+    graph[node_id_of(graph, "SegCkptLoadDiffusionModel")]["inputs"]["source"] = "diffusion_models/broken.safetensors"
+    status, body = queue(server, ws, graph)
+    assert status == 200, body
+    end = ws.wait_for(finished(body["prompt_id"]))
+    assert end["type"] == "execution_error", end
+    entry = server.get(f"/history/{body['prompt_id']}")[body["prompt_id"]]
+    errors = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert len(errors) == 1 and errors[0]["exception_type"] == end["data"]["exception_type"] == NODE_ERROR, errors
+    message = errors[0]["exception_message"]
+    assert "models/diffusion_models/broken.safetensors" in message and _no_path(server, message), message
+    assert _no_path(server, end["data"]["exception_message"])
 
 
 def test_offload_node_is_optional(server, ws):

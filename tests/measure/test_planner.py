@@ -169,3 +169,18 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
     assert len(measured) >= 2 and planned.chosen.schedule.mode != predicted
     assert planned.chosen.relative_time < 0.6 and planned.measured_peak_bytes <= budget
     assert f"->{planned.chosen.schedule.mode}" in planned.render() and "(x1.000)" in planned.render()
+
+
+def test_the_progress_total_is_the_work_done_and_the_bar_ends_full():
+    """The planner's total follows what it decides to run: the probe and its calibration, then the
+    contenders it times (announced as the most it could time, corrected when it knows them). With
+    a roomy budget only ``none`` is timed: 3 + 2 x 4 probe steps and 1 + 1 timed steps, and the
+    last report is (13, 13), made by the last step itself."""
+    from segmented_checkpointing.engine.measure.probe import probe_steps
+
+    config, bundle, seen = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux"), []
+    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, on_step=lambda done, total: seen.append((done, total)))
+    assert [p.schedule.mode for p in choice.candidates if p.measured_sec_per_step is not None] == ["none"]
+    done = probe_steps(1) + 2
+    assert [d for d, _ in seen] == list(range(1, done + 1)) and seen[-1] == (done, done)
+    assert all(d <= t for d, t in seen) and seen[0][1] == probe_steps(1) + 3 * 2  # announced: up to 3 contenders

@@ -126,8 +126,9 @@ def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
     schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule()]
     with pytest.raises(MeasurementInterrupted):
         run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=2, log=lambda line: None,
-                  on_step=lambda: steps.append(1), should_stop=lambda: len(steps) >= 4)
-    assert len(steps) == 4  # 3 steps of the first mode, then the first step of the second: stopped there
+                  on_step=lambda done, total: steps.append((done, total)), should_stop=lambda: len(steps) >= 4)
+    # 3 steps of the first mode, then the first step of the second: stopped there; of 2 x 3 in all
+    assert steps == [(1, 6), (2, 6), (3, 6), (4, 6)]
 
 
 def test_ctrl_c_during_a_sweep_keeps_the_cells_measured_so_far(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,12 @@ def events(tmp_path, monkeypatch):
     """The page events the nodes send, with the host's folders under ``tmp_path``."""
     monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
     sent = []
-    host = dataclasses.replace(local_host(tmp_path), send=lambda event, data: sent.append((event, data)))
+
+    def progress(node, total):  # ComfyUI's bar: (value, max) after every update
+        return lambda value, new_total=None: sent.append(("progress", (value, new_total or total)))
+
+    host = dataclasses.replace(local_host(tmp_path), send=lambda event, data: sent.append((event, data)),
+                               progress=progress)
     monkeypatch.setattr(training_nodes, "current_host", lambda: host)
     return sent
 
@@ -53,6 +58,22 @@ def test_the_verdict_buckets_and_receipt_show_on_the_node_and_in_the_report(even
     assert sum(line.lstrip().startswith("ok") for line in notes) == len(result.report["dataset"]["buckets"]) >= 2
     assert "pre-flight: interval2-stride4 fits" in report and "receipt: interval2-stride4" in report
     assert result.report["preflight"]["fits"] and len(result.report["dataset"]["buckets"]) >= 2
+
+
+def test_the_pre_flight_moves_the_bar_and_says_its_phase_before_step_1(events):
+    """The pre-flight runs before step 1 (minutes on a real model): the bar counts its probe steps
+    to their end, the node's last line names the phase, then the bar counts the training steps."""
+    from segmented_checkpointing.engine.measure.probe import probe_steps
+
+    _run(steps=3)
+    probes = probe_steps(1) + probe_steps(1, calibrate=False)  # two buckets: the first calibrates
+    bar = [data for event, data in events if event == "progress"]
+    assert bar == [(0, 1), (0, probes)] + [(k, probes) for k in range(1, probes + 1)] + [(k, 3) for k in (1, 2, 3)]
+    status = [data["lines"][-1] for event, data in events if event == "segckpt.notes"
+              and data["lines"][-1].startswith(("pre-flight: probe", "pre-flight: encoding"))]
+    assert status[0] == "pre-flight: encoding the data"
+    assert status[1:] == [f"pre-flight: probe step {k}/{probes} (one probe per batch shape)" for k in range(probes + 1)]
+    assert _notes(events)[0].startswith("pre-flight: interval2-stride4 fits in")  # the verdict replaces it
 
 
 def test_an_out_of_memory_error_at_step_3_switches_and_shows(events, monkeypatch):
@@ -103,7 +124,10 @@ def test_bad_guardrails_are_refused_at_validation(inputs, text):
     assert text in verdict(NODES["SegCkptFitGuardrails"], **inputs)
 
 
-def test_the_planner_judges_its_choice_per_bucket(events, tmp_path):
+def test_the_planner_judges_its_choice_per_bucket(events, tmp_path, monkeypatch):
+    from segmented_checkpointing.nodes import planning_nodes
+
+    monkeypatch.setattr(planning_nodes, "current_host", training_nodes.current_host)  # the bar's updates
     graph = json.loads((WORKFLOW.parent / "plan_then_train.api.json").read_text())
     graph["2"]["inputs"].update(resolution=64, buckets=True)
     graph["3"]["inputs"].update(measured_steps=0, budget_gib=1.0)
@@ -113,3 +137,8 @@ def test_the_planner_judges_its_choice_per_bucket(events, tmp_path):
     assert "pre-flight:" in text and "fits in 1 GiB" in text
     assert text.count(" ok ") >= 2  # one line per bucket
     assert results["3"]["result"][0].schedule.mode in text
+    # one bar for the probe, then the per-bucket check after it: it moves on and ends full
+    bar = [data for event, data in events if event == "progress"][:-2]  # Train LoRA's own two steps follow
+    values = [value for value, _ in bar]
+    assert values[0] == 1 and all(b - a in (0, 1) for a, b in zip(values, values[1:])), bar
+    assert bar[-1][0] == bar[-1][1] == len(set(values)) > 11, bar  # the probe's 11 steps, then the buckets' probes

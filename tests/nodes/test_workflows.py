@@ -122,9 +122,11 @@ def test_links_join_the_slots_that_name_them_in_execution_order(ui_file):
     assert (ui["last_node_id"], ui["last_link_id"]) == (max(nodes), max((link[0] for link in ui["links"]), default=0))
 
 # What the pack's frontend adds under a node's widgets once it runs (pixels): the schedule strip,
-# the live loss curve, the result text of report / planner / sweep / save, the loss image.
-RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunReport": 190,
-                 "SegCkptSchedulePlanner": 190, "SegCkptSaveLoRA": 60, "SegCkptSweep": 190, "SegCkptLossGraph": 200}
+# the live loss curve, the loss image; the result nodes (report, planner, sweep, save) ship at the
+# size of their text (web/node_text.js wraps it to the node's width; the browser test checks the
+# drawn text fits), plus a margin for a longer one.
+RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunReport": 60,
+                 "SegCkptSchedulePlanner": 40, "SegCkptSaveLoRA": 20, "SegCkptSweep": 60, "SegCkptLossGraph": 200}
 TITLE = 30
 VIEW = (1280, 720)  # the smallest common screen's canvas; the frontends open a workflow at its extra.ds
 CHROME = (60, 60)  # the canvas under frontend 1.58's sidebar and graph breadcrumb

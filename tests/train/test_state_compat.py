@@ -36,7 +36,10 @@ def test_a_state_of_the_last_release_resumes(tmp_path):
     assert set(report) == set(old) | {"ignored_config_keys", "resume"} and report["ignored_config_keys"] == []
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
-    assert set(report["totals"]) == set(old["totals"]) and set(report["memory"]) == set(old["memory"])
+    # the steps trained by this run and where it resumed are new since that release (a resume with nothing left)
+    assert set(report["totals"]) == set(old["totals"]) | {"trained_steps", "resumed_at_step"}
+    assert (report["totals"]["trained_steps"], report["totals"]["resumed_at_step"]) == (1, 2)
+    assert set(report["memory"]) == set(old["memory"])
 
 
 def test_the_saved_config_keeps_the_flat_keys_of_the_last_release():

@@ -93,15 +93,16 @@ def test_a_read_only_output_folder_is_refused_before_any_model_and_the_state_res
 
 def test_a_disk_that_fills_during_the_save_keeps_the_lora_and_the_last_state(server, two_steps, tmp_path):
     out = _copy(two_steps, tmp_path)
-    lora, state = (out / "lora.safetensors").stat().st_size, (out / STATE_FILE).stat().st_size
-    assert lora * 2 < state  # room for a limit between them
+    lora = max((out / name).stat().st_size for name in ("lora.safetensors", "lora_comfyui.safetensors"))
+    state = (out / STATE_FILE).stat().st_size
+    assert lora < state  # room for a limit between them
     before = (out / STATE_FILE).read_bytes()
-    limit = (lora + state) // 2  # the LoRA fits, the state does not: "File too large"
+    limit = (lora + state) // 2  # both LoRA files fit, the state does not: "File too large"
     status, log = server.run(_argv(out, 4, "--resume"), tmp_path / "full.log", fsize=limit)
     line = _one_error_line(status, log)
     assert f"cannot write {str(out / STATE_FILE)!r}: " in line and "too large" in line.lower()
     assert f"the last saved state (step 2, {out / STATE_FILE}) is intact and resumes with --resume" in line
-    assert f"the LoRA of step 4 is saved in {out / 'lora.safetensors'}" in line
+    assert f"the LoRA of step 4 is saved in {out / 'lora.safetensors'}, {out / 'lora_comfyui.safetensors'}" in line
     assert (out / STATE_FILE).read_bytes() == before
     assert _steps_in_lora(out / "lora.safetensors") == 4  # written first, whole
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left
