@@ -17,10 +17,10 @@ from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, Checkpoi
 
 RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
 ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4"]
-ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change"}
+ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
-what a resume does when the data changed)."""
+what a resume does when the data changed; issue 23: which LoRA files a run writes)."""
 REMOVED = {"validation_steps"}
 
 
@@ -33,7 +33,8 @@ def test_a_state_of_the_last_release_resumes(tmp_path):
     old = json.loads((RELEASE / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
-    assert set(report) == set(old) | {"ignored_config_keys", "resume"} and report["ignored_config_keys"] == []
+    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files"}
+    assert report["ignored_config_keys"] == [] and set(report["lora_files"]) == {"diffusers", "comfyui"}
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
     # the steps trained by this run and where it resumed are new since that release (a resume with nothing left)
