@@ -80,6 +80,12 @@ def _check_results_are_whole(page, history: dict, types: set) -> None:
             assert panel["right"] <= result["size"][0] and panel["bottom"] <= result["size"][1], result
 
 
+NOT_RUN_HERE = {"closed_loop_flux": "T5-XXL", "closed_loop_wan": "UMT5-XXL"}
+"""UI workflows dropped and checked but not queued from the page: their text encoders (4.7B and 5.7B
+parameters) are not written on a CPU runner; tests/live/test_comfyui_live.py runs them with CLIP-L
+standing in."""
+
+
 @pytest.fixture(scope="module")
 def browser_server(tmp_path_factory):
     checkout = comfyui_path()
@@ -146,6 +152,10 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
         if offload:  # the strip shows what Train LoRA runs: the offload node's backend over the schedule's
             assert plan["plan"]["mode"].endswith(f"-{offload['widgets_values'][0]}-offload-attn"), plan["plan"]["mode"]
 
+    if ui_file.stem in NOT_RUN_HERE:  # dropped and drawn above; run through /prompt by the live tests
+        assert not errors, errors
+        page.close()
+        return
     known = set(server.get("/history"))
     previews = any(n["type"] == "SegCkptTrainLoRA" and n["widgets_values"][-1] for n in workflow["nodes"])
     page.evaluate(SET_WIDGETS, {"steps": 3, "resolution": 64, "measured_steps": 1, "width": 64, "height": 64,
