@@ -37,7 +37,6 @@ from .config.schedule import check_supported
 from .config.table import options_table
 from .core.support import support_table
 from .families import FamilyAdapter, family_names, get_family
-from .families.comfyui import LAYOUT_MODULES
 
 if TYPE_CHECKING:
     from .measure.planner import PlanChoice
@@ -101,7 +100,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "LAYOUT_MODULES", "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",

@@ -274,9 +274,6 @@ class SaveLoRA:
         host = current_host()
         path = next_file(host.loras_dir, filename_prefix, ".safetensors", "filename_prefix")
         lora, family = run.config.lora, run.plan.family
-        if lora_format == "comfyui" and family not in api.LAYOUT_MODULES:
-            raise ValueError(f"lora_format='comfyui' is invalid for family {family!r}: its released layout is not "
-                             "mapped here; allowed diffusers or both (the diffusers file alone)")
         meta = {"schedule": run.config.schedule.to_dict(), "steps": len(run.history)}
         # the graph's loader takes the ComfyUI file: with both, it keeps the plain name
         files = api.save_lora_files(run.model, path, lora, family, lora_format, meta, primary="comfyui")

@@ -9,10 +9,24 @@ The tests live in one folder per engine layer (``tests/core/``, ``tests/train/``
 ``comfy_models.py``) stay here, importable from every folder.
 """
 
+import socket
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network: every socket connection fails, and the hub is told it is offline (the
+    single-file tests: nothing may download)."""
+    def refuse(*_args, **_kw):
+        raise OSError("network disabled in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

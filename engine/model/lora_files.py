@@ -208,7 +208,8 @@ def lora_paths(path: str | Path, lora_format: str, family: str, primary: str = "
     path = Path(path)
     if get_layout(family) is None:
         if lora_format == "comfyui":
-            raise ValueError(f"lora_format=comfyui: family {family!r} has no released layout mapped here")
+            raise ValueError(f"lora_format='comfyui' is invalid for family {family!r}: its released layout is not "
+                             "mapped here; allowed diffusers or both (the diffusers file alone)")
         return {"diffusers": path}
     if lora_format == "diffusers":
         return {"diffusers": path}

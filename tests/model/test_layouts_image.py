@@ -24,7 +24,6 @@ released depth lists only (the smallest, KOALA-700M's, is 700M parameters).
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -49,15 +48,7 @@ CASES = [(f, {}) for f in FAMILIES] + [("unet2dcondition", SD15_TINY)]
 CASE_IDS = [*FAMILIES, "unet2dcondition-sd15"]
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """No network: every socket connection fails, and the hub is told it is offline."""
-    def refuse(*_args, **_kw):
-        raise OSError("network disabled in this test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # no network (tests/conftest.py)
 
 
 def _tiny(family_name: str, **overrides):

@@ -18,7 +18,6 @@ files load offline.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -55,15 +54,7 @@ SMALL = {  # overrides of the tiny presets: widths ComfyUI's detection assumes, 
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """No network: every socket connection fails, and the hub is told it is offline."""
-    def refuse(*_args, **_kw):
-        raise OSError("network disabled in this test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # no network (tests/conftest.py)
 
 
 def _tiny(family_name: str):

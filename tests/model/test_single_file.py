@@ -11,7 +11,6 @@ checked by round-tripping through diffusers' own forward conversion.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -36,16 +35,7 @@ from segmented_checkpointing.engine.train.checks import check_run
 from segmented_checkpointing.engine.train.loop import train
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """No network: every socket connection fails, and the hub is told it is offline."""
-    def refuse(*_args, **_kw):
-        raise OSError("network disabled in this test")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("offline")  # no network (tests/conftest.py)
 
 
 # ------------------------------------------------------------------ helpers
