@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="Pre-flight instead: judge the given schedule (the options below, or --config) against "
                            "--budget in every phase (each batch shape, the previews) and name the schedule that "
                            "would fit; exit status 0 when it fits, 1 when it does not.")
+    plan.add_argument("--frames", dest="plan_frames", type=int, nargs="+", default=None, metavar="N",
+                      help="Pixel-frame counts to plan for (video families; the family's frame rule applies): "
+                           "the peak predicted per count (with --check: one phase per count), on synthetic "
+                           "latents of the run's resolution; the schedule chosen fits every count.")
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
                        help="Measured steps per mode after warm-up (default 3).")
@@ -89,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="Memory budget drawn as a line on the plot, GiB.")
     sweep.add_argument("--no-attention-offload", dest="sweep_attention", action="store_false", default=True,
                        help="Leave out the attention-offload modes (halves the sweep).")
+    sweep.add_argument("--frames", dest="sweep_frames", type=int, nargs="+", default=None, metavar="N",
+                       help="Pixel-frame counts to sweep (video families; each follows the family's frame rule, e.g. "
+                            "Wan 4k+1): one table per count, on synthetic latents (N, C, F', h, w) of the run's "
+                            "resolution, written into --output/frames-N/.")
     sweep.add_argument("--stream", dest="sweep_stream", action="store_true", default=False,
                        help="Add the four base modes with every block's frozen weights streamed from host memory "
                             "(weight H2D GiB/step and stall %% columns).")
@@ -246,6 +254,7 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--measure={args.sweep_measure} is invalid: allowed an integer >= 1")
         if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
             raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
+        counts = api.check_measure_frames(config, args.sweep_frames) if args.sweep_frames else None
         api.check_input_paths(config)
         api.check_resolution(config)
         _check_vae(config)
@@ -254,6 +263,8 @@ def _sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
+    if counts is not None:
+        return _sweep_frames(args, config, bundle, counts)
     budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
     folder, done = Path(config.outputs.output), []
 
@@ -277,6 +288,34 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep_frames(args: argparse.Namespace, config: api.TrainConfig, bundle, counts: tuple[int, ...]) -> int:
+    """``segckpt sweep --frames N ...``: one sweep per pixel-frame count, each written into
+    ``--output/frames-N/`` and printed as it ends."""
+    budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
+    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream)
+    root, done = Path(config.outputs.output), []
+    stop = _StopOnSignal()
+    for n in counts:
+        folder, label = root / f"frames-{n}", api.frames_label(config, bundle, n)
+
+        def write(cells: list, folder=folder, label=label) -> None:
+            done[:] = [c for c in cells if c.status != "not run" or c.error]
+            api.write_sweep(cells, folder, bundle.family.name, budget, label)
+
+        try:
+            with stop:
+                cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
+                                  should_stop=stop, frames=n)
+        except (KeyboardInterrupt, api.MeasurementInterrupted):
+            print(f"segckpt: interrupted at {n} frames: {len(done)} of {len(schedules)} modes measured; "
+                  f"{folder}/sweep.md holds them", file=sys.stderr)
+            return 130
+        paths = api.write_sweep(cells, folder, bundle.family.name, budget, label)
+        print(Path(paths["markdown"]).read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()) + "\n")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     try:
         if args.output is None:
@@ -286,17 +325,18 @@ def _plan(args: argparse.Namespace) -> int:
         host_budget = api.host_budget(args.plan_host_budget, config)  # before any model is built
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
+        counts = api.check_measure_frames(config, args.plan_frames) if args.plan_frames else None
         api.check_input_paths(config)
         api.check_resolution(config)
         _check_vae(config)
         api.check_writable(config.outputs.output, "output")
         bundle = api.load_model(config)
         if args.plan_check:
-            return _preflight(config, bundle, budget, host_budget)
+            return _preflight(config, bundle, budget, host_budget, counts)
         stop = _StopOnSignal()
         with stop:  # the first Ctrl-C ends the measurement after the current step; a second at once
             choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget,
-                              should_stop=stop)
+                              should_stop=stop, frames=counts)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
@@ -315,10 +355,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(config: api.TrainConfig, bundle, budget: int, host_budget: int | None = None) -> int:
+def _preflight(config: api.TrainConfig, bundle, budget: int, host_budget: int | None = None,
+               frames: tuple[int, ...] | None = None) -> int:
     """``segckpt plan --check``: print the verdict, write ``preflight.json`` (and the schedule that
-    would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not."""
-    verdict = api.check_fit(config, bundle, budget, host_budget_bytes=host_budget)
+    would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not; ``frames``: one
+    phase per pixel-frame count instead of the data's shapes."""
+    verdict = api.check_fit(config, bundle, budget, host_budget_bytes=host_budget, frames=frames)
     print(verdict.render())
     paths = api.write_fit(verdict, Path(config.outputs.output))
     if verdict.suggestion is not None:

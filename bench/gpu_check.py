@@ -23,6 +23,9 @@
     interval 2 stride 4, the planner's choice under 12, 16 and 24 GiB; cells ``sec/step / peak``,
     weight H2D per step, stall share, ratios to resident per-block. Part (a) also checks the
     gradients of streamed schedules (every base mode, other backends, block counts, prefetch).
+(g) Video (issue 24): a full-size Wan 2.1 14B at 480x832 px with 33 and 81 frames (latents
+    16 x 9 (21) x 60 x 104): none, per-block, interval 2 stride 4, unsloth, per-block with weights
+    streamed; ``sec/step / peak`` (``bench/gpu_video.py``).
 
 Every step runs under the trainer's own SDPA choice (``auto``: cuDNN attention left out).
 
@@ -52,6 +55,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
+from gpu_video import video_check  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
@@ -449,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="markdown file; default bench/gpu_check_results.md "
                         "(with --smoke: gpu_check_smoke.md in the temporary directory)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no matrix cell after this (seconds)")
+    parser.add_argument("--video-budget-s", type=float, default=600.0,
+                        help="start no cell of part (g) after this, from its start (seconds)")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -477,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     log("(f) Weight streaming ...")
     sections += ["", f"## (f) Weight streaming, full-size Flux.1-dev, {sizes.preflight_resolution} px, bf16 and int8 "
                  "bases", "", *streaming_check(sizes, device, log)]
+    log("(g) Video, Wan 2.1 14B ...")
+    pixels = "64x112 px, 5 and 9 frames (tiny Wan)" if args.smoke else "480x832 px, 33 and 81 frames"
+    sections += ["", f"## (g) Video LoRA, full-size Wan 2.1 14B architecture, {pixels}", "",
+                 *video_check(args.smoke, device, args.video_budget_s, log)]
     sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
                  "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
     text = "\n".join(sections) + "\n"

@@ -51,10 +51,11 @@ _ON_FIRST_USE = {
     ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
     ".data.folder": ("write_sample_dataset",),
-    ".data.limits": ("check_resolution",),
+    ".data.limits": ("check_frames", "check_resolution"),
     ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
     ".files.checks": ("same_safetensors",),
     ".files.lock": ("FolderInUseError",),
+    ".measure.frames": ("check_measure_frames", "frames_label"),
     ".measure.host": ("HostBudgetError",),
     ".measure.planner": ("PlanChoice", "PlannerError"),
     ".measure.plots": ("loss_curve_rgb",),
@@ -100,8 +101,8 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
-    "family_names", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
+    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
     "write_sample_dataset", "write_sweep",
@@ -305,15 +306,16 @@ def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSc
           warmup_steps: int = 1, measured_steps: int = 3, **measuring: Any) -> list[SweepCell]:
     """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
     ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``,
-    ``on_cell`` (``engine/measure/sweep.py``)."""
+    ``on_cell``, ``frames`` (``engine/measure/sweep.py``)."""
     from .measure.sweep import run_sweep
 
     return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
 
 
 def write_sweep(cells: list[SweepCell], folder: str | Path, family: str,
-                budget_bytes: int | None = None) -> dict[str, Path]:
-    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their paths."""
+                budget_bytes: int | None = None, measured_at: str = "") -> dict[str, Path]:
+    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their
+    paths (``measured_at``: what the cells trained on, e.g. a frame count, in the title)."""
     from .measure.sweep import write_outputs
 
-    return write_outputs(cells, folder, family, budget_bytes)
+    return write_outputs(cells, folder, family, budget_bytes, measured_at)

@@ -43,7 +43,7 @@ def widget(key: str, *, default: Any = _MISSING, tooltip: str | None = None, ext
         return list(opt.choices), {**spec, "default": value}
     kind = _KINDS[opt.type]
     if kind == "STRING":
-        return kind, {**spec, "default": ", ".join(value) if isinstance(value, tuple) else value or ""}
+        return kind, {**spec, "default": ", ".join(map(str, value)) if isinstance(value, tuple) else value or ""}
     if kind == "BOOLEAN":
         return kind, {**spec, "default": value}
     low, high = opt.bounds

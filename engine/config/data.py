@@ -5,10 +5,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .options import ConfigError, check_options, option
+from typing import Any
+
+from .options import UNSET_WORDS, ConfigError, check_options, option
 
 MAX_RESOLUTION = 8192
 MAX_BATCH = 1024
+MAX_FRAMES = 1024
+FRAME_SAMPLING = ("first", "uniform", "random")
+
+
+def _frame_list(value: Any) -> Any:
+    """``frame_buckets``: frame counts as a list of integers, or a comma/space-separated string
+    (``"5, 9, 13"``: the CLI and the node's text widget), sorted and unique; unset stays unset."""
+    if value is None or isinstance(value, str) and value.strip().lower() in UNSET_WORDS:
+        return None
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    try:
+        counts = [int(v) if isinstance(v, str) else v for v in items]
+    except (TypeError, ValueError):
+        counts = None
+    if (not isinstance(items, (list, tuple)) or not counts or counts is None
+            or not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_FRAMES for c in counts)):
+        raise ConfigError(f"frame_buckets={value!r} is invalid: allowed a list of frame counts from 1 to {MAX_FRAMES} "
+                          "(e.g. 5, 9, 17), or unset.")
+    return tuple(sorted(set(counts)))
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,24 @@ class DataConfig:
                            "ratio (about resolution x resolution pixels, 1:4 to 4:1, sides in the multiples the "
                            "model needs) instead of the square; a batch never mixes buckets. Image folders only "
                            "(not ComfyUI latents).", "--buckets")
+    num_frames: int = option(1, "Pixel frames per clip of a video family (video files and animated GIF/WebP in the "
+                             "data folder; images train as 1-frame clips). The family's VAE rule applies (Wan, "
+                             "HunyuanVideo: 4k+1; LTX-Video: 8k+1); image families take 1.", "--num-frames",
+                             min=1, max=MAX_FRAMES)
+    frame_rate: float | None = option(None, "Frames per second clips are resampled to before frames are taken "
+                                      "(nearest frame in time); unset: each clip's own rate.", "--frame-rate",
+                                      above=0, max=1000)
+    frame_sampling: str = option("first", "Which frames of a clip train: first = the first window; uniform = "
+                                 "frames spread evenly over the whole clip; random = a window drawn each epoch from "
+                                 "the run's seed (resume-exact; encoded when drawn).", "--frame-sampling",
+                                 choices=FRAME_SAMPLING)
+    frame_buckets: tuple[int, ...] | None = option(None, "Frame counts a clip may train at instead of num_frames: "
+                                                   "each clip goes to the largest count it holds (SimpleTuner / "
+                                                   "diffusion-pipe frame buckets); a batch never mixes counts.",
+                                                   "--frame-buckets", parse=_frame_list)
+    min_frames: int | None = option(None, "Clips with fewer frames (at frame_rate) are skipped and counted; unset: "
+                                    "the smallest training count. Never padded.", "--min-frames", min=1,
+                                    max=MAX_FRAMES)
     batch_size: int = option(1, "Images per micro-batch on each process (with fsdp on N processes the global batch "
                              "is batch_size x N, as SimpleTuner's train_batch_size, accelerate and kohya count it).",
                              "--batch-size", min=1, max=MAX_BATCH)
@@ -39,10 +78,24 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.min_frames is not None and self.min_frames > max(self.frame_counts):
+            raise ConfigError(f"min_frames={self.min_frames} is invalid with the largest frame count "
+                              f"{max(self.frame_counts)}: allowed at most {max(self.frame_counts)} (a clip that "
+                              "long trains at that count), or unset")
         if self.global_batch_size is not None and self.batch_size != 1:
             raise ConfigError(f"global_batch_size={self.global_batch_size!r} is invalid with batch_size="
                               f"{self.batch_size!r}: allowed unset when batch_size is set (give one of them: "
                               "batch_size per process, or global_batch_size over all processes).")
+
+    @property
+    def frame_counts(self) -> tuple[int, ...]:
+        """The pixel-frame counts clips train at: ``frame_buckets``, else ``(num_frames,)``."""
+        return self.frame_buckets or (self.num_frames,)
+
+    @property
+    def video(self) -> bool:
+        """Clips train at more than one frame."""
+        return max(self.frame_counts) > 1
 
     def batch_rows(self, processes: int = 1) -> tuple[int, int]:
         """``(images per process, images over all processes)`` of each micro-batch on ``processes``

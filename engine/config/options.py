@@ -191,6 +191,8 @@ def _check(opt: Option, value: Any, error: type[ValueError]) -> Any:
         if not opt.optional:
             raise bad()
         return None
+    if opt.type is tuple and opt.meta["parse"] is not None:  # parsed: a tuple of its own items
+        return value
     if opt.type is tuple:
         value = _coerce_strings(value)
         if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):

@@ -39,6 +39,10 @@ class ValidationConfig:
     validation_num_inference_steps: int = option(8, "Sampler steps per preview (flow-matching Euler); SimpleTuner's "
                                                  "key (its validation_steps is validation_every).",
                                                  "--validation-inference-steps", min=1, max=1000)
+    validation_frames: int | None = option(None, "Pixel frames of a video family's preview clip (an animated WebP); "
+                                           "the family's frame rule applies; unset: the smallest count above 1 "
+                                           "(Wan: 5, LTX-Video: 9). Image families write PNGs.",
+                                           "--validation-frames", min=1, max=1024)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -35,19 +35,33 @@ def assign_buckets(samples: list[Sample], resolution: int, multiple: int,
 
 @torch.no_grad()
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> torch.Tensor:
-    """VAE-encode ``(B, 3, H, W)`` pixels to normalised latents ``(B, C, h, w)`` or ``(B, C, 1, h, w)``.
+    """VAE-encode pixels to normalised latents.
 
-    Uses the posterior mode (deterministic). Normalisation follows the VAE config: ``latents_mean``
-    / ``latents_std`` when present (Wan-style), else ``(z - shift_factor) * scaling_factor``.
+    Args:
+        vae: a diffusers autoencoder (2-D, or a video VAE).
+        pixels: ``(B, 3, H, W)`` images or ``(B, 3, F, H, W)`` clips, in [-1, 1].
+        video: the model takes video latents: the result is ``(B, C, F', H', W')`` (an image
+            gives ``F' = 1``); else ``(B, C, h, w)``.
+
+    Uses the posterior mode (deterministic). Normalisation as the family's diffusers pipeline
+    does it after encoding: ``latents_mean`` / ``latents_std`` of the config (Wan:
+    ``(z - mean) / std``), else the VAE's ``latents_mean`` / ``latents_std`` buffers (LTX-Video:
+    ``(z - mean) * scaling_factor / std``, ``pipeline_ltx.py`` ``_normalize_latents``), else
+    ``(z - shift_factor) * scaling_factor``.
     """
     cfg = vae.config
-    is_3d = hasattr(cfg, "z_dim") or "temperal_downsample" in cfg
-    x = pixels.unsqueeze(2) if is_3d else pixels
+    is_3d = hasattr(cfg, "z_dim") or "temperal_downsample" in cfg or "temporal_compression_ratio" in cfg
+    x = pixels.unsqueeze(2) if is_3d and pixels.ndim == 4 else pixels
+    if x.ndim == 5 and not is_3d:
+        raise ValueError(f"the VAE {type(vae).__name__} encodes images, not clips of {x.shape[2]} frames")
     encoded = vae.encode(x)
     z = encoded.latent_dist.mode() if hasattr(encoded, "latent_dist") else encoded.latent
+    shape = (1, -1) + (1,) * (z.ndim - 2)
     if getattr(cfg, "latents_mean", None) is not None:
-        shape = (1, -1) + (1,) * (z.ndim - 2)
         z = (z - torch.tensor(cfg.latents_mean).view(shape)) / torch.tensor(cfg.latents_std).view(shape)
+    elif isinstance(getattr(vae, "latents_mean", None), torch.Tensor):
+        scale = getattr(cfg, "scaling_factor", None) or 1.0
+        z = (z - vae.latents_mean.view(shape).to(z)) * scale / vae.latents_std.view(shape).to(z)
     else:
         z = (z - (getattr(cfg, "shift_factor", None) or 0.0)) * (getattr(cfg, "scaling_factor", None) or 1.0)
     if video and z.ndim == 4:

@@ -33,6 +33,7 @@ from pathlib import Path
 from .buckets import MAX_ASPECT
 from .folder import LOSSY_KINDS, NAMED, DatasetError, DatasetScan, DataWarning, scan_dataset
 from .images import check_image
+from .video import probe_clip
 
 UPSCALE_COUNTED = 2.0
 """An image resized by more than this to cover its training size is counted ``image_upscaled``."""
@@ -52,7 +53,15 @@ def check_dataset(folder: str | Path | None) -> DatasetScan | None:
     if folder is None:
         return None
     scan = scan_dataset(folder)
-    return replace(scan, samples=[replace(s, size=check_image(s.image)) for s in scan.samples])
+    return replace(scan, samples=[_checked(s) for s in scan.samples])
+
+
+def _checked(sample):
+    """``sample`` with its size (and a clip's frame count and rate) read through its last byte."""
+    if not sample.clip:
+        return replace(sample, size=check_image(sample.image))
+    info = probe_clip(sample.image)
+    return replace(sample, size=(info.width, info.height), frames=info.frames, fps=info.fps)
 
 
 def fit_loss(size: tuple[int, int], target: tuple[int, int]) -> tuple[str, str] | None:
@@ -107,7 +116,9 @@ _WHAT = {"caption_truncated": "captions longer than the text encoder reads were 
          "image_upscaled": f"images were upscaled more than {UPSCALE_COUNTED:g}x to their training size (blurred)",
          "image_skipped": (f"images were skipped (upscaled more than {UPSCALE_SKIPPED:g}x, or more elongated than "
                            f"{ASPECT_SKIPPED:g}:1)"),
-         "link_not_followed": "links were not followed (each real folder is read once)"}
+         "link_not_followed": "links were not followed (each real folder is read once)",
+         "clip_skipped": "clips were skipped (fewer frames than the smallest frame count or min_frames, or an image "
+                         "family's data)"}
 
 
 def warn_lossy(lossy: dict[str, list[str]]) -> None:

@@ -35,6 +35,8 @@ from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..files.text import TextFileError, read_text
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+CLIP_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
+"""Clips (``engine/data/video.py``); an animated ``.webp`` is a clip too, a still ``.gif`` an image."""
 SAMPLE_PHOTOS = {
     "astronaut": "a portrait photo of an astronaut in a white spacesuit in front of the flag",
     "coffee": "a cup of coffee with latte art on a saucer, top view",
@@ -65,6 +67,12 @@ class Sample:
     repeats: int = 1
     size: tuple[int, int] | None = None
     """``(width, height)`` in pixels as a viewer shows the image, once checked (``engine/data/checks.py``)."""
+    clip: bool = False
+    """A clip (a video file, an animated GIF / WebP: ``engine/data/video.py``), not an image."""
+    frames: int = 1
+    """Frames the file holds, once checked (1 for an image)."""
+    fps: float | None = None
+    """A clip's frames per second, once checked."""
 
 
 def write_sample_dataset(folder: str | Path) -> Path:
@@ -87,10 +95,11 @@ HIDDEN_NAMES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "icon\r")
 """System files that are never data (compared case-insensitively), besides every dot-file."""
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 """kohya's sd-scripts layout: ``<repeats>_<name>`` subfolders."""
-LOSSY_KINDS = ("caption_truncated", "image_upscaled", "image_skipped", "link_not_followed")
+LOSSY_KINDS = ("caption_truncated", "image_upscaled", "image_skipped", "link_not_followed", "clip_skipped")
 """What a run may lose of its data, each counted in ``report.json`` ``dataset.lossy`` and named in
 one warning: a caption longer than the text encoder reads, an image upscaled or skipped
-(``engine/data/checks.py`` states the factors), a link not followed (see the module docstring)."""
+(``engine/data/checks.py`` states the factors), a link not followed (see the module docstring), a
+clip skipped (shorter than the smallest frame count, or in an image family's data)."""
 NAMED = 5
 """Entries named per kind in the warning and in ``report.json`` ``dataset.lossy_files``."""
 
@@ -121,11 +130,11 @@ class DatasetScan:
         return [i for i, sample in enumerate(self.samples) for _ in range(sample.repeats)]
 
     def summary(self) -> dict[str, Any]:
-        """JSON-ready: images, images per epoch, repeats per subfolder, skipped counts, ``lossy``
+        """JSON-ready: images, clips, images per epoch, repeats per subfolder, skipped counts, ``lossy``
         (a count per kind of :data:`LOSSY_KINDS`, zeros included) and ``lossy_files`` (the first
         :data:`NAMED` entries of each kind that happened)."""
         folders = {s.image.parent.name: s.repeats for s in self.samples if s.image.parent != self.root}
-        return {"images": len(self.samples), "images_per_epoch": len(self.epoch), "repeats": folders,
+        return {"images": len(self.samples), "clips": sum(s.clip for s in self.samples), "images_per_epoch": len(self.epoch), "repeats": folders,
                 "skipped": self.skipped, "ignored_folders": self.ignored_folders,
                 "lossy": {kind: len(self.lossy.get(kind, [])) for kind in LOSSY_KINDS},
                 "lossy_files": {kind: self.lossy[kind][:NAMED] for kind in LOSSY_KINDS if self.lossy.get(kind)}}
@@ -179,6 +188,12 @@ def _sources(root: Path, skipped: dict[str, int], ignored: list[str],
     return [(root, 1)] + sorted(chosen, key=lambda c: c[0].name)
 
 
+def is_clip_file(path: Path) -> bool:
+    """:func:`.video.is_clip_file` (imported here: ``video`` imports this module)."""
+    from .video import is_clip_file as check
+    return check(path)
+
+
 def scan_dataset(folder: str | Path) -> DatasetScan:
     """The images of ``folder`` and of its ``<repeats>_<name>`` subfolders, with their captions
     (matched and read as the module docstring says).
@@ -207,14 +222,16 @@ def scan_dataset(folder: str | Path) -> DatasetScan:
                 continue
             elif _hidden(path):
                 skipped["hidden or system files"] += 1
-            elif path.suffix.lower() in IMAGE_SUFFIXES:
-                samples.append(Sample(path, _caption(path, captions.get(name_key(path.stem), [])), repeats))
+            elif path.suffix.lower() in IMAGE_SUFFIXES + CLIP_SUFFIXES:
+                samples.append(Sample(path, _caption(path, captions.get(name_key(path.stem), [])), repeats,
+                                      clip=is_clip_file(path)))
             elif path.suffix.lower() != ".txt":
                 skipped["other files"] += 1
     if not samples:
         extra = (f"; subfolders {', '.join(ignored)} are not read (only images directly inside, or in kohya-style "
                  "<repeats>_<name> subfolders)") if ignored else ""
-        raise DatasetError(f"data={str(root)!r} holds no image ({', '.join(IMAGE_SUFFIXES)}){extra}")
+        raise DatasetError(f"data={str(root)!r} holds no image ({', '.join(IMAGE_SUFFIXES)}) or clip "
+                           f"({', '.join(CLIP_SUFFIXES)}){extra}")
     lossy = {kind: [] for kind in LOSSY_KINDS}
     lossy["link_not_followed"] = links
     return DatasetScan(root, samples, skipped, ignored, lossy)

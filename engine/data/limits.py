@@ -25,7 +25,7 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
-from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae_config
+from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae
 from ..model.folders import transformer_folder, vae_folder
 from ..model.single_file import identify_file
 from .buckets import vae_downscale
@@ -87,7 +87,7 @@ def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> Model
     family = get_family(model.family)
     if not model.model_path and not model.model_file:
         with torch.device("meta"):
-            scale = vae_downscale(diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels)))
+            scale = vae_downscale(tiny_vae(family))
         return ModelShape(family, full_config(family.model_cls(), family.tiny_config), scale,
                           f"{model.preset} preset")
     try:
@@ -108,8 +108,8 @@ def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> Model
 
 
 def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> Limits | None:
-    """Refuse a square ``resolution`` whose token grid exceeds the model's limits, before any
-    model is built (with buckets too: every bucket keeps the square's area, so when the square's
+    """Refuse frame counts the family does not take (:func:`check_frames`) and a square
+    ``resolution`` whose token grid exceeds the model's limits, before any model is built (with buckets too: every bucket keeps the square's area, so when the square's
     grid does not fit, no bucket's does).
 
     Returns:
@@ -119,6 +119,7 @@ def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> 
         ConfigError: ``resolution=1024 is invalid for sd3 (tiny preset): allowed at most 256
             (16x16 tokens (pos_embed_max_size 16) x patch 2 x VAE 8; the square is 64x64 tokens)``.
     """
+    check_frames(config, bundle)
     shape = model_shape(config, bundle)
     if shape is None or shape.downscale is None:
         return None
@@ -131,3 +132,54 @@ def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> 
     raise ConfigError(f"resolution={res} is invalid for {shape.family.name} ({shape.source}): allowed {allowed} "
                       f"({describe_bound(limits, shape.patch, shape.downscale)}; the square is "
                       f"{cells}x{cells} tokens)")
+
+
+def frame_limit(family: FamilyAdapter, config: Mapping[str, Any]) -> int | None:
+    """The most pixel frames the model takes: its latent-frame limit (``engine/families/limits.py``)
+    through the family's frame rule, or None (no bound, or an image family)."""
+    rule, frames = family.frames, model_limits(family, config).frames
+    return rule.pixel_frames(frames) if rule is not None and frames is not None else None
+
+
+def check_frame_count(family: FamilyAdapter, key: str, frames: int, most: int | None = None) -> None:
+    """Refuse a pixel-frame count the family's VAE rule does not take (``engine/families/frames.py``).
+
+    Raises:
+        ConfigError: ``num_frames=16 is invalid for wan: allowed 4k+1 (13, 17, ...)``; an image
+            family: ``allowed 1 (wan ... take clips)``; past ``most``: ``allowed at most 129``.
+    """
+    rule = family.frames
+    if rule is None:
+        if frames != 1:
+            from ..families import family_names, get_family
+            video = ", ".join(n for n in family_names() if get_family(n).frames is not None)
+            raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed 1 ({family.name} is an image "
+                              f"family; the video families take clips: {video})")
+        return
+    if not rule.allows(frames):
+        near = ", ".join(str(n) for n in rule.nearest(frames, most))
+        raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed {rule.formula} ({near}, ...)")
+    if most is not None and frames > most:
+        raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed at most {most} pixel frames "
+                          f"({rule.latent_frames(most)} latent frames, the model's limit)")
+
+
+def check_frames(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
+    """Refuse frame counts (``num_frames``, ``frame_buckets``, ``validation_frames``) the family
+    does not take, before any model is built (:func:`check_frame_count`; the bound is the model's
+    latent-frame limit when its config can be read).
+
+    Raises:
+        ConfigError: the first count refused, naming its key, its value and the nearest allowed.
+    """
+    family = get_family(config.model.family)
+    shape = model_shape(config, bundle)
+    most = frame_limit(family, shape.config) if shape is not None else None
+    data = config.data
+    if data.frame_buckets:
+        for count in data.frame_buckets:
+            check_frame_count(family, "frame_buckets", count, most)
+    else:
+        check_frame_count(family, "num_frames", data.num_frames, most)
+    if config.validation.validation_frames is not None and family.frames is not None:
+        check_frame_count(family, "validation_frames", config.validation.validation_frames, most)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
 from .conditioning import LatentFormat, TextEncoders
+from .frames import FrameRule
 from .lazy import torch
 from .limits import Limits
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
@@ -105,6 +106,8 @@ class FamilyAdapter:
         aspect_buckets: the latents are an image grid, so aspect-ratio buckets apply (``False``:
             ``buckets`` is refused, e.g. a 1-D audio sequence).
         limits: the model's size bounds from its config (``engine/families/limits.py``); ``None``: none.
+        frames: a video family's frame rule (``engine/families/frames.py``: its VAE takes
+            ``temporal * k + 1`` pixel frames); ``None``: an image family, one frame per sample.
     """
 
     name: str
@@ -129,6 +132,7 @@ class FamilyAdapter:
     latent_multiple: int | None = None
     aspect_buckets: bool = True
     limits: Callable[[Mapping[str, Any]], Limits] | None = None
+    frames: FrameRule | None = None
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

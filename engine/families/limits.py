@@ -85,6 +85,29 @@ def token_patch(family: FamilyAdapter, config: Mapping[str, Any]) -> int:
     return family.patch or _spatial(config.get("patch_size")) or 1
 
 
+def temporal_patch(config: Mapping[str, Any]) -> int:
+    """Latent frames per token: the config's ``patch_size_t`` (HunyuanVideo, LTX-Video), else the
+    first entry of a ``(t, h, w)`` ``patch_size`` (Wan), else 1."""
+    value = config.get("patch_size_t")
+    if value is None and isinstance(config.get("patch_size"), (list, tuple)) and len(config["patch_size"]) == 3:
+        value = config["patch_size"][0]
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def token_count(family: FamilyAdapter, config: Mapping[str, Any], latent_shape: tuple[int, ...]) -> int:
+    """The transformer's latent token count of one sample: latent frames / temporal patch x
+    (h / patch) x (w / patch) (each rounded up, as the patch embedding pads).
+
+    Args:
+        latent_shape: one sample's latents, ``(C, h, w)`` (an image) or ``(C, F', h, w)`` (F'
+            latent frames), in latent cells.
+    """
+    h, w = latent_shape[-2:]
+    frames = latent_shape[1] if len(latent_shape) == 4 else 1
+    p, pt = token_patch(family, config), temporal_patch(config)
+    return -(-frames // pt) * -(-h // p) * -(-w // p)
+
+
 def full_config(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` over the defaults of ``cls.__init__`` (what ``cls.from_config(values).config`` holds)."""
     params = inspect.signature(cls.__init__).parameters.values()

@@ -64,6 +64,7 @@ from ..core.memory import budget_bytes
 from ..core.plan import effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_text
+from .frames import frames_label, use_frames
 from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe, probe_steps
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
@@ -124,10 +125,27 @@ class PlanChoice:
     measured_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
     host_budget_bytes: int | None = None
+    by_frames: dict[int, "PlanChoice"] = field(default_factory=dict)
+    """``plan --frames``: per pixel-frame count, the choice predicted at that count (``chosen`` is
+    the largest count's, measured when asked, predicted to fit every count)."""
+    labels: dict[int, str] = field(default_factory=dict)
+    """Per frame count: what it trains on (``5 frames (2 latent frames, 128 tokens per sample)``)."""
 
     def render(self) -> str:
         """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
-        the chosen one marked."""
+        the chosen one marked; with frame counts one table per count, then the predicted peak of
+        the chosen schedule at each count."""
+        if not self.by_frames:
+            return self._table()
+        parts = []
+        for n, choice in self.by_frames.items():
+            parts += [f"## {self.labels.get(n, f'{n} frames')}", choice._table(), ""]
+        peaks = ", ".join(f"{n} frames {predict(c.probe, self.chosen.schedule).peak_bytes / 2**30:.4g} GiB"
+                          for n, c in self.by_frames.items())
+        parts.append(f"predicted peak of {self.chosen.schedule.mode} per frame count: {peaks}")
+        return "\n".join(parts)
+
+    def _table(self) -> str:
         host = (f", host budget {self.host_budget_bytes / 2**30:.4g} GiB" if self.host_budget_bytes is not None else "")
         lines = [f"budget {self.budget_bytes / 2**30:.4g} GiB{host}; probe: {self.probe.sec_per_step:.3f} sec/step, "
                  f"peak {self.probe.peak_bytes / 2**30:.4g} GiB without checkpointing",
@@ -406,7 +424,8 @@ def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: l
 def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
                     warmup_steps: int = 1, start_run: StartRun | None = None,
                     max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[int, int], None] | None = None,
-                    should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None) -> PlanChoice:
+                    should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None,
+                    frames: tuple[int, ...] | None = None) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
     With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
@@ -417,6 +436,10 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     ``probe_``: a probe of the same model and settings to reuse (several budgets), else one runs.
     ``on_step`` / ``should_stop``: progress and Cancel after every step of every run.
     ``host_budget_bytes``: host memory the streamed weights and offloaded activations may use.
+    ``frames``: pixel-frame counts (checked by :func:`~.frames.check_measure_frames`): one probe per
+    count on synthetic clips (:func:`~.frames.use_frames`), a prediction per count
+    (:attr:`PlanChoice.by_frames`), and the choice made (and measured) at the largest count,
+    noted when it is predicted not to fit a smaller one.
 
     Raises:
         PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
@@ -427,10 +450,46 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
         # the progress total: the probe, then as many contenders as can be timed (corrected when known)
         timed = (1 + len(SENSITIVITY)) * (warmup_steps + measure_steps) if measure_steps > 0 else 0
+        if frames:
+            workspace.expect(probe_steps(warmup_steps) + (len(frames) - 1) * probe_steps(warmup_steps, False) + timed)
+            return _plan_frames(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, workspace,
+                                host_budget_bytes, timed, frames)
         workspace.expect((probe_steps(warmup_steps) if probe_ is None else 0) + timed)
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
                      probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes,
                      timed)
+
+
+def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int,
+                 max_tries: int, workspace: RunWorkspace, host_budget_bytes: int | None, announced: int,
+                 frames: tuple[int, ...]) -> PlanChoice:
+    """:func:`plan_for_budget` over pixel-frame counts: probe each (the first calibrates the
+    offloader for the others), predict each, decide at the largest."""
+    probes: dict[int, Probe] = {}
+    calibration = None
+    for n in frames:
+        with use_frames(workspace, n):
+            probes[n] = probe(config, bundle, warmup_steps, workspace=workspace, calibration=calibration)
+        calibration = (probes[n].offload_s_per_tensor, probes[n].offload_s_per_byte)
+    largest = max(frames)
+    with use_frames(workspace, largest):
+        choice = _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, probes[largest],
+                       workspace, host_budget_bytes, announced)
+    limit = budget_bytes * (1 - MARGIN)
+    for n in frames:
+        if n == largest:
+            choice.by_frames[n] = choice
+            continue
+        try:
+            choice.by_frames[n] = choose(probes[n], budget_bytes, host_budget_bytes=host_budget_bytes)
+        except PlannerError as exc:  # cannot happen when the largest count fits; said, not raised
+            choice.notes.append(f"{n} frames: {exc}")
+            continue
+        if predict(probes[n], choice.chosen.schedule).peak_bytes > limit:
+            choice.notes.append(f"{choice.chosen.schedule.mode} is predicted over the budget at {n} frames")
+    choice.by_frames = {n: choice.by_frames[n] for n in frames if n in choice.by_frames}
+    choice.labels = {n: frames_label(config, bundle, n) for n in frames}
+    return choice
 
 
 def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,

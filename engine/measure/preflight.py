@@ -17,6 +17,7 @@ unless the user overrides it (:class:`PreflightRefused`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +26,8 @@ from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..data.buckets import shape_classes
 from ..data.comfy_data import PreparedData
 from ..families import get_family
+from ..families.limits import token_count
+from .frames import use_frames
 from .planner import MARGIN, TIE, Prediction, fewest_streamed, predict, preference
 from .probe import Probe, probe, probe_steps
 from .runs import RunWorkspace, StartRun
@@ -54,10 +57,20 @@ class Phase:
     share: float
     peak_bytes: int
     fits: bool
+    frames: int = 1
+    """Pixel frames of the shape (``C x F' x h x w`` latents: ``rule.pixel_frames(F')``; 1 for images)."""
+    tokens: int = 0
+    """Latent tokens per sample (latent frames x patches per frame), 0 when not known."""
 
     @property
     def name(self) -> str:
         return f"train {self.shape}" if self.kind == "train" else "validation previews"
+
+    @property
+    def detail(self) -> str:
+        """``5 frames, 128 tokens`` (the frames only for clips), or ``""``."""
+        parts = ([f"{self.frames} frames"] if self.frames > 1 else []) + ([f"{self.tokens} tokens"] if self.tokens else [])
+        return ", ".join(parts)
 
 
 @dataclass
@@ -102,6 +115,7 @@ class Verdict:
                  f"(less {MARGIN:.0%} headroom; {PEAK_SCOPE})"]
         for phase in self.phases:
             share = f", {phase.share:.0%} of the samples" if phase.kind == "train" else ""
+            share += f" ({phase.detail})" if phase.kind == "train" and phase.detail else ""
             lines.append(f"  {'ok ' if phase.fits else 'NO '} {phase.name:<34} {_gib(phase.peak_bytes)}{share}")
         host = f" of {_gib(self.host_budget_bytes)} host budget" if self.host_budget_bytes is not None else ""
         if self.host_bytes or self.host_budget_bytes is not None:  # nothing waits on the host otherwise
@@ -137,7 +151,7 @@ def _gib(n: int) -> str:
 
 def _phase_dict(p: Phase) -> dict[str, Any]:
     return {"phase": p.name, "kind": p.kind, "shape": p.shape, "share": p.share, "peak_bytes": p.peak_bytes,
-            "fits": p.fits}
+            "fits": p.fits, "frames": p.frames, "tokens": p.tokens}
 
 
 def _fits(peak: int, budget: int) -> bool:
@@ -145,13 +159,24 @@ def _fits(peak: int, budget: int) -> bool:
 
 
 def training_phases(probes: dict[str, Probe], shares: dict[str, float], schedule: CheckpointSchedule,
-                    budget_bytes: int) -> list[Phase]:
-    """The predicted training phases of ``schedule`` (one per probed shape)."""
+                    budget_bytes: int, sizes: dict[str, tuple[int, int]] | None = None) -> list[Phase]:
+    """The predicted training phases of ``schedule`` (one per probed shape); ``sizes``: per shape
+    key, (pixel frames, tokens per sample)."""
     phases = []
     for key, measured in probes.items():
         peak = predict(measured, schedule).peak_bytes
-        phases.append(Phase("train", key, shares[key], peak, _fits(peak, budget_bytes)))
+        frames, tokens = (sizes or {}).get(key, (1, 0))
+        phases.append(Phase("train", key, shares[key], peak, _fits(peak, budget_bytes), frames, tokens))
     return phases
+
+
+def shape_size(bundle, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(pixel frames, latent tokens) of one sample's latent ``shape`` (``(C, h, w)``, ``(C, 1, h, w)``
+    or ``(C, F', h, w)``): frames through the family's rule, tokens by
+    :func:`~..families.limits.token_count`."""
+    rule = bundle.family.frames
+    frames = rule.pixel_frames(shape[1]) if rule is not None and len(shape) == 4 else 1
+    return frames, token_count(bundle.family, dict(bundle.transformer.config), shape)
 
 
 def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: int,
@@ -198,7 +223,7 @@ def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float) -
 def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
               prepared: PreparedData | None = None, start_run: StartRun | None = None,
               on_step: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
-              host_budget_bytes: int | None = None) -> Verdict:
+              host_budget_bytes: int | None = None, frames: tuple[int, ...] | None = None) -> Verdict:
     """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
     schedule against ``budget_bytes``.
 
@@ -212,30 +237,39 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
             called with ``(0, 0)`` before the data is encoded and ``(0, K)`` before the first of
             the ``K`` probe steps.
         host_budget_bytes: the host memory the streamed weights and offloaded activations may use.
+        frames: pixel-frame counts (checked by :func:`~.frames.check_measure_frames`) to judge
+            instead of the data's shapes: one phase per count, on synthetic clips of the run's
+            square resolution (:func:`~.frames.use_frames`), equal shares.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
     with RunWorkspace(config, bundle, start_run, on_step, should_stop, prepared) as workspace:
         workspace.report()  # (0, 0): encoding the data
-        classes = shape_classes(workspace.data_cache())
+        counts = frames or (None,)
+        classes = {n: _classes(workspace, n) for n in counts}
         # one probe per shape; the first calibrates the offloader for the others
-        workspace.expect(probe_steps(warmup_steps) + (len(classes) - 1) * probe_steps(warmup_steps, calibrate=False))
+        probed = sum(len(c) for c in classes.values())
+        workspace.expect(probe_steps(warmup_steps) + (probed - 1) * probe_steps(warmup_steps, calibrate=False))
         workspace.report()  # (0, K): probing starts
-        total = sum(len(rows) for _, rows in classes)
         probes: dict[str, Probe] = {}
         shares: dict[str, float] = {}
+        sizes: dict[str, tuple[int, int]] = {}
         calibration = None
-        for i, (shape, rows) in enumerate(classes):
-            key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
-            # the preview phase is sampled once, after the largest shape's last probe step
-            previews = {"validation_every": warmup_steps + 2, "validation_num_inference_steps": 1} \
-                if i == 0 and config.validation.validation_every else {}
-            measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows, calibration=calibration,
-                             **previews)
-            calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
-            probes[key], shares[key] = measured, len(rows) / total
-    phases = training_phases(probes, shares, config.schedule, budget_bytes)
+        for n in counts:
+            total = sum(len(rows) for _, rows in classes[n])
+            with use_frames(workspace, n) if n is not None else contextlib.nullcontext():
+                for shape, rows in classes[n]:
+                    key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
+                    # the preview phase is sampled once, after the largest shape's last probe step
+                    previews = {"validation_every": warmup_steps + 2, "validation_num_inference_steps": 1} \
+                        if not probes and config.validation.validation_every else {}
+                    measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows,
+                                     calibration=calibration, **previews)
+                    calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
+                    probes[key], shares[key] = measured, len(rows) / total / len(counts)
+                    sizes[key] = shape_size(bundle, shape)
+    phases = training_phases(probes, shares, config.schedule, budget_bytes, sizes)
     on_host = [predict(measured, config.schedule) for measured in probes.values()]
     verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes,
                       host_bytes=max(p.host_bytes for p in on_host), streamed_bytes=max(p.streamed_bytes for p in on_host),
@@ -249,7 +283,16 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
     if not all(p.fits for p in phases if p.kind == "train"):
         verdict.suggestion, why = suggest(probes, shares, budget_bytes)
         if verdict.suggestion is not None:
-            verdict.suggested = training_phases(probes, shares, verdict.suggestion, budget_bytes)
+            verdict.suggested = training_phases(probes, shares, verdict.suggestion, budget_bytes, sizes)
         else:
             verdict.notes.append(why)
     return verdict
+
+
+def _classes(workspace: RunWorkspace, frames: int | None) -> list[tuple[tuple[int, ...], list[int]]]:
+    """The batch shapes to probe: the data's (``frames`` None), or the one shape of the synthetic
+    clips of ``frames`` pixel frames."""
+    if frames is None:
+        return shape_classes(workspace.data_cache())
+    with use_frames(workspace, frames) as clips:
+        return shape_classes(clips.cache)

@@ -1,7 +1,8 @@
 """The receipt of a run: what it measured per phase, and what each active memory option saved and
 cost on this run against its cheaper or faster neighbour schedule.
 
-Measured: sec/step (median after warm-up), the peak of each training phase (each batch shape),
+Measured: sec/step (median after warm-up), the peak of each training phase (each batch shape,
+with its latent tokens per sample: latent frames x patches per frame),
 the preview phase's peak, the schedule switches. Compared (when the pre-flight probed the run's
 shapes): for each option the final schedule has on, the neighbour schedule with only that option
 off (checkpointing off; interval 1; no stride; the ``torch`` backend; attention offload off), with
@@ -75,15 +76,19 @@ def build_receipt(result: TrainResult, verdict: Verdict | None) -> dict[str, Any
     """The receipt of a finished (or stopped) run; see the module docstring."""
     report, history = result.report, result.history
     peaks: dict[str, int] = {}
+    tokens: dict[str, int] = {}
     # after the warm-up, as the probes and the planner measure (on the CPU, step 1's peak also
     # counts the optimizer state it creates, which later steps' tracker leaves out)
     for h in history[result.config.timing_warmup_steps:] or history:
         key = h.get("shape", "")
         peaks[key] = max(peaks.get(key, 0), h["peak_bytes"])
+        tokens[key] = h.get("tokens", 0)
     receipt: dict[str, Any] = {
         "sec_per_step": report["totals"]["sec_per_step"],
         "peak_bytes_by_phase": {**{f"train {k}": v for k, v in sorted(peaks.items())},
                                 "validation previews": report["memory"].get("validation_peak_bytes", 0)},
+        # latent tokens per sample of each training phase: latent frames x patches per frame
+        "tokens_by_phase": {f"train {k}": v for k, v in sorted(tokens.items()) if v},
         "schedule": result.plan.mode,
         "schedule_switches": [f"step {s['step']}: {s['from']} -> {s['to']}"
                               for s in report.get("schedule_switches", [])],
@@ -103,7 +108,9 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     sec = receipt["sec_per_step"]
     lines = [f"receipt: {receipt['schedule']}, {sec:.3f} sec/step" if sec is not None
              else f"receipt: {receipt['schedule']}"]
-    lines += [f"  peak {phase}: {_size(n)}" for phase, n in receipt["peak_bytes_by_phase"].items() if n]
+    tokens = receipt.get("tokens_by_phase", {})
+    lines += [f"  peak {phase}" + (f" ({tokens[phase]} tokens)" if tokens.get(phase) else "") + f": {_size(n)}"
+              for phase, n in receipt["peak_bytes_by_phase"].items() if n]
     lines += [f"  switched at {s}" for s in receipt["schedule_switches"]]
     for effect in receipt["options"]:
         saved, fraction = effect["saved_bytes"], effect["cost_fraction"]

@@ -21,6 +21,7 @@ against sec/step, one point per measured mode, the budget as a line).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import gc
@@ -39,6 +40,7 @@ from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families import get_family
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..train.recovery import OutOfMemoryStop, is_out_of_memory
+from .frames import use_frames
 from .plots import sweep_plot_png
 from .runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
 
@@ -131,7 +133,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
               start_run: StartRun | None = None, log: Callable[[str], None] = print,
               on_step: Callable[[int, int], None] | None = None,
               should_stop: Callable[[], bool] | None = None,
-              on_cell: Callable[[list[SweepCell]], None] | None = None) -> list[SweepCell]:
+              on_cell: Callable[[list[SweepCell]], None] | None = None,
+              frames: int | None = None) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
@@ -148,6 +151,9 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
             :class:`~.runs.RunWorkspace`).
         on_cell: called after every cell with every cell so far and the rest as ``not run``
             (write the tables there, and an interrupted sweep keeps what it measured).
+        frames: measure clips of this many pixel frames (synthetic latents ``(N, C, F', h, w)``
+            with the text of the run's data, :func:`~.frames.use_frames`); checked by the caller
+            (:func:`~.frames.check_measure_frames`). None: the run's own data.
 
     Returns:
         One :class:`SweepCell` per schedule, in order, with flags set.
@@ -158,7 +164,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     family = get_family(bundle.family.name)
     cells: list[SweepCell] = []
     schedules = schedules or sweep_schedules()
-    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:
+    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace, \
+            (use_frames(workspace, frames) if frames is not None else contextlib.nullcontext()):
         workspace.expect((warmup_steps + measured_steps) * sum(
             1 for s in schedules if not (skip is not None and skip(s)) and _supported(family, s)))
         for schedule in schedules:
@@ -221,9 +228,11 @@ def flag_ineffective(cells: list[SweepCell], noise: float = NOISE) -> None:
                     a.flags.append(flag)
 
 
-def to_markdown(cells: list[SweepCell], family: str) -> str:
-    """The sweep as a markdown table in the documents' cell format."""
-    lines = [f"# Checkpointing sweep: {family}", "", "Cells: `sec/step / peak GiB`, or OOM / failed / "
+def to_markdown(cells: list[SweepCell], family: str, measured_at: str = "") -> str:
+    """The sweep as a markdown table in the documents' cell format; ``measured_at``: what the
+    cells trained on, added to the title (``5 frames (2 latent frames, 128 tokens per sample)``)."""
+    title = f"# Checkpointing sweep: {family}" + (f", {measured_at}" if measured_at else "")
+    lines = [title, "", "Cells: `sec/step / peak GiB`, or OOM / failed / "
              "unsupported / not run. Weights: `weight H2D GiB/step, stall %` of the streaming modes.", "",
              "| mode | backend | attention offload | result | weights | notes |", "|---|---|---|---|---|---|"]
     for c in cells:
@@ -249,8 +258,10 @@ def to_csv(cells: list[SweepCell]) -> str:
     return out.getvalue()
 
 
-def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budget_bytes: int | None = None) -> dict[str, Path]:
-    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder`` (atomically).
+def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budget_bytes: int | None = None,
+                  measured_at: str = "") -> dict[str, Path]:
+    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder`` (atomically);
+    ``measured_at``: see :func:`to_markdown` (also ``sweep.json`` ``measured_at`` when given).
 
     Returns:
         The four paths by kind (``markdown``, ``csv``, ``json``, ``png``).
@@ -259,9 +270,10 @@ def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budge
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": folder / "sweep.md", "csv": folder / "sweep.csv", "json": folder / "sweep.json",
              "png": folder / "sweep.png"}
-    atomic_write_text(paths["markdown"], to_markdown(cells, family))
+    atomic_write_text(paths["markdown"], to_markdown(cells, family, measured_at))
     atomic_write_text(paths["csv"], to_csv(cells))
     atomic_write_text(paths["json"], json.dumps({"family": family, "budget_bytes": budget_bytes,
+                                                 **({"measured_at": measured_at} if measured_at else {}),
                                                  "cells": [dataclasses.asdict(c) for c in cells]}, indent=2) + "\n")
     atomic_write_bytes(paths["png"], sweep_plot_png(cells, family, budget_bytes))
     return paths

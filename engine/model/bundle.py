@@ -59,6 +59,17 @@ def tiny_vae_config(latent_channels: int) -> dict[str, Any]:
     }
 
 
+def tiny_vae(family: FamilyAdapter) -> torch.nn.Module:
+    """The tiny preset's random-init VAE of ``family``: its video VAE class with the real temporal
+    and spatial compression (``FrameRule.tiny_vae``, ``engine/families/frames.py``) for a video
+    family that declares one, else the tiny ``AutoencoderKL`` (:func:`tiny_vae_config`; a video
+    family then trains on single frames)."""
+    rule = family.frames
+    if rule is not None and rule.tiny_vae:
+        return getattr(diffusers, rule.vae_class)(**rule.tiny_vae)
+    return diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels))
+
+
 def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
                  overrides: dict[str, Any] | None = None,
                  text_encoders: Sequence[str | Path] | None = None) -> ModelBundle:
@@ -81,7 +92,7 @@ def build_preset(family_name: str, preset: str = "tiny", seed: int = 0,
         raise ModelLoadError(f"preset={preset!r} is invalid: allowed {', '.join(PRESETS)}")
     torch.manual_seed(seed)
     transformer = family.model_cls()(**{**family.tiny_config, **(overrides or {})})
-    vae = diffusers.AutoencoderKL(**tiny_vae_config(family.latent_channels))
+    vae = tiny_vae(family)
     spec = family.text(transformer.config)
     embedder = (load_text_encoders(text_encoders, family, spec) if text_encoders
                 else DeterministicTextEmbedder(spec, seed=seed))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import TrainConfig
+from ..families.limits import token_count
 from .previews import PREVIEW_FOLDER, PreviewSource, previews_at, run_previews
 from .step import StepRecord
 from .watchdog import Watchdog, device_at_capacity
@@ -49,6 +50,9 @@ class StepMonitor:
             self.log(f"step {record.step}: update skipped: {record.skipped}")
         shape = "x".join(map(str, ctx.batch_shape))
         history[-1]["shape"] = shape  # the receipt's peak per phase (the record's own dict)
+        # latent tokens per sample: latent frames x patches per frame (report.json, the receipt)
+        history[-1]["tokens"] = token_count(ctx.family, dict(getattr(ctx.model, "config", {}) or {}),
+                                            tuple(ctx.batch_shape[1:])) if len(ctx.batch_shape) >= 4 else 0
         record.watchdog = self.watchdog.observe(record.step, record.seconds, record.peak_bytes, shape)
         for found in record.watchdog:  # the history entry is the record's own dict: it has them too
             self.log(f"segckpt: warning: {found['message']}")

@@ -45,6 +45,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     step is past the warm-up); ``totals.peak_bytes`` is the largest per-step peak. On CUDA a peak
     is ``torch.cuda.max_memory_allocated`` (weights included); on the CPU it is the live-tensor
     tracker's peak of tensors created during the step (weights and the cached data excluded).
+    ``totals.tokens_per_sample`` is the largest step's latent token count per sample (latent frames
+    x spatial patches per frame; each step's is its record's ``tokens``).
     """
     measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
     setup = dict(setup or {})
@@ -73,6 +75,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
             "peak_scope": "cuda max_memory_allocated" if device.type == "cuda"
             else "cpu live tensors created during the step",
             "final_loss": history[-1]["loss"] if history else None,
+            # latent tokens of one sample (latent frames x patches per frame), the largest batch's
+            "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),
         },
         "memory": memory,
         **setup,

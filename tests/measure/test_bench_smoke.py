@@ -83,4 +83,7 @@ def test_gpu_check_smoke_passes_every_part(tmp_path):
         assert row[header.index("torch")].split(" / ")[1] == row[header.index("diffusers-layer")].split(" / ")[1]
     planner = _table(text, "## (d)")[1]
     assert len(planner) == 3 and all(row[-1] == "yes" for row in planner), planner
+    video = text.split("## (g) Video LoRA")[1].split("## Notes")[0]
+    assert "| 5 (2) | 56 | " in video and "| 9 (3) | 84 | " in video  # tiny Wan: latent frames x patches
+    assert video.count(" / ") >= 10 and "OOM" not in video and "failed" not in video
     assert "all checks pass" in text

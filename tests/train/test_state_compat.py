@@ -17,10 +17,12 @@ from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, Checkpoi
 
 RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
 ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4"]
-ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format"}
+ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format",
+         "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
-what a resume does when the data changed; issue 23: which LoRA files a run writes)."""
+what a resume does when the data changed; issue 23: which LoRA files a run writes; issue 24: the
+frame options of video families)."""
 REMOVED = {"validation_steps"}
 
 
@@ -38,7 +40,8 @@ def test_a_state_of_the_last_release_resumes(tmp_path):
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
     # the steps trained by this run and where it resumed are new since that release (a resume with nothing left)
-    assert set(report["totals"]) == set(old["totals"]) | {"trained_steps", "resumed_at_step"}
+    # ... and the latent tokens per sample (issue 24)
+    assert set(report["totals"]) == set(old["totals"]) | {"trained_steps", "resumed_at_step", "tokens_per_sample"}
     assert (report["totals"]["trained_steps"], report["totals"]["resumed_at_step"]) == (1, 2)
     assert set(report["memory"]) == set(old["memory"])
 

@@ -8,6 +8,7 @@ the transformer is called.
 from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import cosmos_positions
 
@@ -72,6 +73,7 @@ COSMOS = register_family(
         latent_channels=16,
         limits=cosmos_positions,
         video_latents=True,
+        frames=WAN_VAE,
         notes=(
             "Cosmos Predict 2 (T5 text, 16-channel Wan 2.1 VAE) and Predict 2.5 (Qwen2.5-VL text through "
             "crossattn_proj, condition-mask channel zero); Cosmos 1.0 checkpoints use an EDM "

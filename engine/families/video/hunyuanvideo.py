@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import HUNYUAN_VIDEO
+from ..frames import HUNYUAN_VIDEO_VAE
 from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
@@ -68,6 +69,7 @@ HUNYUANVIDEO = register_family(
         latent_channels=16,
         comfy_latents=HUNYUAN_VIDEO,
         video_latents=True,
+        frames=HUNYUAN_VIDEO_VAE,
         notes=(
             "text = LLaVA-Llama hidden states (encoder_hidden_states + mask) and the CLIP pooled embedding",
             "guidance-distilled checkpoints (guidance_embeds): training passes guidance 1.0 as LoRA "

@@ -7,6 +7,7 @@ with ``pipelines/hunyuan_video1_5`` for how the transformer is called.
 from __future__ import annotations
 
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..frames import FrameRule
 from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
@@ -67,6 +68,7 @@ HUNYUANVIDEO15 = register_family(
         },
         latent_channels=32,
         video_latents=True,
+        frames=FrameRule(4, "AutoencoderKLHunyuanVideo15", source="AutoencoderKLHunyuanVideo15 temporal_compression_ratio 4"),
         notes=(
             "text = Qwen2.5-VL hidden states + mask; the ByT5 glyph stream and the SigLIP image stream "
             "are passed empty (zeros, all-false mask, one token each) as the text-to-video pipeline "

@@ -7,6 +7,7 @@ Source: ``diffusers/models/transformers/transformer_kandinsky.py`` and
 from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..frames import HUNYUAN_VIDEO_VAE
 from ..lazy import torch
 from ..position_tables import kandinsky5_rope
 from ..timesteps import scheduler_timesteps
@@ -86,6 +87,7 @@ KANDINSKY5 = register_family(
         latent_channels=16,
         limits=kandinsky5_rope,
         video_latents=True,
+        frames=HUNYUAN_VIDEO_VAE,
         lora_targets=("to_query", "to_key", "to_value", "self_attention.out_layer", "cross_attention.out_layer",
                       "text_modulation.out_layer", "visual_modulation.out_layer"),
         notes=(

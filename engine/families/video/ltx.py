@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import LTXV, TextEncoders
+from ..frames import LTX_VIDEO_VAE
 from ..lazy import torch
 from ..packing import pack_video, read_packed_video
 from ..timesteps import scheduler_timesteps
@@ -60,6 +61,7 @@ LTXVIDEO = register_family(
         comfy_latents=LTXV,
         text_encoders=TextEncoders("t5", max_length=128),
         video_latents=True,
+        frames=LTX_VIDEO_VAE,
         notes=(
             "attention offload unsupported for LTX-Video 0.9 (documents): no attention boundary declared",
             "text = T5 hidden states + mask; RoPE scaled as the pipeline does at 25 fps",

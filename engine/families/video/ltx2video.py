@@ -9,6 +9,7 @@ come back in the same layout; only the video prediction is read.
 from __future__ import annotations
 
 from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..frames import FrameRule
 from ..lazy import torch
 from ..packing import pack_video, read_packed_video
 from ..timesteps import scheduler_timesteps
@@ -94,6 +95,7 @@ LTX2VIDEO = register_family(
         },
         latent_channels=128,
         video_latents=True,
+        frames=FrameRule(8, "AutoencoderKLLTX2Video", source="AutoencoderKLLTX2Video temporal_compression_ratio 8"),
         lora_targets=_LTX2_VIDEO_LORA_TARGETS,
         notes=(
             "LoRA targets the attentions that write into the video stream (attn1, attn2, "

@@ -7,6 +7,7 @@ Source read: ``diffusers/models/transformers/transformer_sana_video.py`` (diffus
 from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
@@ -60,6 +61,7 @@ SANAVIDEO = register_family(
         latent_channels=16,
         limits=wan_rope,
         video_latents=True,
+        frames=WAN_VAE,
         notes=(
             "linear attention: attention offload unsupported (documents), no attention boundary declared",
             "latent_channels 16 is the Wan 2.1 VAE of Sana-Video 2B; checkpoints paired with the LTX-2 "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
@@ -48,6 +49,7 @@ WAN = register_family(
         comfy_latents=WAN21,
         text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,
+        frames=WAN_VAE,
         notes=(
             "latent_channels 16 is the Wan 2.1 VAE (Wan 2.2 TI2V-5B uses a 48-channel VAE)",
             "image-to-video variants (image_dim set) need encoder_hidden_states_image: not built here",

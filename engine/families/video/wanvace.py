@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
+from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
 from ..timesteps import scheduler_timesteps
@@ -73,6 +74,7 @@ WANVACE = register_family(
         comfy_latents=WAN21,
         text_encoders=TextEncoders("t5", max_length=512),  # UMT5-XXL
         video_latents=True,
+        frames=WAN_VAE,
         segmented=False,
         notes=(
             "per-block only: every VACE block's hint is consumed by the loop (a segment would pass its "
