@@ -20,6 +20,8 @@ def _frame_list(value: Any) -> Any:
     (``"5, 9, 13"``: the CLI and the node's text widget), sorted and unique; unset stays unset."""
     if value is None or isinstance(value, str) and value.strip().lower() in UNSET_WORDS:
         return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = " ".join(value)  # the CLI's words: --frame-buckets 5 9 or 5,9
     items = value.replace(",", " ").split() if isinstance(value, str) else value
     try:
         counts = [int(v) if isinstance(v, str) else v for v in items]

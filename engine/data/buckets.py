@@ -36,19 +36,21 @@ PREFIX = "latents."
 
 @dataclass(frozen=True)
 class Bucket:
-    """A training image size in pixels.
+    """A training size: pixels, and pixel frames for clips.
 
     Attributes:
         width, height: pixels, multiples of the model's pixel multiple (:func:`pixel_multiple`).
+        frames: pixel frames (1: an image; a clip's frame bucket, ``engine/data/windows.py``).
     """
 
     width: int
     height: int
+    frames: int = 1
 
     @property
     def key(self) -> str:
-        """``"<width>x<height>"``, e.g. ``"768x1344"``."""
-        return f"{self.width}x{self.height}"
+        """``"<width>x<height>"``, e.g. ``"768x1344"``; a clip's ``"<width>x<height>x<frames>"`` (``"480x832x33"``)."""
+        return f"{self.width}x{self.height}" if self.frames == 1 else f"{self.width}x{self.height}x{self.frames}"
 
     def latent_hw(self, downscale: int) -> tuple[int, int]:
         """Latent ``(h, w)`` of this bucket under a VAE of ``downscale`` pixels per latent cell."""
@@ -155,21 +157,24 @@ def bucket_summary(chosen: list[Bucket], epoch: list[int], downscale: int, patch
         patch: latent cells per token side (:func:`token_patch`).
 
     Returns:
-        ``[{"bucket": "WxH", "width", "height", "images", "images_per_epoch", "image_tokens"}]``;
-        ``image_tokens`` is the transformer's image sequence length, latent ``h * w / patch ** 2``.
+        ``[{"bucket": "WxH", "width", "height", "images", "images_per_epoch", "image_tokens"}]``
+        (and ``"frames"`` for a clip's bucket ``WxHxF``); ``image_tokens`` is the transformer's
+        sequence length per latent frame, latent ``h * w / patch ** 2``.
     """
     images, per_epoch = Counter(chosen), Counter(chosen[i] for i in epoch)
     rows = []
     for bucket in images:
         h, w = bucket.latent_hw(downscale)
-        rows.append({"bucket": bucket.key, "width": bucket.width, "height": bucket.height, "images": images[bucket],
-                     "images_per_epoch": per_epoch[bucket], "image_tokens": h * w // (patch * patch)})
-    return sorted(rows, key=lambda r: (-r["image_tokens"], -r["height"], -r["width"]))
+        row = {"bucket": bucket.key, "width": bucket.width, "height": bucket.height, "images": images[bucket],
+               "images_per_epoch": per_epoch[bucket], "image_tokens": h * w // (patch * patch)}
+        rows.append(row if bucket.frames == 1 else {**row, "frames": bucket.frames})
+    return sorted(rows, key=lambda r: (-r["image_tokens"] * r.get("frames", 1), -r["height"], -r["width"]))
 
 
 def describe_buckets(summary: list[dict[str, Any]]) -> str:
     """One log line: ``buckets: 80x48 (3 images, 15 tokens), 64x64 (2 images, 16 tokens)``."""
-    return "buckets: " + ", ".join(f"{r['bucket']} ({r['images']} images, {r['image_tokens']} tokens)"
+    return "buckets: " + ", ".join(f"{r['bucket']} ({r['images']} {'clips' if r.get('frames') else 'images'}, "
+                                   f"{r['image_tokens']} tokens{' per latent frame' if r.get('frames') else ''})"
                                    for r in summary)
 
 
@@ -199,9 +204,10 @@ def stack_latents(latents: list[torch.Tensor], keys: list[str]) -> dict[str, tor
     return cache
 
 
-def _size(name: str) -> tuple[int, int]:
-    width, height = name.split("x")
-    return int(width), int(height)
+def _size(name: str) -> tuple[int, ...]:
+    """``(width, height)`` or ``(width, height, frames)`` of a bucket key (frames 1 sorts first)."""
+    parts = [int(p) for p in name.split("x")]
+    return (*parts, 1) if len(parts) == 2 else tuple(parts)
 
 
 def _bucket_keys(cache: Mapping[str, torch.Tensor]) -> list[str]:

@@ -18,6 +18,7 @@ from ..files.atomic import atomic_save_file
 from .buckets import Bucket, make_buckets, nearest_bucket, stack_latents
 from .folder import DataWarning, Sample
 from .images import image_size, load_image
+from .video import load_clip
 
 
 def assign_buckets(samples: list[Sample], resolution: int, multiple: int,
@@ -72,10 +73,11 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> t
 
 
 def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, extra: str,
-               buckets: list[Bucket] | None) -> str:
+               buckets: list[Bucket] | None, windows: list[list[int] | None] | None = None) -> str:
     """A stable function of what the cache depends on: the files (name, size, mtime), captions,
-    resolution, each sample's bucket (when bucketing), the VAE's class and public config, and
-    ``extra``. diffusers' private config entries (``_use_default_values`` is a list built from a
+    resolution, each sample's bucket (when bucketing; a clip's carries its frame count), each
+    clip's source frame indices (what ``frame_rate``, ``frame_sampling`` and the counts decode),
+    the VAE's class and public config, and ``extra``. diffusers' private config entries (``_use_default_values`` is a list built from a
     set, so its order follows ``PYTHONHASHSEED``) are left out."""
     h = hashlib.sha256()
     for s in samples:
@@ -83,6 +85,8 @@ def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, ext
         h.update(f"{s.image.parent.name}/{s.image.name}|{st.st_size}|{st.st_mtime_ns}|{s.caption}\n".encode())
     if buckets is not None:  # not hashed without buckets: the caches of earlier runs stay valid
         h.update(("buckets:" + ",".join(b.key for b in buckets) + "\n").encode())
+    if windows is not None and any(w is not None for w in windows):
+        h.update(("windows:" + ";".join("-" if w is None else ",".join(map(str, w)) for w in windows) + "\n").encode())
     public = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
     h.update(f"{resolution}|{type(vae).__name__}|{json.dumps(public, sort_keys=True, default=str)}|{extra}".encode())
     return h.hexdigest()[:16]
@@ -90,7 +94,8 @@ def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, ext
 
 def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, encode_text,
                   video: bool, cache_dir: str | Path | None, extra: str = "",
-                  buckets: list[Bucket] | None = None) -> dict[str, torch.Tensor]:
+                  buckets: list[Bucket] | None = None,
+                  windows: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """Latents and text embeddings of every sample, from the disk cache or freshly encoded.
 
     Returns a dict of stacked tensors: ``latents (N, C, ...)``, ``text_seq (N, L, D)``,
@@ -98,13 +103,16 @@ def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, 
     With ``buckets`` (each sample's, :func:`assign_buckets`) the images are cropped to their
     bucket instead of the ``resolution`` square, and samples of several shapes store their latents
     per bucket (:func:`~.buckets.stack_latents`; read them with :func:`~.buckets.latents_for`).
+    ``windows`` gives each clip's source frame indices (None for an image;
+    ``engine/data/windows.py``): the clip's frames ``(1, 3, F, H, W)`` are encoded to
+    ``(1, C, F', H', W')``.
 
     Raises:
-        DatasetError: an image cannot be read.
+        DatasetError: an image or clip cannot be read.
     """
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra, buckets)}.safetensors"
+        path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra, buckets, windows)}.safetensors"
         if path.is_file():
             try:
                 return load_file(str(path))
@@ -112,7 +120,8 @@ def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, 
                 warnings.warn(f"the latent cache {path.name} is damaged ({exc}): encoding the data again",
                               DataWarning, stacklevel=2)
     sizes = [resolution] * len(samples) if buckets is None else [(b.width, b.height) for b in buckets]
-    latents = [encode_latents(vae, load_image(s.image, size)[None], video).float() for s, size in zip(samples, sizes)]
+    windows = windows or [None] * len(samples)
+    latents = [encode_latents(vae, _pixels(s, size, w), video).float() for s, size, w in zip(samples, sizes, windows)]
     text: TextBatch = encode_text([s.caption for s in samples])
     stacked = {"latents": torch.cat(latents)} if buckets is None else stack_latents(latents, [b.key for b in buckets])
     cache = {**stacked, "text_seq": text.seq.float(), "text_mask": text.mask}
@@ -121,3 +130,10 @@ def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, 
     if path is not None:
         atomic_save_file({k: v.contiguous() for k, v in cache.items()}, path)
     return cache
+
+
+def _pixels(sample: Sample, size: int | tuple[int, int], window: list[int] | None) -> torch.Tensor:
+    """An image ``(1, 3, H, W)``, or a clip's ``window`` frames ``(1, 3, F, H, W)``, in [-1, 1]."""
+    if window is None:
+        return load_image(sample.image, size)[None]
+    return load_clip(sample.image, window, (size, size) if isinstance(size, int) else size)[None]

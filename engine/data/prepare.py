@@ -26,11 +26,12 @@ from .buckets import (
     token_patch,
     vae_downscale,
 )
-from .cache import assign_buckets, prepare_cache
+from .cache import assign_buckets, encode_latents, prepare_cache
 from .checks import check_dataset, relative_name, screen_sizes, warn_lossy
 from .comfy_data import ComfyDataError, PreparedData
 from .folder import DatasetScan, DataWarning, write_sample_dataset
 from .samplers import BucketSampler, EpochSampler, bucket_groups
+from .windows import RandomWindows, choose_frames, first_window, frames_summary
 
 
 @dataclass
@@ -51,6 +52,8 @@ class RunData:
     summary: dict[str, Any]
     text_encoder: dict[str, Any]
     dataset: DatasetScan | None = None
+    random_windows: RandomWindows | None = None
+    """``frame_sampling=random``: draws and encodes the clips' windows per batch (``engine/data/windows.py``)."""
 
 
 def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: ModelBundle,
@@ -92,6 +95,7 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
                              "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
     data_dir = data.folder or write_sample_dataset(output / "sample_data")
     dataset = check_dataset(data_dir)  # the run's constructor checked it already: the images' check is cached
+    dataset, frames = choose_frames(dataset, data, bundle.family)  # clips too short (or of an image family) skipped
     buckets = left_out = None
     if data.buckets:
         multiple = pixel_multiple(bundle.family, bundle.transformer.config, bundle.vae)
@@ -101,22 +105,35 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
                else [(b.width, b.height) for b in buckets])
     dataset, kept = screen_sizes(dataset, targets)
     dataset = _count_truncated(dataset, bundle)
-    samples, epoch = dataset.samples, dataset.epoch
+    samples, epoch, frames = dataset.samples, dataset.epoch, [frames[i] for i in kept]
     summary = dataset.summary()
     if buckets is not None:
         buckets = [buckets[i] for i in kept]
+    clips = any(s.clip for s in samples)
+    if clips or data.video:  # a frame bucket per sample: a batch never mixes frame counts
+        squares = [Bucket(data.resolution, data.resolution)] * len(samples)
+        buckets = [replace(b, frames=f) for b, f in zip(buckets or squares, frames)]
+        summary["frames"] = frames_summary(samples, frames, epoch, data)
+    if data.buckets:
         summary["buckets"] = _bucket_summary(buckets, multiple, bundle, dataset, log, left_out)
         if left_out:
             summary["buckets_left_out"] = left_out
     if announce:
         warn_lossy(dataset.lossy)
-    cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text,
-                          bundle.family.video_latents, cache_dir, extra=_cache_identity(model, seed, bundle),
-                          buckets=buckets)
+    windows = [first_window(s, f, data) for s, f in zip(samples, frames)] if clips else None
+    video = bundle.family.video_latents
+    cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text, video, cache_dir,
+                          extra=_cache_identity(model, seed, bundle), buckets=buckets, windows=windows)
     shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
-    log(f"data: {len(samples)} images ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
+    what = f"{len(samples)} images" if not clips else f"{len(samples)} samples ({sum(s.clip for s in samples)} clips)"
+    log(f"data: {what} ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
         f"latents {shapes}{_skipped_text(dataset)}{_lossy_text(summary)}")
-    return RunData(cache, epoch, summary, text_encoder, dataset)
+    random = None
+    if clips and data.frame_sampling == "random":
+        vae = bundle.vae
+        random = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
+                               seed, data.frame_rate)
+    return RunData(cache, epoch, summary, text_encoder, dataset, random)
 
 
 def _bucket_candidates(resolution: int, bundle: ModelBundle, multiple: int

@@ -17,6 +17,7 @@ buckets.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,10 +173,12 @@ def frame_indices(info: ClipInfo, count: int, frame_rate: float | None, sampling
 
 def random_start(seed: int, epoch: int, position: int, info: ClipInfo, count: int, frame_rate: float | None) -> int:
     """The first resampled frame of a ``random`` window: uniform over the clip's possible starts,
-    drawn from a generator seeded by (run seed, epoch, epoch position), so a resumed run draws the
-    windows an uninterrupted run draws."""
+    drawn from a generator seeded by the run seed plus a hash of (epoch, epoch position) (a stream
+    apart from the sampler's ``seed + epoch``), so a resumed run draws the windows an uninterrupted
+    run draws."""
     starts = available_frames(info, frame_rate) - count + 1
-    generator = torch.Generator().manual_seed(derived_seed(seed, "frames", epoch, position))
+    offset = int.from_bytes(hashlib.sha256(f"frames|{epoch}|{position}".encode()).digest()[:8], "little")
+    generator = torch.Generator().manual_seed(derived_seed(seed, offset))
     return int(torch.randint(starts, (1,), generator=generator))
 
 

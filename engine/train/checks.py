@@ -13,6 +13,8 @@ from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.limits import check_resolution
+from ..data.windows import check_clip_frames
+from ..families import get_family
 from ..families.comfyui import LAYOUT_MODULES
 from ..files.checks import safetensors_header
 from ..model.bundle import ModelBundle
@@ -102,6 +104,8 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
     check_lora_format(config, bundle)
     if not prepared:
         check_resolution(config, bundle)
+        family = bundle.family if bundle is not None else get_family(config.model.family)
+        check_clip_frames(check_dataset(config.data.folder), config.data, family)  # every clip too short: refused
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,
           "auto or cpu (CUDA is not available here)")
     check_output(config)

@@ -130,7 +130,7 @@ class TrainingRun:
         self.history: list[dict[str, Any]] = []
         self.switches: list[dict[str, Any]] = []
         self.result: TrainResult | None = None
-        self.files, self.dataset = RunFiles(self.output, self.writer), None
+        self.files, self.dataset, self.random_windows = RunFiles(self.output, self.writer), None, None
         self._stop, self._started, self._done = False, False, None
         self.files.inputs = input_fingerprint(config, prepared)
         self.data_change = self._check_inputs() if config.outputs.resume else None
@@ -291,7 +291,8 @@ class TrainingRun:
             opt.noise_gen, device, self.precision, self.kernels,
             PeakMemory(device, exclude=trainable.runner.pool.is_host if trainable.runner.pool else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
-            [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist)
+            [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist,
+            random_windows=self.random_windows)
         if config.validation.validation_every:
             caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
             self.preview_source = preview_source_for(config, self.bundle, sample_latent_shape(cache), device,
@@ -313,6 +314,7 @@ class TrainingRun:
         data = prepare_run_data(config.data, config.model, config.seed, self.bundle, self.prepared, self.cache_dir,
                                 self.output, self.log, self.announce)
         self.data_summary, self.text_encoder, self.dataset = data.summary, data.text_encoder, data.dataset
+        self.random_windows = data.random_windows
         return data.cache, data.epoch
 
     def _after_step(self, step: int) -> bool:
@@ -345,7 +347,7 @@ class TrainingRun:
                                   "quantized_linear_layers": self.base.quantized_linear_layers},
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
-                    "dataset": self.data_summary, "text_encoder": self.text_encoder,
+                    "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
                     "resume": self.data_change and {"data_changed": self.data_change["changes"],
                                                     "from_step": self.data_change["step"],
                                                     "fresh_epoch": self.data_change["fresh_epoch"]},
@@ -383,3 +385,10 @@ def train(config: TrainConfig, *, on_step: Callable[[StepRecord, int], None] | N
 
 def _quiet(line: str) -> None:
     """The log of ranks other than 0 of a sharded run."""
+
+
+def _with_windows(summary: dict[str, Any], windows: Any) -> dict[str, Any]:
+    """The data summary with the random windows encoded when drawn (``dataset.frames.windows_encoded``)."""
+    if windows is None or "frames" not in summary:
+        return summary
+    return {**summary, "frames": {**summary["frames"], "windows_encoded": windows.encoded}}

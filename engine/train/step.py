@@ -21,6 +21,7 @@ from ..core.memory import PeakMemory, StepTimer
 from ..core.runner import RecomputeMismatch, SegmentRunner
 from ..data.buckets import latents_for
 from ..data.samplers import BucketSampler, EpochSampler
+from ..data.windows import RandomWindows
 from ..families import FamilyAdapter, TextBatch
 from ..model.attention_kernels import sdpa_context
 from ..model.distributed import Distributed
@@ -118,6 +119,8 @@ class StepContext:
     """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
     dist: Distributed | None = None
     """The process group of a sharded run (FSDP): each rank trains its rows of every batch."""
+    random_windows: RandomWindows | None = None
+    """``frame_sampling=random``: the clips' windows drawn and encoded per batch, before the measured region."""
     lr_factor: Callable[[int], float] = field(init=False)
     """The learning-rate multiplier of each step (:func:`~.optim.lr_factor`)."""
 
@@ -149,15 +152,15 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         runner.offloader.stats.reset()
     if runner.streamer:
         runner.streamer.stats.reset()
+    # the micro-batches' rows and latents (random clip windows are decoded and encoded here, unmeasured)
+    batches = [_draw(ctx) for _ in range(config.optimizer.gradient_accumulation_steps)]
     with ctx.memory.measure() as reading, ctx.timer.step():
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
-            for _ in range(config.optimizer.gradient_accumulation_steps):
-                index = [ctx.epoch[i] for i in ctx.sampler.next_batch()]
-                noisy, sigmas, target = noisy_latents(family.objective, latents_for(ctx.cache, index),
-                                                     ctx.noise_gen, family.shared_sigma)
+            for index, latents in batches:
+                noisy, sigmas, target = noisy_latents(family.objective, latents, ctx.noise_gen, family.shared_sigma)
                 if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
                     rows = ctx.dist.local_rows(len(index))
                     index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
@@ -209,6 +212,16 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
                       reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak)
+
+
+def _draw(ctx: StepContext) -> tuple[list[int], torch.Tensor]:
+    """The next micro-batch: its cache rows and latents ``(B, C, ...)`` (random windows drawn)."""
+    positions = ctx.sampler.next_batch()
+    rows = [ctx.epoch[i] for i in positions]
+    latents = latents_for(ctx.cache, rows)
+    if ctx.random_windows is not None:
+        latents = ctx.random_windows.latents(latents, rows, positions, ctx.sampler.epoch)
+    return rows, latents
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
