@@ -32,6 +32,7 @@ from .config import (
     read_config_file,
 )
 from .config.backends import BACKENDS
+from .config.data import FRAME_KEYS
 from .config.options import Option
 from .config.schedule import check_supported
 from .config.table import options_table
@@ -50,6 +51,7 @@ _ON_FIRST_USE = {
     ".core.plan_query": ("PlanQueryError", "plan_for_query"),
     ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
+    ".data.comfy_frames": ("batch_encoder", "prepare_image_batch", "image_batch_multiple"),
     ".data.folder": ("write_sample_dataset",),
     ".data.limits": ("check_frames", "check_resolution"),
     ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
@@ -96,6 +98,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "FRAME_KEYS",
     "HostBudgetError", "host_budget", "OutputWriteError", "check_writable", "FolderInUseError",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
@@ -103,7 +106,7 @@ __all__ = [
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
     "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
-    "plan_for_query", "prepare_comfy_data", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
+    "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
     "write_sample_dataset", "write_sweep",
 ]

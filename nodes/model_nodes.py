@@ -66,10 +66,12 @@ class LoadDiffusionModel:
 
 
 class ImageCaptionDataset:
-    """A folder of images with same-name ``.txt`` captions under ComfyUI's input folder."""
+    """A folder of images and clips (video files, animated GIF / WebP) with same-name ``.txt``
+    captions under ComfyUI's input folder, and the frame options of the video families."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (DATASET,), ("dataset",)
-    OPTIONS = NodeOptions({"resolution": "resolution", "buckets": "buckets"})
+    OPTIONS = NodeOptions({name: name for name in ("resolution", "buckets") + api.FRAME_KEYS},
+                          zero_unset=("frame_rate", "min_frames"))
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -78,7 +80,9 @@ class ImageCaptionDataset:
                                      "shipped with scikit-image.", default=BUILTIN_DATA)),
             "resolution": widget("resolution"),
             "buckets": widget("buckets"),
-        }}
+        }, "optional": {name: widget(name, zero_unset=name in cls.OPTIONS.zero_unset,
+                                     extra=" 0 = unset." if name in cls.OPTIONS.zero_unset else "")
+                        for name in api.FRAME_KEYS}}
 
     @classmethod
     def VALIDATE_INPUTS(cls, folder, **inputs):
@@ -95,13 +99,13 @@ class ImageCaptionDataset:
         return True
 
     @public_errors
-    def build(self, folder, resolution, buckets=False):
+    def build(self, folder, resolution, buckets=False, **frames):
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
             path = str(api.write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
         else:
             path = str(contained(host.input_dir, folder, "folder"))
-        return (api.DataConfig(folder=path, resolution=resolution, buckets=buckets),)
+        return (self.OPTIONS.config({"resolution": resolution, "buckets": buckets, **frames}, data=path).data,)
 
 
 class LoRAConfig:

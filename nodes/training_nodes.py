@@ -50,23 +50,27 @@ OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_s
 messages.register({"run_name": "output"})  # the node's run_name makes the engine's output folder
 
 
-def data_source(dataset: bool, latent: bool, conditioning: bool) -> str:
-    """Which data Train LoRA trains on: ``dataset`` or ``latent`` (with conditioning).
+def data_source(dataset: bool, latent: bool, conditioning: bool, images: bool = False) -> str:
+    """Which data Train LoRA trains on: ``dataset``, ``latent`` (with conditioning) or ``images``
+    (an IMAGE batch with its caption).
 
     Raises:
-        ValueError: both sources, neither, or latent without conditioning (or the reverse),
+        ValueError: several sources, none, or latent without conditioning (or the reverse),
             naming the node's inputs.
     """
-    if dataset and (latent or conditioning):
-        raise ValueError("Train LoRA takes one data source: dataset, or latent + conditioning; both are "
-                         "connected: disconnect one")
+    if sum((dataset, latent or conditioning, images)) > 1:
+        given = [name for name, on in (("dataset", dataset), ("latent + conditioning", latent or conditioning),
+                                       ("images", images)) if on]
+        raise ValueError(f"Train LoRA takes one data source: dataset, latent + conditioning, or images (+ caption); "
+                         f"{' and '.join(given)} are connected: disconnect all but one")
     if latent != conditioning:
         have, need = ("latent", "conditioning") if latent else ("conditioning", "latent")
         raise ValueError(f"Train LoRA input {have} is connected without {need}: connect {need} too (or use dataset)")
-    if not (dataset or latent):
-        raise ValueError("Train LoRA has no data: connect dataset (Image+Caption Dataset), or latent (VAE Encode) "
-                         "and conditioning (CLIP Text Encode)")
-    return "dataset" if dataset else "latent"
+    if not (dataset or latent or images):
+        raise ValueError("Train LoRA has no data: connect dataset (Image+Caption Dataset), latent (VAE Encode) "
+                         "and conditioning (CLIP Text Encode), or images (Load Video -> Get Video Components, "
+                         "Load Image) with a caption")
+    return "dataset" if dataset else "latent" if latent else "images"
 
 
 def run_folder(run_name: str, resume: bool) -> Path:
@@ -112,7 +116,8 @@ def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, sch
         contained(current_host().output_dir / "segckpt", inputs["run_name"], "run_name")
     if isinstance(inputs.get("dataset"), api.DataConfig):
         data = inputs["dataset"]
-        components |= {"data": data.folder, "resolution": data.resolution, "buckets": data.buckets}
+        components |= {"data": data.folder, "resolution": data.resolution, "buckets": data.buckets,
+                       **{key: getattr(data, key) for key in api.FRAME_KEYS}}
     if model is not None:
         components |= {"family": model.family.name, "base_model_precision": model.base_precision or "auto"}
     if schedule is not None:
@@ -150,6 +155,12 @@ class TrainLoRA:
                     "With latent: from CLIP Text Encode, one conditioning for all images, or one entry per image "
                     "in the latents' order (as ComfyUI's own Train LoRA). Families without a ComfyUI latent "
                     "mapping are refused when the run starts.")),
+                "images": ("IMAGE", tip(
+                    "Instead of dataset: a clip's frames (Load Video -> Get Video Components, Video Helper Suite) "
+                    "for a video family, trained as one clip of the most frames its rule allows (Wan: 4k+1); or "
+                    "images for an image family. Trained at their own size, cropped to the model's pixel multiple; "
+                    "encoded with the vae input, else the model's own VAE.")),
+                "caption": ("STRING", tip("With images: their caption.", default="", multiline=True)),
                 "offload": (OFFLOAD, tip("Optional: overrides the schedule's backend and offload keys.")),
                 "weight_offload": (WEIGHT_OFFLOAD, tip(
                     "Optional, from Weight Offload Options: the blocks' frozen weights stay in host memory and "
@@ -177,7 +188,7 @@ class TrainLoRA:
         # ComfyUI lists a returned message once per input.
         try:
             run_config({k: v for k, v in inputs.items() if v is not None}, find_run=False)
-            data_source("dataset" in inputs, "latent" in inputs, "conditioning" in inputs)
+            data_source("dataset" in inputs, "latent" in inputs, "conditioning" in inputs, "images" in inputs)
         except (PathError, ValueError) as exc:
             raise node_error(exc) from None
         return True
@@ -203,11 +214,17 @@ class TrainLoRA:
         if schedule.family != model.family.name:
             raise ValueError(f"schedule is for family {schedule.family!r} but the model is {model.family.name!r}: "
                              "set the Gradient Checkpointing Schedule node's family to the model's")
-        comfy_data = data_source(inputs.get("dataset") is not None, inputs.get("latent") is not None,
-                                 inputs.get("conditioning") is not None) == "latent"
+        source = data_source(inputs.get("dataset") is not None, inputs.get("latent") is not None,
+                             inputs.get("conditioning") is not None, inputs.get("images") is not None)
         config = run_config(inputs, model, schedule)
         prepared = previews = None
-        if comfy_data:  # the engine maps them (a family without a ComfyUI latent mapping stops here)
+        if source == "images":  # encoded here, by the graph's VAE when connected, else the model's
+            with torch.inference_mode(False):
+                encode = api.batch_encoder(model.family, model.vae, inputs.get("vae"))
+                multiple = api.image_batch_multiple(model.family, model.transformer.config, model.vae, inputs.get("vae"))
+                prepared = api.prepare_image_batch(model.family, inputs["images"], inputs.get("caption") or "",
+                                                   config.data, encode, model.encode_text, multiple)
+        if source == "latent":  # the engine maps them (a family without a ComfyUI latent mapping stops here)
             prepared = api.prepare_comfy_data(model.family, model.family.text(model.transformer.config),
                                               inputs["latent"], inputs["conditioning"])
             if config.validation.validation_every and inputs.get("vae") is not None:

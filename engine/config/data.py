@@ -4,7 +4,6 @@ the batch (read by ``engine/data/``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 from .options import UNSET_WORDS, ConfigError, check_options, option
@@ -13,6 +12,8 @@ MAX_RESOLUTION = 8192
 MAX_BATCH = 1024
 MAX_FRAMES = 1024
 FRAME_SAMPLING = ("first", "uniform", "random")
+FRAME_KEYS = ("num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames")
+"""The frame options of a data source (the Dataset node's frame widgets)."""
 
 
 def _frame_list(value: Any) -> Any:
@@ -68,7 +69,8 @@ class DataConfig:
                                                    "diffusion-pipe frame buckets); a batch never mixes counts.",
                                                    "--frame-buckets", parse=_frame_list)
     min_frames: int | None = option(None, "Clips with fewer frames (at frame_rate) are skipped and counted; unset: "
-                                    "the smallest training count. Never padded.", "--min-frames", min=1,
+                                    "the smallest training count. May exceed it (only clips this long train, at the largest count they hold). "
+                                    "Never padded.", "--min-frames", min=1,
                                     max=MAX_FRAMES)
     batch_size: int = option(1, "Images per micro-batch on each process (with fsdp on N processes the global batch "
                              "is batch_size x N, as SimpleTuner's train_batch_size, accelerate and kohya count it).",
@@ -80,10 +82,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        if self.min_frames is not None and self.min_frames > max(self.frame_counts):
-            raise ConfigError(f"min_frames={self.min_frames} is invalid with the largest frame count "
-                              f"{max(self.frame_counts)}: allowed at most {max(self.frame_counts)} (a clip that "
-                              "long trains at that count), or unset")
         if self.global_batch_size is not None and self.batch_size != 1:
             raise ConfigError(f"global_batch_size={self.global_batch_size!r} is invalid with batch_size="
                               f"{self.batch_size!r}: allowed unset when batch_size is set (give one of them: "

@@ -60,7 +60,7 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, video: bool) -> t
     shape = (1, -1) + (1,) * (z.ndim - 2)
     if getattr(cfg, "latents_mean", None) is not None:
         z = (z - torch.tensor(cfg.latents_mean).view(shape)) / torch.tensor(cfg.latents_std).view(shape)
-    elif isinstance(getattr(vae, "latents_mean", None), torch.Tensor):
+    elif isinstance(dict(vae.named_buffers(recurse=False)).get("latents_mean"), torch.Tensor):
         scale = getattr(cfg, "scaling_factor", None) or 1.0
         z = (z - vae.latents_mean.view(shape).to(z)) * scale / vae.latents_std.view(shape).to(z)
     else:

@@ -29,13 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..files.text import TextFileError, read_text
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-CLIP_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+"""Video containers decoded with PyAV."""
+ANIMATED_SUFFIXES = (".gif", ".webp")
+"""Files that are clips when animated (more than one frame), else images (Pillow)."""
+CLIP_SUFFIXES = VIDEO_SUFFIXES + (".gif",)
 """Clips (``engine/data/video.py``); an animated ``.webp`` is a clip too, a still ``.gif`` an image."""
 SAMPLE_PHOTOS = {
     "astronaut": "a portrait photo of an astronaut in a white spacesuit in front of the flag",
@@ -189,9 +193,18 @@ def _sources(root: Path, skipped: dict[str, int], ignored: list[str],
 
 
 def is_clip_file(path: Path) -> bool:
-    """:func:`.video.is_clip_file` (imported here: ``video`` imports this module)."""
-    from .video import is_clip_file as check
-    return check(path)
+    """Whether ``path`` is a clip: a video container, or a GIF / WebP with more than one frame
+    (read from its header)."""
+    suffix = path.suffix.lower()
+    if suffix in VIDEO_SUFFIXES:
+        return True
+    if suffix not in ANIMATED_SUFFIXES:
+        return False
+    try:
+        with Image.open(path) as image:
+            return getattr(image, "n_frames", 1) > 1
+    except (UnidentifiedImageError, OSError, ValueError):
+        return suffix == ".gif"  # a damaged GIF is named by the clip check
 
 
 def scan_dataset(folder: str | Path) -> DatasetScan:

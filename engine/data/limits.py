@@ -23,7 +23,7 @@ import diffusers
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..families import FamilyAdapter, get_family
+from ..families import FamilyAdapter, family_names, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae
 from ..model.folders import transformer_folder, vae_folder
@@ -151,7 +151,6 @@ def check_frame_count(family: FamilyAdapter, key: str, frames: int, most: int | 
     rule = family.frames
     if rule is None:
         if frames != 1:
-            from ..families import family_names, get_family
             video = ", ".join(n for n in family_names() if get_family(n).frames is not None)
             raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed 1 ({family.name} is an image "
                               f"family; the video families take clips: {video})")

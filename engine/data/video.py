@@ -24,16 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, ImageSequence, UnidentifiedImageError
+from PIL import Image, ImageOps, ImageSequence
 
 from ..config import derived_seed
-from .folder import DatasetError
+from .folder import ANIMATED_SUFFIXES, DatasetError
 from .images import to_rgb
 
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
-"""Video containers decoded with PyAV."""
-ANIMATED_SUFFIXES = (".gif", ".webp")
-"""Files that are clips when animated (more than one frame), else images (Pillow)."""
 DEFAULT_FPS = 16.0
 """Frame rate of an animated image that states no frame duration (Wan's training rate)."""
 
@@ -53,21 +49,6 @@ class ClipInfo:
     fps: float
     width: int
     height: int
-
-
-def is_clip_file(path: Path) -> bool:
-    """Whether ``path`` is a clip: a video container, or a GIF / WebP with more than one frame
-    (read from its header)."""
-    suffix = path.suffix.lower()
-    if suffix in VIDEO_SUFFIXES:
-        return True
-    if suffix not in ANIMATED_SUFFIXES:
-        return False
-    try:
-        with Image.open(path) as image:
-            return getattr(image, "n_frames", 1) > 1
-    except (UnidentifiedImageError, OSError, ValueError):
-        return suffix == ".gif"  # a damaged GIF is named by the clip check
 
 
 def probe_clip(path: Path) -> ClipInfo:
@@ -119,9 +100,14 @@ def _decode_video(path: Path, keep: set[int] | None) -> list[tuple[Image.Image, 
         stream = container.streams.video[0]
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         fps = float(rate) if rate else DEFAULT_FPS
+        stated, decoded = stream.frames, 0
         for i, frame in enumerate(container.decode(stream)):
+            decoded += 1
             if keep is None or i in keep:
                 found.append((frame.to_image().convert("RGB"), fps))
+    if keep is None and stated and decoded < stated:  # cut after its header (a "faststart" mp4): truncated
+        raise DatasetError(f"clip {str(path)!r} is truncated: {decoded} of the {stated} frames its header states "
+                           "could be decoded")
     return found
 
 

@@ -101,13 +101,10 @@ class FamilyAdapter:
         patch: latent cells per image-token side where the model config's ``patch_size`` does not
             say it (families whose ``make_inputs`` packs the latents itself: Flux's 2x2 is 2);
             ``None``: the config's spatial ``patch_size``, else 1.
-        latent_multiple: what each latent side must be a multiple of where more than ``patch``
-            (Qwen-Image 2.1's 2x2 image slots); ``None``: the patch.
-        aspect_buckets: the latents are an image grid, so aspect-ratio buckets apply (``False``:
-            ``buckets`` is refused, e.g. a 1-D audio sequence).
-        limits: the model's size bounds from its config (``engine/families/limits.py``); ``None``: none.
-        frames: a video family's frame rule (``engine/families/frames.py``: its VAE takes
-            ``temporal * k + 1`` pixel frames); ``None``: an image family, one frame per sample.
+        latent_multiple: each latent side's multiple where more than ``patch`` (Qwen-Image 2.1's 2x2).
+        aspect_buckets: aspect-ratio buckets apply (``False``: refused, e.g. a 1-D audio sequence).
+        limits, frames: the model's size bounds (``engine/families/limits.py``) and a video family's
+            frame rule (``engine/families/frames.py``); ``None``: none, one frame.
     """
 
     name: str

@@ -1,16 +1,10 @@
 """A video family's frame rule: how many pixel frames its VAE takes, and the tiny preset's video VAE.
 
 A causal video VAE keeps the first frame and compresses every ``temporal`` frames after it into one
-latent frame, so it takes ``temporal * k + 1`` pixel frames and gives ``k + 1`` latent frames
-(diffusers' pipelines: ``num_frames`` of Wan and HunyuanVideo "must be 4k+1", LTX-Video's 8k+1:
-``pipeline_wan.py`` ``check_inputs`` rounds to ``num_frames // vae_scale_factor_temporal *
-vae_scale_factor_temporal + 1``; ``pipeline_ltx.py`` computes
-``(num_frames - 1) // vae_temporal_compression_ratio + 1`` latent frames). An image is the
-``k = 0`` case: one frame. The most frames are the model's limit on latent frames
-(``engine/families/limits.py``), converted back.
-
-A family declares :class:`FrameRule` (``FamilyAdapter.frames``); image families declare none and
-take one frame.
+latent frame: ``temporal * k + 1`` pixel frames give ``k + 1`` latent frames (diffusers'
+``pipeline_wan.py`` ``check_inputs``: Wan and HunyuanVideo "4k+1"; ``pipeline_ltx.py``: 8k+1). An
+image is ``k = 0``. The most frames: the model's latent-frame limit (``engine/families/limits.py``).
+Image families declare no :class:`FrameRule` (``FamilyAdapter.frames``) and take one frame.
 """
 
 from __future__ import annotations

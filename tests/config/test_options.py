@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PINNED = (
     "family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "init_lora", "device",
     "mixed_precision", "base_model_precision", "attention_backend",
-    "data", "resolution", "buckets", "batch_size", "global_batch_size",
+    "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
+    "batch_size", "global_batch_size",
     "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
@@ -33,7 +34,7 @@ PINNED = (
     "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
     "output", "resume", "overwrite", "on_data_change", "lora_format", "save_every",
     "fsdp", "fsdp_activation_checkpointing",
-    "validation_every", "validation_prompts", "validation_num_inference_steps",
+    "validation_every", "validation_prompts", "validation_num_inference_steps", "validation_frames",
     "steps", "seed", "timing_warmup_steps",
 )
 """Every option of a run, in the order of the config tree: adding one is a deliberate edit here."""

@@ -32,7 +32,7 @@ from segmented_checkpointing.engine.data.folder import scan_folder
 from segmented_checkpointing.engine.data.images import image_size, load_image
 from segmented_checkpointing.engine.data.samplers import BucketSampler
 from segmented_checkpointing.engine.families import family_names, get_family
-from segmented_checkpointing.engine.model.bundle import build_preset
+from segmented_checkpointing.engine.model.bundle import build_preset, tiny_vae
 from segmented_checkpointing.engine.train import step as step_module
 from segmented_checkpointing.engine.train.checks import check_run
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
@@ -238,7 +238,9 @@ def test_every_family_trains_a_step_on_a_non_square_bucket(family, wide_dir):
                                resolution=48, buckets=True, lora=LoraSettings(rank=2, alpha=2.0),
                                timing_warmup_steps=0), **QUIET)
     (bucket,) = result.report["dataset"]["buckets"]
-    # 2:1 at 48 px: 64x32 in multiples of 16 (latent 4x8), 72x32 in multiples of 8 (latent 4x9); tiny VAEs are 8x
-    multiple = 8 * latent_multiple(get_family(family), result.model.config)
-    assert (bucket["width"], bucket["height"]) == {16: (64, 32), 8: (72, 32)}[multiple]
+    # 2:1 at 48 px: 64x32 in multiples of 16 or 32 (LTX-Video's 32x VAE), 72x32 in multiples of 8
+    with torch.device("meta"):
+        downscale = vae_downscale(tiny_vae(get_family(family)))
+    multiple = downscale * latent_multiple(get_family(family), result.model.config)
+    assert (bucket["width"], bucket["height"]) == {16: (64, 32), 8: (72, 32), 32: (64, 32)}[multiple]
     assert math.isfinite(result.history[0]["loss"])
