@@ -228,7 +228,9 @@ class TrainLoRA:
             prepared = api.prepare_comfy_data(model.family, model.family.text(model.transformer.config),
                                               inputs["latent"], inputs["conditioning"])
             if config.validation.validation_every and inputs.get("vae") is not None:
-                previews = api.comfy_preview_source(model.family, prepared, inputs["vae"])
+                previews = api.comfy_preview_source(model.family, prepared, inputs["vae"],
+                                                    config.validation.validation_frames,
+                                                    config.data.frame_rate)
         live = LiveRun(current_host(), unique_id, config)
         unused = api.unused_keys(config.schedule) if inputs.get("offload") is not None else []
         if unused:  # e.g. unsloth over the planner's `none`: say that it does nothing

@@ -1,5 +1,11 @@
 """Validation previews: every N steps, one small image per validation prompt, sampled with the LoRA
-being trained, saved beside the report and reported to the caller (the node shows them).
+being trained, saved beside the report and reported to the caller (the node shows them). An image
+family's previews are PNGs; a video family's are short clips, animated WebPs (Pillow; an ``<img>``
+and ComfyUI's ``/view`` route show them as they are) of ``validation_frames`` pixel frames, a count
+the family's frame rule allows (``engine/families/frames.py`` ``FrameRule``: ``temporal * k + 1``;
+others are refused by ``engine/data/limits.py`` ``check_frames``); unset, the smallest allowed count
+above one frame, ``rule.pixel_frames(2)`` (Wan, HunyuanVideo: 5; LTX-Video: 9). Their latents have
+``rule.latent_frames(validation_frames)`` frames, whatever frame counts the data trained on.
 
 Sampling follows diffusers' flow-matching pipelines: :class:`diffusers.FlowMatchEulerDiscreteScheduler`
 gives the sigmas from 1 to 0 and the Euler step ``x <- x + (sigma_next - sigma) * v``, where ``v`` is
@@ -33,6 +39,63 @@ from ..files.atomic import atomic_write_bytes
 from ..model.attention_kernels import sdpa_context
 
 PREVIEW_FOLDER = "previews"
+DEFAULT_FPS = 16.0
+"""Frames per second of a preview clip when the run sets no ``frame_rate`` (Wan 2.1's pipelines
+write their clips at 16 fps)."""
+WEBP_QUALITY = 90
+"""Lossy WebP quality (0-100) of a preview clip's frames."""
+
+
+def preview_frames(family, validation_frames: int | None) -> int:
+    """Pixel frames of one preview of ``family``: 1 for an image family (``validation_frames`` is
+    ignored), else ``validation_frames`` or, unset, the family's smallest count above 1."""
+    rule = family.frames
+    if rule is None:
+        return 1
+    return validation_frames if validation_frames is not None else rule.pixel_frames(2)
+
+
+def preview_latent_shape(family, latent_shape: tuple[int, ...], validation_frames: int | None) -> tuple[int, ...]:
+    """One preview's latent shape: a video family's ``(C, F', h, w)`` with ``F' =
+    rule.latent_frames(preview_frames(...))`` (the cache's ``F'`` may be 1, an image, or another
+    count); an image family's ``latent_shape`` as it is (``(C, h, w)``)."""
+    if family.frames is None or len(latent_shape) != 4:
+        return tuple(latent_shape)
+    channels, _, height, width = latent_shape
+    return (channels, family.frames.latent_frames(preview_frames(family, validation_frames)), height, width)
+
+
+def _pixels(image: torch.Tensor) -> np.ndarray:
+    """``(3, H, W)`` in [0, 1] -> ``(H, W, 3)`` uint8."""
+    return (image.permute(1, 2, 0).numpy() * 255.0).round().astype(np.uint8)
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """A PNG of an image ``(3, H, W)`` in [0, 1]."""
+    out = io.BytesIO()
+    Image.fromarray(_pixels(image)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def encode_webp(clip: torch.Tensor, fps: float = DEFAULT_FPS) -> bytes:
+    """An animated WebP of a clip ``(3, F, H, W)`` in [0, 1]: ``F`` frames of ``1000 / fps`` ms
+    each (rounded to whole ms, WebP's unit), looping (``loop=0``), quality :data:`WEBP_QUALITY`."""
+    frames = [Image.fromarray(_pixels(frame)) for frame in clip.unbind(1)]
+    out = io.BytesIO()
+    frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000.0 / fps),
+                   loop=0, quality=WEBP_QUALITY)
+    return out.getvalue()
+
+
+def write_previews(images: torch.Tensor, names: list[str], folder: Path, step: int,
+                   fps: float = DEFAULT_FPS) -> list[Path]:
+    """Save one preview per name (atomic) and return their paths: images ``(P, 3, H, W)`` in [0, 1]
+    as ``step_00004_<name>.png``; clips ``(P, 3, F, H, W)`` as ``step_00004_<name>.webp``
+    (animated, ``fps`` frames per second)."""
+    clip = images.ndim == 5
+    return [atomic_write_bytes(folder / f"step_{step:05d}_{name}.{'webp' if clip else 'png'}",
+                               encode_webp(image, fps) if clip else encode_png(image))
+            for image, name in zip(images, names)]
 
 
 @dataclass
@@ -42,32 +105,43 @@ class PreviewSource:
     Attributes:
         text: the prompts' text states (one row per prompt) for the family's transformer.
         decode: normalised latents ``(N, C, h, w)`` (or ``(N, C, 1, h, w)``) -> images
-            ``(N, 3, H, W)`` in [0, 1].
-        latent_shape: one sample's latent shape ``(C, h, w)`` (or ``(C, 1, h, w)``).
+            ``(N, 3, H, W)`` in [0, 1]; a clip's ``(N, C, F', h, w)`` (``F' > 1``) -> frames
+            ``(N, 3, F, H, W)``.
+        latent_shape: one preview's latent shape ``(C, h, w)``, ``(C, 1, h, w)``, or a clip's
+            ``(C, F', h, w)`` (:func:`preview_latent_shape`).
         names: a short name per prompt (file names).
+        fps: frames per second of a clip preview's file.
     """
 
     text: TextBatch
     decode: Callable[[torch.Tensor], torch.Tensor]
     latent_shape: tuple[int, ...]
     names: list[str]
+    fps: float = DEFAULT_FPS
 
 
 def vae_decoder(vae: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """Decode the engine's normalised latents with a diffusers VAE (the inverse of
-    :func:`~..data.cache.encode_latents`): ``(N, C, h, w)`` -> ``(N, 3, 8h, 8w)`` in [0, 1]."""
+    :func:`~..data.cache.encode_latents`, each of its three normalisations): ``(N, C, h, w)`` or
+    ``(N, C, 1, h, w)`` -> images ``(N, 3, H, W)`` in [0, 1]; a video VAE's clip latents
+    ``(N, C, F', h, w)`` with ``F' > 1`` -> frames ``(N, 3, F, H, W)``, ``F = temporal * (F' - 1) + 1``
+    (the VAE's causal decoding; ``engine/families/frames.py``)."""
 
     @torch.no_grad()
     def decode(latents: torch.Tensor) -> torch.Tensor:
         cfg = vae.config
         z = latents.float().to(device)
-        if getattr(cfg, "latents_mean", None) is not None:
-            shape = (1, -1) + (1,) * (z.ndim - 2)
+        shape = (1, -1) + (1,) * (z.ndim - 2)
+        scale = getattr(cfg, "scaling_factor", None) or 1.0
+        buffers = dict(vae.named_buffers(recurse=False))
+        if getattr(cfg, "latents_mean", None) is not None:  # Wan: (z - mean) / std
             z = z * torch.tensor(cfg.latents_std, device=device).view(shape) + torch.tensor(
                 cfg.latents_mean, device=device).view(shape)
+        elif "latents_mean" in buffers:  # LTX-Video's buffers: (z - mean) * scale / std
+            z = z * buffers["latents_std"].view(shape).to(z) / scale + buffers["latents_mean"].view(shape).to(z)
         else:
-            z = z / (getattr(cfg, "scaling_factor", None) or 1.0) + (getattr(cfg, "shift_factor", None) or 0.0)
-        is_3d = hasattr(cfg, "z_dim") or "temperal_downsample" in cfg
+            z = z / scale + (getattr(cfg, "shift_factor", None) or 0.0)
+        is_3d = hasattr(cfg, "z_dim") or "temperal_downsample" in cfg or "temporal_compression_ratio" in cfg
         if is_3d and z.ndim == 4:
             z = z.unsqueeze(2)
         vae.to(device)
@@ -75,7 +149,7 @@ def vae_decoder(vae: torch.nn.Module, device: torch.device) -> Callable[[torch.T
             images = vae.decode(z).sample
         finally:
             vae.to("cpu")
-        if images.ndim == 5:
+        if images.ndim == 5 and z.shape[2] == 1:  # one latent frame: an image
             images = images[:, :, 0]
         return ((images.float() + 1.0) / 2.0).clamp(0.0, 1.0).cpu()
 
@@ -85,7 +159,8 @@ def vae_decoder(vae: torch.nn.Module, device: torch.device) -> Callable[[torch.T
 @torch.no_grad()
 def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource, steps: int, seed: int,
            device: torch.device, autocast: Callable[[], object]) -> torch.Tensor:
-    """Images ``(P, 3, H, W)`` in [0, 1] for the source's ``P`` prompts: ``steps`` Euler steps of
+    """Images ``(P, 3, H, W)`` (clips: ``(P, 3, F, H, W)``) in [0, 1] for the source's ``P`` prompts:
+    ``steps`` Euler steps of
     the flow-matching ODE from seeded noise (the same noise at every preview, so previews of one
     run compare), then the decoder."""
     scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
@@ -105,17 +180,6 @@ def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource,
     finally:
         model.train(was_training)
     return source.decode(x.float().cpu())
-
-
-def write_previews(images: torch.Tensor, names: list[str], folder: Path, step: int) -> list[Path]:
-    """Save ``(P, 3, H, W)`` images in [0, 1] as ``step_00004_<name>.png`` (atomic); their paths."""
-    paths = []
-    for image, name in zip(images, names):
-        pixels = (image.permute(1, 2, 0).numpy() * 255.0).round().astype(np.uint8)
-        png = io.BytesIO()
-        Image.fromarray(pixels).save(png, format="PNG")
-        paths.append(atomic_write_bytes(folder / f"step_{step:05d}_{name}.png", png.getvalue()))
-    return paths
 
 
 def previews_at(step: int, every: int, last: int) -> bool:
@@ -141,7 +205,7 @@ def run_previews(ctx, source: PreviewSource, steps: int, seed: int, folder: Path
     meter = PeakMemory(ctx.device)
     with meter.measure() as reading:
         images = sample(ctx.model, ctx.family, source, steps, seed, ctx.device, kernels_and_autocast)
-    return (write_previews(images, source.names, folder, step) if write else []), reading.peak_bytes
+    return (write_previews(images, source.names, folder, step, source.fps) if write else []), reading.peak_bytes
 
 
 def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: torch.device,
@@ -150,11 +214,12 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
     """What a run's previews sample from: ``given`` (ComfyUI's conditioning and VAE), else the
     validation prompts (default: the data's first caption) through the bundle's text encoder,
     decoded by its VAE; None when previews cannot run (an epsilon-objective family, no VAE), said
-    in ``log``.
+    in ``log``. A video family's previews are clips of ``validation_frames`` frames
+    (:func:`preview_latent_shape`), ``frame_rate`` (else 16) frames per second.
 
     Args:
         config: the run's TrainConfig. bundle: its ModelBundle. latent_shape: one sample's latent
-            shape ``(C, h, w)`` (:func:`~..data.buckets.sample_latent_shape`).
+            shape ``(C, h, w)`` or ``(C, F', h, w)`` (:func:`~..data.buckets.sample_latent_shape`).
     """
     family = bundle.family
     if family.objective != "flow":
@@ -163,18 +228,22 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
         return None
     if given is None and bundle.vae is not None:
         prompts = list(config.validation.validation_prompts or [first_caption or "a photo"])
-        given = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, device), latent_shape,
-                              [f"prompt{i}" for i in range(len(prompts))])
+        given = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, device),
+                              preview_latent_shape(family, latent_shape, config.validation.validation_frames),
+                              [f"prompt{i}" for i in range(len(prompts))], config.data.frame_rate or DEFAULT_FPS)
     if given is None:
         log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
     return given
 
 
-def comfy_preview_source(family: FamilyAdapter, prepared: PreparedData, vae) -> PreviewSource:
+def comfy_preview_source(family: FamilyAdapter, prepared: PreparedData, vae, validation_frames: int | None = None,
+                         fps: float | None = None) -> PreviewSource:
     """Previews of a run on ComfyUI latents: the first conditioning's text, decoded by ComfyUI's
     VAE (``VAE.decode`` takes the family's raw latents and gives ``(B, H, W, 3)`` in [0, 1], or
-    ``(B, T, H, W, 3)`` for a video VAE (Wan's), of which the first frame is shown; the family's
-    ComfyUI latent format undoes the normalisation first)."""
+    ``(B, T, H, W, 3)`` for a video VAE (Wan's): a clip ``(B, 3, T, H, W)`` when the latents have
+    more than one frame, else the first frame; the family's ComfyUI latent format undoes the
+    normalisation first). A video family samples clips of ``validation_frames`` frames
+    (:func:`preview_latent_shape`), ``fps`` (unset: 16) frames per second."""
     fmt = comfy_latent_format(family)
     cache = prepared.cache
     text = TextBatch(cache["text_seq"][:1], cache["text_mask"][:1],
@@ -182,8 +251,9 @@ def comfy_preview_source(family: FamilyAdapter, prepared: PreparedData, vae) -> 
 
     def decode(latents: torch.Tensor) -> torch.Tensor:
         images = vae.decode(fmt.process_out(latents))
-        if images.ndim == 5:  # (B, T, H, W, 3): a video VAE's frames
+        if images.ndim == 5 and (latents.ndim < 5 or latents.shape[2] == 1):  # (B, T, H, W, 3): one frame shown
             images = images[:, 0]
-        return images.movedim(-1, 1).float().clamp(0, 1).cpu()
+        return images.movedim(-1, 1).float().clamp(0, 1).cpu()  # (B, 3, H, W) or a clip's (B, 3, T, H, W)
 
-    return PreviewSource(text, decode, sample_latent_shape(cache), ["conditioning0"])
+    shape = preview_latent_shape(family, sample_latent_shape(cache), validation_frames)
+    return PreviewSource(text, decode, shape, ["conditioning0"], fps or DEFAULT_FPS)
