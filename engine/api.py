@@ -53,6 +53,7 @@ _ON_FIRST_USE = {
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
     ".data.comfy_frames": ("batch_encoder", "prepare_image_batch", "image_batch_multiple"),
     ".data.folder": ("write_sample_dataset",),
+    ".data.video": ("write_sample_clip",),
     ".data.limits": ("check_frames", "check_resolution"),
     ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
     ".files.checks": ("same_safetensors",),
@@ -108,7 +109,7 @@ __all__ = [
     "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
-    "write_sample_dataset", "write_sweep",
+    "write_sample_dataset", "write_sample_clip", "write_sweep",
 ]
 
 

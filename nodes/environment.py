@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 BUILTIN_DATA = "(built-in sample photos)"
+BUILTIN_CLIP = "(built-in sample clip)"
+"""The Dataset node's built-in folders: scikit-image's photographs, and a 33-frame pan across one (video families)."""
 TINY_PRESET = "(tiny preset)"
 MODEL_FILE_FOLDERS = ("diffusion_models", "checkpoints")
 """ComfyUI's folder kinds of single model files (``diffusion_models`` includes ``models/unet``)."""

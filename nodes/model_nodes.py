@@ -6,6 +6,7 @@ import torch
 
 from ..engine import api
 from .environment import (
+    BUILTIN_CLIP,
     BUILTIN_DATA,
     TINY_PRESET,
     PathError,
@@ -77,7 +78,8 @@ class ImageCaptionDataset:
     def INPUT_TYPES(cls):
         return {"required": {
             "folder": ("STRING", tip(f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs "
-                                     "shipped with scikit-image.", default=BUILTIN_DATA)),
+                                     f"shipped with scikit-image; {BUILTIN_CLIP} = a 33-frame pan across one (for "
+                                     "the video families).", default=BUILTIN_DATA)),
             "resolution": widget("resolution"),
             "buckets": widget("buckets"),
         }, "optional": {name: widget(name, zero_unset=name in cls.OPTIONS.zero_unset,
@@ -89,7 +91,7 @@ class ImageCaptionDataset:
         host = current_host()
         try:
             cls.OPTIONS.config(inputs)
-            if folder is not None and folder != BUILTIN_DATA:
+            if folder is not None and folder not in (BUILTIN_DATA, BUILTIN_CLIP):
                 path = contained(host.input_dir, folder, "folder")
                 if not path.is_dir():
                     return f"folder={folder!r} is invalid: no such folder under the input folder"
@@ -103,6 +105,8 @@ class ImageCaptionDataset:
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
             path = str(api.write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
+        elif folder == BUILTIN_CLIP:
+            path = str(api.write_sample_clip(host.output_dir / "segckpt" / "sample_clip"))
         else:
             path = str(contained(host.input_dir, folder, "folder"))
         return (self.OPTIONS.config({"resolution": resolution, "buckets": buckets, **frames}, data=path).data,)

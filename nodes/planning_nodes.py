@@ -34,9 +34,10 @@ def _run_inputs() -> dict:
 
 
 def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> api.TrainConfig:
+    frames = {key: getattr(dataset, key) for key in api.FRAME_KEYS}  # clips measured at their frame buckets
     return api.TrainConfig.create(family=model.family.name, data=dataset.folder, resolution=dataset.resolution,
                                   buckets=dataset.buckets, batch_size=batch_size, lora=lora_config or api.LoraSettings(),
-                                  output=str(output), base_model_precision=model.base_precision or "auto")
+                                  output=str(output), base_model_precision=model.base_precision or "auto", **frames)
 
 
 def _validate(run_name, inputs) -> bool:
@@ -168,7 +169,7 @@ class SchedulePlanner:
             choice = api.plan(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
                               on_step=on_step, should_stop=stop)
             verdict = None
-            if config.data.buckets:  # the probe mixed the buckets: judge the choice per bucket (pre-flight)
+            if config.data.buckets or config.data.video:  # the probe mixed shapes: judge per bucket (pre-flight)
                 on_step.next()
                 verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), model, budget,
                                         warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)

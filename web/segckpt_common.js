@@ -236,3 +236,17 @@ export function previewUrl(file) {
                                        type: file.type ?? "output" });
   return `/view?${params}`;
 }
+
+// Which frame of an animated preview shows `elapsed` ms after it started: frames of `durations`
+// ms each, looping (the WebP loops forever). Canvas drawImage shows only the first frame of an
+// animated image (HTML spec), so the node decodes the frames (WebCodecs ImageDecoder) and picks one.
+export function frameAt(durations, elapsed) {
+  const total = durations.reduce((sum, d) => sum + Math.max(d, 1), 0);
+  if (!durations.length || !total) return 0;
+  let t = ((elapsed % total) + total) % total;
+  for (let i = 0; i < durations.length; i++) {
+    t -= Math.max(durations[i], 1);
+    if (t < 0) return i;
+  }
+  return durations.length - 1;
+}

@@ -5,7 +5,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { addBottomPanel, fillText, fitHeight, textWidth } from "./segckpt_canvas.js";
-import { lossPoints, previewUrl, recordLoss, textLines, wrapLines } from "./segckpt_common.js";
+import { frameAt, lossPoints, previewUrl, recordLoss, textLines, wrapLines } from "./segckpt_common.js";
 
 const HEIGHT = 96;
 const PREVIEW = 112;
@@ -60,10 +60,36 @@ function draw(node, ctx, area) {
     fillText(ctx, `previews after step ${previews.step}`, area.x, y + 6, area.w);
     const side = PREVIEW - 20;
     previews.images.forEach((image, i) => {
-      if (image.complete && image.naturalWidth) ctx.drawImage(image, area.x + i * (side + 4), y + 14, side, side);
+      const clip = previews.clips?.[i];
+      const shown = clip ? clip.bitmaps[frameAt(clip.durations, performance.now() - clip.start)] : image;
+      if (clip || (image.complete && image.naturalWidth)) ctx.drawImage(shown, area.x + i * (side + 4), y + 14, side, side);
     });
+    if (previews.clips?.some(Boolean)) setTimeout(() => redraw(node), 60);  // the clip moves
   }
   ctx.restore();
+}
+
+// The frames of an animated WebP (WebCodecs ImageDecoder; null where the browser has none: the
+// first frame is shown, as an <img> drawn on a canvas shows it).
+async function decodeClip(url) {
+  if (typeof ImageDecoder === "undefined") return null;
+  try {
+    const response = await fetch(url);
+    const decoder = new ImageDecoder({ data: response.body, type: "image/webp" });
+    await decoder.tracks.ready;
+    const count = decoder.tracks.selectedTrack.frameCount;
+    const bitmaps = [], durations = [];
+    for (let i = 0; i < count; i++) {
+      const { image } = await decoder.decode({ frameIndex: i });
+      bitmaps.push(await createImageBitmap(image));
+      durations.push((image.duration ?? 62500) / 1000);  // microseconds -> ms
+      image.close();
+    }
+    decoder.close();
+    return count > 1 ? { bitmaps, durations, start: performance.now() } : null;
+  } catch {
+    return null;
+  }
 }
 
 function nodeById(id) {
@@ -95,7 +121,14 @@ app.registerExtension({
         image.src = api.apiURL(previewUrl(file));
         return image;
       });
-      node.segckptPreviews = { step: detail.step, images };
+      const previews = (node.segckptPreviews = { step: detail.step, images, clips: [] });
+      detail.images.forEach((file, i) => {
+        if (!file.filename.endsWith(".webp")) return;  // a video family's animated preview
+        decodeClip(api.apiURL(previewUrl(file))).then((clip) => {
+          if (clip && node.segckptPreviews === previews) previews.clips[i] = clip;
+          redraw(node);
+        });
+      });
       fitHeight(node);
       redraw(node);
     });

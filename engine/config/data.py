@@ -30,8 +30,8 @@ def _frame_list(value: Any) -> Any:
         counts = None
     if (not isinstance(items, (list, tuple)) or not counts or counts is None
             or not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_FRAMES for c in counts)):
-        raise ConfigError(f"frame_buckets={value!r} is invalid: allowed a list of frame counts from 1 to {MAX_FRAMES} "
-                          "(e.g. 5, 9, 17), or unset.")
+        raise ConfigError(f"frame_buckets={value!r} is invalid: allowed frame counts from 1 to {MAX_FRAMES} (5 9 17, "
+                          "or 5,9,17), or unset.")
     return tuple(sorted(set(counts)))
 
 
@@ -67,7 +67,9 @@ class DataConfig:
     frame_buckets: tuple[int, ...] | None = option(None, "Frame counts a clip may train at instead of num_frames: "
                                                    "each clip goes to the largest count it holds (SimpleTuner / "
                                                    "diffusion-pipe frame buckets); a batch never mixes counts.",
-                                                   "--frame-buckets", parse=_frame_list)
+                                                   "--frame-buckets", parse=_frame_list,
+                                                   allowed=f"frame counts from 1 to {MAX_FRAMES} (5 9 17, or 5,9,17), "
+                                                           "or unset")
     min_frames: int | None = option(None, "Clips with fewer frames (at frame_rate) are skipped and counted; unset: "
                                     "the smallest training count. May exceed it (only clips this long train, at the largest count they hold). "
                                     "Never padded.", "--min-frames", min=1,

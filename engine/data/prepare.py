@@ -31,6 +31,7 @@ from .checks import check_dataset, relative_name, screen_sizes, warn_lossy
 from .comfy_data import ComfyDataError, PreparedData
 from .folder import DatasetScan, DataWarning, write_sample_dataset
 from .samplers import BucketSampler, EpochSampler, bucket_groups
+from .video import write_sample_clip
 from .windows import RandomWindows, choose_frames, first_window, frames_summary
 
 
@@ -93,7 +94,8 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
         raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
                              "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
                              "or (in ComfyUI) connect latent and conditioning from ComfyUI's encoders")
-    data_dir = data.folder or write_sample_dataset(output / "sample_data")
+    data_dir = data.folder or (write_sample_clip(output / "sample_clip") if data.video and bundle.family.frames
+                               else write_sample_dataset(output / "sample_data"))  # the built-in default
     dataset = check_dataset(data_dir)  # the run's constructor checked it already: the images' check is cached
     dataset, frames = choose_frames(dataset, data, bundle.family)  # clips too short (or of an image family) skipped
     buckets = left_out = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 from PIL import Image, ImageOps, ImageSequence
 
 from ..config import derived_seed
+from ..files.atomic import atomic_write_bytes, atomic_write_text
 from .folder import ANIMATED_SUFFIXES, DatasetError
 from .images import to_rgb
 
@@ -193,3 +195,36 @@ def load_clip(path: Path, indices: list[int], size: tuple[int, int]) -> torch.Te
         raise DatasetError(f"clip {str(path)!r} gave {len(decoded)} of the frames {wanted}: it changed or is damaged")
     by_index = dict(zip(wanted, (frame for frame, _ in decoded)))
     return frames_to_pixels([by_index[i] for i in indices], size)
+
+
+SAMPLE_CLIP = ("astronaut", "a slow camera pan across a portrait photo of an astronaut", 33, 16)
+"""The built-in sample clip: the ``skimage.data`` photo, its caption, its frames and frames per second."""
+
+
+def write_sample_clip(folder: str | Path) -> Path:
+    """Write the built-in sample clip with its caption into ``folder`` (idempotent, atomic): an H.264
+    mp4 (PyAV) of a 256 px window panning across a scikit-image photograph, 33 frames at 16 fps."""
+    import av
+    import skimage.data
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    photo, caption, count, fps = SAMPLE_CLIP
+    path = folder / f"{photo}_pan.mp4"
+    if path.exists():
+        return folder
+    image = Image.fromarray(getattr(skimage.data, photo)()).convert("RGB")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width = stream.height = 256
+        stream.pix_fmt = "yuv420p"
+        for i in range(count):
+            frame = image.crop((i * 6, i * 3, i * 6 + 256, i * 3 + 256))
+            for packet in stream.encode(av.VideoFrame.from_image(frame)):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    atomic_write_text(folder / f"{photo}_pan.txt", caption + "\n")
+    atomic_write_bytes(path, buffer.getvalue())
+    return folder

@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  linkedTrainInput, lossPoints, MARKS, OFFLOAD_KEYS, planQuery, recordLoss, SCHEDULE_KEYS, stripLayout, widgetValue,
+  frameAt, linkedTrainInput, lossPoints, MARKS, OFFLOAD_KEYS, planQuery, recordLoss, SCHEDULE_KEYS, stripLayout, widgetValue,
 } from "../../web/segckpt_common.js";
 
 test("planQuery sends every key and turns interval/stride 0 into unset", () => {
@@ -115,4 +115,14 @@ test("previewUrl names the output file for ComfyUI's /view route", async () => {
   const { previewUrl } = await import("../../web/segckpt_common.js");
   const url = previewUrl({ filename: "step_00004_prompt0.png", subfolder: "segckpt/run_00001/previews", type: "output" });
   assert.equal(url, "/view?filename=step_00004_prompt0.png&subfolder=segckpt%2Frun_00001%2Fpreviews&type=output");
+});
+
+test("frameAt loops over the frames by their durations", () => {
+  const durations = [125, 125, 250];
+  assert.equal(frameAt(durations, 0), 0);
+  assert.equal(frameAt(durations, 124), 0);
+  assert.equal(frameAt(durations, 125), 1);
+  assert.equal(frameAt(durations, 260), 2);
+  assert.equal(frameAt(durations, 500), 0);  // looped
+  assert.equal(frameAt([], 40), 0);
 });

@@ -100,3 +100,12 @@ def test_the_dataset_node_validates_its_frame_options(base):
 def test_train_lora_takes_one_data_source(base):
     message = verdict(NODES["SegCkptTrainLoRA"], run_name="r", dataset=None, images=None)
     assert "dataset and images are connected" in message
+
+
+def test_the_planner_node_judges_a_clip_dataset_at_its_frames(base):
+    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("wan", "(tiny preset)", 0)
+    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("clip", 64, num_frames=5)
+    with torch.inference_mode():
+        shown = NODES["SegCkptSchedulePlanner"]().plan(model, dataset, 1, 1, 0, "plan", 1.0, unique_id="3")
+    text = shown["result"][1]
+    assert "train 1x16x2x8x8" in text and "5 frames, 32 tokens" in text  # the clip's 2 latent frames x 16 patches
