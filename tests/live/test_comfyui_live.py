@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -381,3 +382,33 @@ def test_closed_loop_of_flux_and_wan_runs_through_prompt_to_an_image(server, ws,
     saved = history["outputs"][node_id_of(graph, "SegCkptSaveLoRA")]["text"][0]
     assert "(comfyui;" in saved, saved
     assert "lora key not loaded" not in server.log()
+
+
+def test_a_clip_from_load_video_trains_wan_through_comfyuis_vae(server, ws):
+    """Core Load Video -> Get Video Components -> Train LoRA's images (+ caption), encoded by the
+    graph's Wan VAE (ComfyUI's class): the run trains on the clip's 9 frames (3 latent frames)."""
+    from clips import pan_frames, write_mp4
+
+    write_mp4(server.base / "input" / "segckpt_pan.mp4", pan_frames(10, (64, 64)))
+    run_name = f"clip_{uuid.uuid4().hex[:8]}"
+    graph = {
+        "1": {"class_type": "LoadVideo", "inputs": {"file": "segckpt_pan.mp4"}},
+        "2": {"class_type": "GetVideoComponents", "inputs": {"video": ["1", 0]}},
+        "3": {"class_type": "SegCkptLoadDiffusionModel", "inputs": {"family": "wan", "source": "(tiny preset)",
+                                                                     "seed": 0, "base_model_precision": "auto"}},
+        "4": {"class_type": "SegCkptSchedule", "inputs": {
+            "family": "wan", "gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
+            "gradient_checkpointing_interval": 2, "gradient_checkpointing_segment_stride": 4,
+            "gradient_checkpointing_offload_attention": False, "gradient_checkpointing_offload_pin_memory_max_buckets": 0}},
+        "5": {"class_type": "VAELoader", "inputs": {"vae_name": CLOSED_LOOP_FILES["wan"][1]}},
+        "6": {"class_type": "SegCkptTrainLoRA", "inputs": {
+            "model": ["3", 0], "schedule": ["4", 0], "images": ["2", 0], "caption": "a camera pan over a photo",
+            "vae": ["5", 0], "steps": 2, "learning_rate": 1e-3, "lr_scheduler": "constant", "batch_size": 1,
+            "gradient_accumulation_steps": 1, "seed": 0, "run_name": run_name, "resume": False}},
+        "7": {"class_type": "SegCkptRunReport", "inputs": {"run": ["6", 0]}},
+    }
+    _completed(server, ws, graph)
+    report = json.loads((server.base / "output" / "segckpt" / f"{run_name}_00001" / "report.json").read_text())
+    assert report["dataset"]["frames"] == {"given": 10, "trained": 9, "frame_sampling": "first"}
+    assert report["dataset"]["latent_shape"] == [16, 3, 8, 8]
+    assert len(report["steps"]) == 2 and all(math.isfinite(h["loss"]) for h in report["steps"])
