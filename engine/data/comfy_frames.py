@@ -95,11 +95,12 @@ def prepare_image_batch(family: FamilyAdapter, images: Any, caption: str, data: 
         indices = frame_indices(info, used, None, sampling)
         pixels = torch.stack([fit_frame(frames[i], size) for i in indices], dim=1)[None]
         count = 1
-    latents = encode(pixels).float()
-    text = encode_text([caption] * count)
-    cache = {"latents": latents.contiguous(), "text_seq": text.seq.float(), "text_mask": text.mask}
-    if text.pooled is not None:
-        cache["text_pooled"] = text.pooled.float()
+    with torch.inference_mode(False):  # ComfyUI runs nodes in inference mode: the run needs normal tensors
+        latents = encode(pixels).float().clone()
+        text = encode_text([caption] * count)
+        cache = {"latents": latents.contiguous(), "text_seq": text.seq.float().clone(), "text_mask": text.mask.clone()}
+        if text.pooled is not None:
+            cache["text_pooled"] = text.pooled.float().clone()
     summary = {"source": SOURCE, "images": count, "images_per_epoch": count, "latent_shape": list(latents.shape[1:]),
                "latent_format": "encoded here", "conditioning": "the caption", "text_tokens": text.seq.shape[1],
                "text_width": text.seq.shape[2], "pooled_width": None if text.pooled is None else text.pooled.shape[1],
@@ -123,7 +124,9 @@ def batch_encoder(family: FamilyAdapter, vae: torch.nn.Module | None, comfy_vae:
 
         def encode_comfy(pixels: torch.Tensor) -> torch.Tensor:
             frames = (pixels[0].permute(1, 2, 3, 0) if pixels.ndim == 5 else pixels.permute(0, 2, 3, 1))
-            raw = comfy_vae.encode((frames + 1) / 2).float().cpu()
+            with torch.inference_mode():  # as ComfyUI's VAE Encode runs (its weights are inference tensors)
+                raw = comfy_vae.encode((frames + 1) / 2)
+            raw = raw.float().cpu().clone()  # a normal tensor (the caller left inference mode)
             if family.video_latents and raw.ndim == 4:
                 raw = raw.unsqueeze(2)
             return fmt.process_in(raw)
