@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="Host memory for streamed weights and offloaded activations, GiB, 'free' (the host's "
                            "available memory now) or 'device' (its total memory); default: the available memory "
                            "less 10%%.")
+    plan.add_argument("--levers", dest="plan_levers", nargs="+", default=(), choices=("save_attention", "compile"),
+                      help="After the choice is measured, measure it with each lever (save_attention: "
+                           "gradient_checkpointing_save_attention; compile: compile_blocks) and keep one only when "
+                           "it is faster within the budget; the plan output says which and why.")
     plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
                       help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
                            "before deciding (0 = predict only; default 3).")
@@ -97,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="Pixel-frame counts to sweep (video families; each follows the family's frame rule, e.g. "
                             "Wan 4k+1): one table per count, on synthetic latents (N, C, F', h, w) of the run's "
                             "resolution, written into --output/frames-N/.")
+    sweep.add_argument("--save-attention", dest="sweep_save", action="store_true", default=False,
+                       help="Add every checkpointed torch and unsloth mode keeping its attention outputs "
+                            "(-save-attn columns: gradient_checkpointing_save_attention).")
+    sweep.add_argument("--compile", dest="sweep_compile", action="store_true", default=False,
+                       help="Measure every mode again with compile_blocks (+compile columns; compile time is in "
+                            "the warm-up steps, so give --warmup 2 or more).")
     sweep.add_argument("--stream", dest="sweep_stream", action="store_true", default=False,
                        help="Add the four base modes with every block's frozen weights streamed from host memory "
                             "(weight H2D GiB/step and stall %% columns).")
@@ -272,12 +282,12 @@ def _sweep(args: argparse.Namespace) -> int:
         done[:] = [c for c in cells if c.status != "not run" or c.error]
         api.write_sweep(cells, folder, bundle.family.name, budget)
 
-    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream)
+    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream, args.sweep_save)
     stop = _StopOnSignal()
     try:
         with stop:  # the first Ctrl-C ends the sweep after the current step; a second at once
             cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
-                              should_stop=stop)
+                              should_stop=stop, compile_modes=args.sweep_compile)
     except (KeyboardInterrupt, api.MeasurementInterrupted):
         print(f"segckpt: interrupted: {len(done)} of {len(schedules)} modes measured; {folder}/sweep.md and the "
               "other tables hold them, the rest marked not run", file=sys.stderr)
@@ -292,7 +302,7 @@ def _sweep_frames(args: argparse.Namespace, config: api.TrainConfig, bundle, cou
     """``segckpt sweep --frames N ...``: one sweep per pixel-frame count, each written into
     ``--output/frames-N/`` and printed as it ends."""
     budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
-    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream)
+    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream, args.sweep_save)
     root, done = Path(config.outputs.output), []
     stop = _StopOnSignal()
     for n in counts:
@@ -305,7 +315,7 @@ def _sweep_frames(args: argparse.Namespace, config: api.TrainConfig, bundle, cou
         try:
             with stop:
                 cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
-                                  should_stop=stop, frames=n)
+                                  should_stop=stop, frames=n, compile_modes=args.sweep_compile)
         except (KeyboardInterrupt, api.MeasurementInterrupted):
             print(f"segckpt: interrupted at {n} frames: {len(done)} of {len(schedules)} modes measured; "
                   f"{folder}/sweep.md holds them", file=sys.stderr)
@@ -336,6 +346,7 @@ def _plan(args: argparse.Namespace) -> int:
         stop = _StopOnSignal()
         with stop:  # the first Ctrl-C ends the measurement after the current step; a second at once
             choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget,
+                              levers=tuple(args.plan_levers),
                               should_stop=stop, frames=counts)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)

@@ -26,6 +26,9 @@
 (g) Video (issue 24): a full-size Wan 2.1 14B at 480x832 px with 33 and 81 frames (latents
     16 x 9 (21) x 60 x 104): none, per-block, interval 2 stride 4, unsloth, per-block with weights
     streamed; ``sec/step / peak`` (``bench/gpu_video.py``).
+(h) Saved attention and per-block compile (issue 25): a full-size Flux.1-dev at 1024 and 2048 px,
+    per-block and interval 2 stride 4, each eager / save_attention / compiled / both, and no
+    checkpointing; ``sec/step / peak`` and the ratio to no checkpointing (``bench/gpu_compile.py``).
 
 Every step runs under the trainer's own SDPA choice (``auto``: cuDNN attention left out).
 
@@ -55,6 +58,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
+from gpu_compile import compile_check  # noqa: E402
 from gpu_video import video_check  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
@@ -455,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no matrix cell after this (seconds)")
     parser.add_argument("--video-budget-s", type=float, default=600.0,
                         help="start no cell of part (g) after this, from its start (seconds)")
+    parser.add_argument("--compile-budget-s", type=float, default=600.0,
+                        help="start no cell of part (h) after this, from its start (seconds)")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -487,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     pixels = "64x112 px, 5 and 9 frames (tiny Wan)" if args.smoke else "480x832 px, 33 and 81 frames"
     sections += ["", f"## (g) Video LoRA, full-size Wan 2.1 14B architecture, {pixels}", "",
                  *video_check(args.smoke, device, args.video_budget_s, log)]
+    log("(h) Saved attention and per-block compile, Flux.1-dev ...")
+    pixels = "64 and 128 px (tiny Flux; eager and saved attention)" if args.smoke else "1024 and 2048 px"
+    sections += ["", f"## (h) Saved attention outputs and per-block compile, full-size Flux.1-dev, {pixels}", "",
+                 *compile_check(args.smoke, device, args.compile_budget_s, log)]
     sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
                  "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
     text = "\n".join(sections) + "\n"

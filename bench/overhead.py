@@ -48,10 +48,12 @@ CONFIGS = {
 }
 
 
-def build(name: str, device: torch.device):
-    """Model with a rank-8 LoRA, and the keyword inputs and latents of one batch of 1."""
+def build(name: str, device: torch.device, side: int | None = None):
+    """Model with a rank-8 LoRA, and the keyword inputs and latents of one batch of 1 (``side``:
+    another latent side than the config's)."""
     family = get_family(name)
-    overrides, side = CONFIGS[name]
+    overrides, default_side = CONFIGS[name]
+    side = side or default_side
     torch.manual_seed(0)
     model = family.model_cls()(**{**family.tiny_config, **overrides}).to(device)
     add_lora(model, LoraSettings(rank=8, alpha=8), family.lora_targets)
@@ -73,8 +75,10 @@ def sides(family, model) -> dict[str, tuple[Callable[[], None], Callable]]:
 
     ours_layer = runner(CheckpointSchedule())
     ours_none = runner(CheckpointSchedule(gradient_checkpointing=False))
+    ours_saving = runner(CheckpointSchedule(gradient_checkpointing_save_attention=True))
     return {
         "ours-layer": (ours_layer.install, ours_layer.forward),
+        "ours-layer-save-attn": (ours_saving.install, ours_saving.forward),
         "diffusers-layer": (model.enable_gradient_checkpointing, model),
         "ours-none": (ours_none.install, ours_none.forward),
         "diffusers-none": (model.disable_gradient_checkpointing, model),
@@ -103,6 +107,8 @@ def op_counts(family, model, latents, inputs) -> dict[str, int]:
     """Aten operators per step of each side: equal counts mean the runner adds no tensor work."""
     counts = {}
     for name, (setup, call) in sides(family, model).items():
+        if name.endswith("-save-attn"):  # it runs fewer operators by design (no attention in backward)
+            continue
         setup()
         model.zero_grad(set_to_none=True)
         with _OpCounter() as counter:
@@ -165,6 +171,21 @@ def bench_pair(family, model, latents, inputs, a: str, b: str, rounds: int, warm
     return timers
 
 
+LONG_SIDE = 48
+"""Latent side of the save_attention comparison: 576 image tokens + 32 text tokens for the Flux config
+above, where attention is a large share of a block (it grows with the square of the sequence)."""
+
+
+def save_attention_ratio(device: torch.device, rounds: int, warmup: int) -> tuple[float, float, int]:
+    """Per-block recompute with the attention outputs kept vs plain, Flux at :data:`LONG_SIDE`:
+    ``(median of paired ratios, ratio of minima, tokens)``; below 1 = keeping them is faster."""
+    family, model, latents, inputs = build("flux", device, LONG_SIDE)
+    t = bench_pair(family, model, latents, inputs, "ours-layer-save-attn", "ours-layer", rounds, warmup, device)
+    a, b = t["ours-layer-save-attn"]["wall"].samples, t["ours-layer"]["wall"].samples
+    tokens = (LONG_SIDE // 2) ** 2 + family.text(model.config).max_length
+    return statistics.median(x / y for x, y in zip(a, b)), min(a) / min(b), tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -205,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{ops['diffusers-layer']}, ours-none {ops['ours-none']}, diffusers-none {ops['diffusers-none']}; "
               f"runner bookkeeping in forward {bookkeeping * 1e6:.0f} us per step over {calls} block calls "
               f"({bookkeeping / calls * 1e6:.1f} us per call)")
+    if "flux" in args.families:
+        paired, minima, tokens = save_attention_ratio(device, args.rounds, args.warmup)
+        print(f"- save_attention (flux, {tokens} tokens, per-block): step time with the attention outputs kept / "
+              f"plain recompute: median of paired ratios {paired:.3f}, ratio of minima {minima:.3f}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

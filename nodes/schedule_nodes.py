@@ -12,6 +12,8 @@ _KEYS = ("gradient_checkpointing", "gradient_checkpointing_backend", "gradient_c
          "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
          "gradient_checkpointing_offload_pin_memory_max_buckets")
 _OFFLOAD = _KEYS[1:2] + _KEYS[4:]
+_SAVE = "gradient_checkpointing_save_attention"
+"""Optional on the Schedule node (workflows saved before it leave it out)."""
 _STREAM = ("weight_offload", "weight_offload_blocks", "weight_offload_prefetch")
 
 
@@ -20,7 +22,7 @@ class GradientCheckpointingSchedule:
     interval and stride. Outputs a :class:`~.payloads.FamilySchedule`."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (SCHEDULE,), ("schedule",)
-    OPTIONS = NodeOptions({key: key for key in _KEYS}, zero_unset=_KEYS[2:4])
+    OPTIONS = NodeOptions({key: key for key in _KEYS + (_SAVE,)}, zero_unset=_KEYS[2:4])
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -30,7 +32,7 @@ class GradientCheckpointingSchedule:
                              "a model of another family."),
             **{key: widget(key, extra=" 0 = unset." if key in cls.OPTIONS.zero_unset else "",
                            zero_unset=key in cls.OPTIONS.zero_unset) for key in _KEYS},
-        }}
+        }, "optional": {_SAVE: widget(_SAVE)}}
 
     @classmethod
     def schedule(cls, family: str | None = None, **keys) -> api.CheckpointSchedule:

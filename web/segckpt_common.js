@@ -1,7 +1,7 @@
 // Pure helpers of the pack's frontend: no DOM, no ComfyUI imports, so node's test runner can load
 // them (tests/js/). The node extensions (schedule_strip.js, train_loss_curve.js) draw with them.
 
-/** The six schedule keys, in the order of the Gradient Checkpointing Schedule node's widgets. */
+/** The schedule keys, in the order of the Gradient Checkpointing Schedule node's widgets (the six, then save_attention). */
 export const SCHEDULE_KEYS = [
   "gradient_checkpointing",
   "gradient_checkpointing_backend",
@@ -9,6 +9,7 @@ export const SCHEDULE_KEYS = [
   "gradient_checkpointing_segment_stride",
   "gradient_checkpointing_offload_attention",
   "gradient_checkpointing_offload_pin_memory_max_buckets",
+  "gradient_checkpointing_save_attention",
 ];
 
 /**
@@ -21,6 +22,8 @@ export const STREAM_KEYS = ["weight_offload", "weight_offload_blocks", "weight_o
 export const MARKS = {
   C: { color: "#3b82f6", label: "checkpointed" },
   O: { color: "#a855f7", label: "checkpointed, inputs offloaded" },
+  K: { color: "#0ea5e9", label: "checkpointed, attention outputs kept" },
+  k: { color: "#c084fc", label: "checkpointed, inputs and kept attention offloaded" },
   F: { color: "#10b981", label: "FFN checkpointed" },
   f: { color: "#14b8a6", label: "FFN checkpointed, offloaded" },
   a: { color: "#f59e0b", label: "plain, attention offloaded" },

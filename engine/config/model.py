@@ -118,6 +118,12 @@ class ModelConfig:
         "auto", "SDPA kernels for forward, backward and every recompute: auto (flash, efficient, math; cuDNN is "
         "left out because its fused backward returns NaN on some shapes) or a comma-separated list of flash, "
         "efficient, math, cudnn in priority order.", "--attention-backend", parse=_attention)
+    compile_blocks: bool = option(
+        False, "torch.compile each block of the family's block lists once (diffusers' compile_repeated_blocks "
+        "where the model declares _repeated_blocks), dynamic shapes, the checkpoint call outside the compiled "
+        "block. Not a universal win: measure it (segckpt sweep --compile). Blocks that cannot compile (offload or "
+        "streaming hooks, quantized weights, kept attention outputs) stay eager, named in one warning.",
+        "--compile-blocks")
 
     def __post_init__(self) -> None:
         check_options(self)

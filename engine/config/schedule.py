@@ -44,6 +44,12 @@ _HELP = {
         "Offload the attention side's saved activations to CPU memory (families with an "
         "attention/FFN split)."
     ),
+    "gradient_checkpointing_save_attention": (
+        "Keep the attention kernels' outputs of checkpointed regions (PyTorch selective checkpointing: the "
+        "fused SDPA outputs and logsumexp are saved, everything else recomputed), so backward does not run "
+        "attention again; costs their bytes per block. torch and unsloth backends (with unsloth they are "
+        "offloaded with the boundary inputs)."
+    ),
     "gradient_checkpointing_offload_pin_memory_max_buckets": (
         "Pinned CPU pool for offloaded tensors, in distinct (size, dtype) buckets; 0 = ordinary "
         "pageable CPU memory."
@@ -98,6 +104,8 @@ class CheckpointSchedule:
         gradient_checkpointing_segment_stride: period S >= N, or ``None`` (unset, = N).
         gradient_checkpointing_offload_attention: offload attention-side saved activations.
         gradient_checkpointing_offload_pin_memory_max_buckets: distinct pinned buffer keys, >= 0.
+        gradient_checkpointing_save_attention: checkpointed regions keep their attention outputs
+            (selective checkpointing; ``engine/core/attention_saving.py``).
         weight_offload: ``none`` or ``stream`` (frozen block weights in host memory).
         weight_offload_blocks: how many blocks stream (``None`` = all).
         weight_offload_prefetch: streamed units copied ahead, 0..8.
@@ -125,6 +133,8 @@ class CheckpointSchedule:
                                                             "--offload-attention")
     gradient_checkpointing_offload_pin_memory_max_buckets: int = option(
         12, _HELP["gradient_checkpointing_offload_pin_memory_max_buckets"], "--pin-buckets", min=0, max=MAX_BLOCKS)
+    gradient_checkpointing_save_attention: bool = option(False, _HELP["gradient_checkpointing_save_attention"],
+                                                         "--save-attention")
     weight_offload: str = option("none", _HELP["weight_offload"], "--weight-offload", choices=WEIGHT_OFFLOAD)
     weight_offload_blocks: int | None = option(None, _HELP["weight_offload_blocks"], "--weight-offload-blocks", min=1,
                                                max=MAX_BLOCKS, parse=_read_blocks,
@@ -148,6 +158,12 @@ class CheckpointSchedule:
                     stride,
                     f"an integer >= gradient_checkpointing_interval ({interval}); smaller strides overlap",
                 )
+        if self.gradient_checkpointing_save_attention and (not self.gradient_checkpointing or self.backend.ffn_scope):
+            what = ("gradient_checkpointing=False (nothing is recomputed)" if not self.gradient_checkpointing else
+                    f"gradient_checkpointing_backend={self.gradient_checkpointing_backend!r} (its FFN-only regions "
+                    "hold no attention)")
+            raise ScheduleError(f"gradient_checkpointing_save_attention=True is invalid with {what}: allowed with the "
+                                "torch or unsloth backend, or false")
         if self.weight_offload_prefetch != 1 and not self.streams:
             raise ScheduleError(f"weight_offload_prefetch={self.weight_offload_prefetch!r} is invalid with "
                                 f"weight_offload={self.weight_offload!r}: allowed 1 (the default), or set "
@@ -187,6 +203,8 @@ class CheckpointSchedule:
             name += f"-stride{self.stride}"
         if self.backend != DEFAULT:
             name += f"-{self.gradient_checkpointing_backend}"
+        if self.gradient_checkpointing_save_attention:
+            name += "-save-attn"
         if self.gradient_checkpointing_offload_attention:
             name += "-offload-attn"
         return name + self.stream_suffix
@@ -246,10 +264,11 @@ class CheckpointSchedule:
 
 
 KEYS = tuple(f.name for f in fields(CheckpointSchedule))
-"""The nine keys: the documents' six in their order, then the three weight-streaming keys."""
+"""The ten keys: the documents' six in their order, ``gradient_checkpointing_save_attention``, then
+the three weight-streaming keys."""
 CHECKPOINT_KEYS = KEYS[:6]
-"""The six ``gradient_checkpointing_*`` keys."""
-STREAM_KEYS = KEYS[6:]
+"""The documents' six ``gradient_checkpointing_*`` keys."""
+STREAM_KEYS = KEYS[7:]
 """The three ``weight_offload*`` keys."""
 SWAP_ALIAS = "musubi_blocks_to_swap"
 """SimpleTuner's config key for musubi-tuner's block swap, read as the streaming keys."""

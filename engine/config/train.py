@@ -116,6 +116,10 @@ class TrainConfig:
             raise ConfigError("gradient_checkpointing_offload_attention=True is invalid: allowed false with fsdp (it "
                               "would copy the blocks' all-gathered weights to host memory); the unsloth backends, "
                               "which offload only the hidden states between blocks, run sharded.")
+        if self.schedule.gradient_checkpointing_save_attention and self.sharding.fsdp_activation_checkpointing:
+            raise ConfigError("gradient_checkpointing_save_attention=True is invalid with "
+                              "fsdp_activation_checkpointing=True: allowed false (FSDP's checkpoint_wrapper recomputes "
+                              "whole blocks); with fsdp_activation_checkpointing false the segment runner keeps them")
         if self.schedule.streams:
             raise ConfigError("weight_offload='stream' is invalid: allowed none with fsdp (FSDP already shards the "
                               "frozen weights over the processes and gathers each block's before it runs).")

@@ -221,7 +221,7 @@ class _Region:
             self.pool.give_back(self.buffer, self.pooled, self.event)
 
 
-class _Saved:
+class Saved:
     """What autograd keeps for one offloaded saved tensor: its region and its view of it."""
 
     __slots__ = ("region", "shape", "stride")
@@ -288,7 +288,7 @@ class Offloader:
             region = regions[key][1]
             if stride is None:
                 stride = torch.empty(tensor.shape, device="meta").stride()
-            return _Saved(region, tensor.shape, stride)
+            return Saved(region, tensor.shape, stride)
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
@@ -297,6 +297,15 @@ class Offloader:
             # autograd keeps the pack hook (and so this closure) alive with every saved tensor:
             # drop the references, or the device originals would never be freed
             regions.clear()
+
+    def offload(self, tensor: torch.Tensor) -> Saved:
+        """``tensor`` copied to host memory now (a saved attention output of ``unsloth``,
+        ``engine/core/attention_saving.py``); :meth:`unpack` brings it back, shape and strides kept."""
+        if _dense_layout(tensor):
+            flat, stride = tensor.as_strided((tensor.numel(),), (1,)), tensor.stride()
+        else:
+            flat, stride = tensor.reshape(-1), torch.empty(tensor.shape, device="meta").stride()
+        return Saved(self._copy_to_host(flat), tensor.shape, stride)
 
     def _copy_to_host(self, flat: torch.Tensor) -> _Region:
         """Device-to-host copy of a 1-D tensor into a pool buffer."""
@@ -321,7 +330,7 @@ class Offloader:
         """Copy an offloaded tensor back to its device (host-to-device, ordered before its use)
         with its original shape and strides (kernels, and checkpoint's recompute check, can
         depend on the layout)."""
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, Saved):
             return self.weights.unpack(saved) if self.weights is not None else saved
         region = saved.region
         if region.uses <= 0:

@@ -31,7 +31,9 @@ through diffusers' checkpoint hook, or FSDP-style ``checkpoint_wrapper`` around 
 STREAM_LEGEND = "S = frozen weights streamed from host memory, . = frozen weights resident on the device"
 """Legend of :meth:`ModelPlan.stream_maps` (``weight_offload=stream``)."""
 LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
-          "inputs offloaded (unsloth), F = FFN checkpointed (torch-ffn), f = FFN checkpointed with its "
+          "inputs offloaded (unsloth), K = checkpointed block keeping its attention outputs (save_attention), "
+          "k = K with its boundary inputs and kept attention outputs offloaded (unsloth), F = FFN checkpointed "
+          "(torch-ffn), f = FFN checkpointed with its "
           "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
           ". = plain (activations kept)")
 
@@ -118,6 +120,8 @@ class ModelPlan:
     def block_maps(self) -> dict[str, str]:
         """Per list, one character per block (see :data:`LEGEND`)."""
         mark = self.schedule.backend.mark
+        if self.schedule.gradient_checkpointing_save_attention:
+            mark = {"C": "K", "O": "k"}.get(mark, mark)
         maps = {}
         for plan in self.lists:
             plain = "a" if self.schedule.gradient_checkpointing_offload_attention and plan.routed else "."

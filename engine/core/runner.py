@@ -29,7 +29,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..families.base import BlockList, Carry, FamilyAdapter
-from .offload import HostPool, Offloader, resident_storages
+from .attention_saving import AttentionSaving
+from .offload import HostPool, Offloader, Saved, resident_storages
 from .plan import RUNNER, ModelPlan, ScheduleWarning
 from .streaming import WeightStreamer, frozen_device_bytes
 
@@ -104,21 +105,36 @@ def _snapshot(value: Any) -> Any:
     objects are shared. A model's loop may rewrite an entry of a dict it hands to every block
     (diffusers' Flux.2 KV-cache mode does, before each block): a checkpoint call that kept the dict
     itself would recompute with the entry of a later block, and the segment check below would
-    compare the changed dict with itself."""
+    compare the changed dict with itself. A tuple holding no container is immutable all the way
+    down and is kept as it is (the common case: tensors, ``None``, a rotary-embedding pair), which
+    keeps the per-call cost low (bench/overhead.py)."""
     if isinstance(value, dict):
         return {k: _snapshot(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_snapshot(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+    if isinstance(value, tuple) and not hasattr(value, "_fields") and any(_holds_mutable(v) for v in value):
         return tuple(_snapshot(v) for v in value)
     return value
+
+
+def _holds_mutable(value: Any) -> bool:
+    """Whether ``value`` is or holds (through tuples) a list or dict."""
+    if isinstance(value, (list, dict)):
+        return True
+    return isinstance(value, tuple) and any(_holds_mutable(v) for v in value)
+
+
+_NULL = contextlib.nullcontext()
+"""A reusable do-nothing context (no allocation per block call)."""
 
 
 def same_arguments(a: Any, b: Any) -> bool:
     """Whether two block-call arguments are the same: tensors by identity, containers element-wise,
     everything else by ``==`` (identity where ``==`` is not a bool)."""
+    if a is b:  # the loop passed the very object (a tensor, or the segment's own tuple): nothing to compare
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
+        return False
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(same_arguments(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -147,6 +163,8 @@ class RecomputeMismatch(RuntimeError):
 class _Region:
     """The function one checkpoint call runs: blocks of one segment, chained by the carry map."""
 
+    __slots__ = ("runner", "blocks", "carry", "runs", "list_name", "start")
+
     def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry,
                  where: tuple[str, int]):
         self.runner, self.blocks, self.carry, self.runs = runner, blocks, carry, 0
@@ -155,7 +173,8 @@ class _Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
         recompute = self.runs > 1
-        with self.runner._in_region(recompute):
+        saving = self.runner.saving
+        with self.runner._in_region(recompute), (saving.region() if saving and not recompute else _NULL):
             output = None
             for i, block in enumerate(self.blocks):
                 if recompute:
@@ -265,6 +284,15 @@ class SegmentRunner:
             self.pool = HostPool(schedule.gradient_checkpointing_offload_pin_memory_max_buckets)
         if self.offload_inputs or self.offload_attention:
             self.offloader = Offloader(self.pool, lambda: self.recomputing, resident_storages(model))
+        self.saving: AttentionSaving | None = None
+        """``gradient_checkpointing_save_attention``: the regions' selective-checkpoint policy and its counts."""
+        if schedule.gradient_checkpointing_save_attention and self.backend and not self.ffn_scope:
+            off = self.offloader
+            self.saving = AttentionSaving(family.attention_ops,
+                                          (off.offload, off.unpack, Saved) if self.offload_inputs else None)
+            if checkpoint_fn is None:
+                self._checkpoint = functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=True,
+                                                     context_fn=self.saving)
         params = list(model.parameters())
         self.device = device or next((p.device for p in params if p.requires_grad), params[0].device if params
                                      else torch.device("cpu"))
@@ -289,6 +317,9 @@ class SegmentRunner:
 
     def _index_plan(self) -> None:
         self._segment_end = [dict(lp.segments) for lp in self.plan.lists]
+        # per list, segment start -> (end, its blocks, the block list): one look-up per block call
+        self._segments = [{start: (end, self._lists[li][start:end], self.family.block_lists[li])
+                           for start, end in ends.items()} for li, ends in enumerate(self._segment_end)]
         self._ffn_blocks = [set(lp.checkpointed) for lp in self.plan.lists] if self.ffn_scope else None
         self._streamed = [set(lp.streamed) for lp in self.plan.lists]
         if self.streamer is not None:  # a fallback changed the segments: new units
@@ -390,19 +421,18 @@ class SegmentRunner:
         list_index, block_index = where
         if self._pending is not None:
             return self._pass_through(list_index, block_index, args, kwargs)
-        end = None if self.ffn_scope else self._segment_end[list_index].get(block_index)
-        if end is None:
+        segment = None if self.ffn_scope else self._segments[list_index].get(block_index)
+        if segment is None:
             self.stats.plain_blocks += 1
             with self._block_scope(list_index, block_index, block):
                 return block(*args, **kwargs)
-        blocks = self._lists[list_index][block_index:end]
-        block_list = self.family.block_lists[list_index]
+        end, blocks, block_list = segment
         self.stats.checkpoint_calls += 1
         # the checkpoint keeps these arguments for the recompute: copies of their containers, so
         # that the loop changing a shared dict afterwards changes neither the recompute nor the check
         args, kwargs = _snapshot(args), _snapshot(kwargs)
         region = _Region(self, blocks, block_list.carry, (block_list.name, block_index))
-        with self._offload_boundary(block_list.carry.carried_inputs(args, kwargs)):
+        with self._offload_boundary(block_list.carry, args, kwargs):
             output = self._checkpoint(region, *args, **kwargs)
         if end - block_index > 1:
             self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs,
@@ -417,13 +447,13 @@ class SegmentRunner:
         name, blocks, block, ffn = self.last_recompute
         return RecomputeMismatch(name, blocks, block, ffn, str(error).strip().splitlines()[0])
 
-    def _offload_boundary(self, carried: list[Any]) -> Any:
+    def _offload_boundary(self, carry: Carry, args: tuple, kwargs: dict) -> Any:
         """``unsloth``: offload the region's carried inputs (the per-block hidden states); the
         other inputs (temb, rotary embeddings, masks) are shared by every block and stay alive
         on the device anyway, so copying them would save nothing."""
         if self.offloader is None or not self.offload_inputs:
-            return contextlib.nullcontext()
-        return self.offloader.hooks({id(v) for v in carried if isinstance(v, torch.Tensor)})
+            return _NULL
+        return self.offloader.hooks({id(v) for v in carry.carried_inputs(args, kwargs) if isinstance(v, torch.Tensor)})
 
     @contextlib.contextmanager
     def _block_scope(self, list_index: int, block_index: int, block: torch.nn.Module) -> Iterator[None]:

@@ -88,14 +88,11 @@ class FamilyAdapter:
         segmented: the family supports interval/stride (whole-block segments); when ``False``
             the interval and stride are ignored with a warning and every block is per-block.
         stride_honoured: the family honours the stride.
-        shared_sigma: the model takes one timestep per batch, not per sample (MiniMax H3): the
-            trainer draws one noise level per micro-batch.
+        shared_sigma: one timestep per batch (MiniMax H3): one noise level per micro-batch.
         lora_targets: default LoRA target module names (attention projections).
         notes: free-text notes shown in the support table.
-        plan_notes: notes every plan of this family carries (the generic fallback says there
-            whether its segments were proven by the probe).
-        comfy_latents: ComfyUI's latent format of the family (``LATENT`` -> model latents), or
-            ``None``: no ComfyUI mapping (Train LoRA refuses ComfyUI latents for it).
+        plan_notes: notes every plan of this family carries (the generic fallback's probe verdict).
+        comfy_latents: ComfyUI's latent format (``LATENT`` -> model latents); ``None``: no mapping.
         text_encoders: the text encoders its pipeline uses (``segckpt --text-encoder``), or
             ``None``: one generic local encoder folder at most.
         patch: latent cells per image-token side where the model config's ``patch_size`` does not
@@ -105,6 +102,8 @@ class FamilyAdapter:
         aspect_buckets: aspect-ratio buckets apply (``False``: refused, e.g. a 1-D audio sequence).
         limits, frames: the model's size bounds (``engine/families/limits.py``) and a video family's
             frame rule (``engine/families/frames.py``); ``None``: none, one frame.
+        attention_ops: attention operators besides the fused SDPA ones whose outputs
+            ``gradient_checkpointing_save_attention`` keeps (``engine/core/attention_saving.py``).
     """
 
     name: str
@@ -130,6 +129,7 @@ class FamilyAdapter:
     aspect_buckets: bool = True
     limits: Callable[[Mapping[str, Any]], Limits] | None = None
     frames: FrameRule | None = None
+    attention_ops: tuple[Any, ...] = ()
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

@@ -130,6 +130,8 @@ class PlanChoice:
     the largest count's, measured when asked, predicted to fit every count)."""
     labels: dict[int, str] = field(default_factory=dict)
     """Per frame count: what it trains on (``5 frames (2 latent frames, 128 tokens per sample)``)."""
+    compile_blocks: bool = False
+    """:func:`try_levers` measured ``compile_blocks`` faster within the budget: train with it."""
 
     def render(self) -> str:
         """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
@@ -425,7 +427,7 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
                     warmup_steps: int = 1, start_run: StartRun | None = None,
                     max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[int, int], None] | None = None,
                     should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None,
-                    frames: tuple[int, ...] | None = None) -> PlanChoice:
+                    frames: tuple[int, ...] | None = None, levers: tuple[str, ...] = ()) -> PlanChoice:
     """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
 
     With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
@@ -453,16 +455,16 @@ def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_step
         if frames:
             workspace.expect(probe_steps(warmup_steps) + (len(frames) - 1) * probe_steps(warmup_steps, False) + timed)
             return _plan_frames(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, workspace,
-                                host_budget_bytes, timed, frames)
+                                host_budget_bytes, timed, frames, levers)
         workspace.expect((probe_steps(warmup_steps) if probe_ is None else 0) + timed)
         return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
                      probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes,
-                     timed)
+                     timed, levers)
 
 
 def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int,
                  max_tries: int, workspace: RunWorkspace, host_budget_bytes: int | None, announced: int,
-                 frames: tuple[int, ...]) -> PlanChoice:
+                 frames: tuple[int, ...], levers: tuple[str, ...] = ()) -> PlanChoice:
     """:func:`plan_for_budget` over pixel-frame counts: probe each (the first calibrates the
     offloader for the others), predict each, decide at the largest."""
     probes: dict[int, Probe] = {}
@@ -474,7 +476,7 @@ def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: 
     largest = max(frames)
     with use_frames(workspace, largest):
         choice = _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, probes[largest],
-                       workspace, host_budget_bytes, announced)
+                       workspace, host_budget_bytes, announced, levers)
     limit = budget_bytes * (1 - MARGIN)
     for n in frames:
         if n == largest:
@@ -494,7 +496,7 @@ def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: 
 
 def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,
           measured_probe: Probe, workspace: RunWorkspace, host_budget_bytes: int | None = None,
-          announced: int = 0) -> PlanChoice:
+          announced: int = 0, levers: tuple[str, ...] = ()) -> PlanChoice:
     excluded: list[str] = []
     notes: list[str] = []
     for _ in range(max_tries):
@@ -523,6 +525,60 @@ def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, wa
                 notes.append(f"{p.schedule.mode} measured {p.measured_peak_bytes / 2**30:.4g} GiB, over the budget "
                              f"(predicted {p.peak_bytes / 2**30:.4g}): tried the next candidate")
         if choice.measured_peak_bytes <= budget_bytes:
+            if levers:
+                try_levers(choice, workspace, warmup_steps, measure_steps, levers)
             return choice
     raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the candidates tried fits when measured "
                        f"({'; '.join(notes)})")
+
+
+LEVER_GAIN = 0.02
+"""A lever is kept only when it measures at least this much faster (2%: above the noise of a
+paired measurement on a shared machine) with its measured peak within the budget."""
+
+
+LEVERS = ("save_attention", "compile")
+"""What :func:`try_levers` can try: ``gradient_checkpointing_save_attention``, ``compile_blocks``."""
+
+
+def try_levers(choice: PlanChoice, workspace: RunWorkspace, warmup_steps: int, measure_steps: int,
+               names: tuple[str, ...] = LEVERS) -> None:
+    """Measure the chosen schedule with each lever of ``names`` (:data:`LEVERS`) and keep a lever
+    only when it is faster within the budget, time and peak measured (never predicted: its cost
+    depends on the model and the card; FastVideo PR #1410, OneTrainer #1114 and the documents'
+    compile regressions): ``gradient_checkpointing_save_attention`` (checkpointed ``torch`` or
+    ``unsloth`` regions), then ``compile_blocks`` over what was kept. The choice's schedule, its
+    measured figures and ``compile_blocks`` follow; ``notes`` say which lever was kept and why.
+    """
+    base = choice.chosen.schedule
+    levers = []
+    if ("save_attention" in names and base.gradient_checkpointing and not base.backend.ffn_scope
+            and not base.gradient_checkpointing_save_attention):
+        levers.append(("gradient_checkpointing_save_attention", base.replace(gradient_checkpointing_save_attention=True),
+                       {}))
+    if "compile" in names:
+        levers.append(("compile_blocks", None, {"compile_blocks": True}))
+    workspace.expect(len(levers) * (warmup_steps + measure_steps))
+    for name, schedule, changes in levers:
+        schedule = schedule or choice.chosen.schedule
+        try:
+            result = workspace.run(schedule, warmup_steps, measure_steps, **changes)
+        except MeasurementInterrupted:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a lever that fails is not kept
+            choice.notes.append(f"{name}: not kept ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            continue
+        seconds, peak = result.report["totals"]["sec_per_step"], peak_after_warmup(result, warmup_steps)
+        ratio = seconds / choice.measured_sec_per_step
+        figures = f"{ratio:.3f}x sec/step, peak {peak / 2**30:.4g} GiB"
+        if peak > choice.budget_bytes:
+            choice.notes.append(f"{name}: not kept ({figures}, over the budget)")
+        elif ratio > 1 - LEVER_GAIN:
+            choice.notes.append(f"{name}: not kept ({figures}: not faster by {LEVER_GAIN:.0%})")
+        else:
+            choice.notes.append(f"{name}: kept ({figures}, within the budget)")
+            choice.measured_sec_per_step, choice.measured_peak_bytes = seconds, peak
+            if changes:
+                choice.compile_blocks = True
+            else:
+                choice.chosen = dataclasses.replace(choice.chosen, schedule=schedule)

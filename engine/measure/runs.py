@@ -133,9 +133,9 @@ class RunWorkspace:
         with torch.inference_mode(False), torch.no_grad():
             return run.prepare_data()[0]
 
-    def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int) -> TrainResult:
-        """:meth:`start` and drive the run to its end; its result."""
-        run = self.start(schedule, warmup_steps, measured_steps)
+    def run(self, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int, **changes: Any) -> TrainResult:
+        """:meth:`start` and drive the run to its end; its result (``changes``: as :meth:`start`'s)."""
+        run = self.start(schedule, warmup_steps, measured_steps, **changes)
         for _ in run:
             pass
         return run.result

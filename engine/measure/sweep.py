@@ -56,10 +56,13 @@ NOISE = 0.05
 """Relative difference under which two cells' sec/step count as equal (same-process noise)."""
 
 
-def sweep_schedules(offload_attention: bool = True, streaming: bool = False) -> list[CheckpointSchedule]:
+def sweep_schedules(offload_attention: bool = True, streaming: bool = False,
+                    save_attention: bool = False) -> list[CheckpointSchedule]:
     """Every mode of the sweep: the four base schedules x the four backends (checkpointed
-    schedules only) x attention offload off/on; then (``streaming``) the four base schedules with
-    every block's frozen weights streamed (``-stream``)."""
+    schedules only) x attention offload off/on; then (``save_attention``) each checkpointed
+    schedule of the ``torch`` and ``unsloth`` backends keeping its attention outputs
+    (``-save-attn``); then (``streaming``) the four base schedules with every block's frozen
+    weights streamed (``-stream``)."""
     schedules = []
     for name, base in BASE_MODES.items():
         backends = (DEFAULT.name,) if name == "none" else BACKENDS
@@ -67,6 +70,10 @@ def sweep_schedules(offload_attention: bool = True, streaming: bool = False) -> 
             for attention in (False, True) if offload_attention else (False,):
                 schedules.append(base.replace(gradient_checkpointing_backend=backend,
                                               gradient_checkpointing_offload_attention=attention))
+    if save_attention:
+        schedules += [s.replace(gradient_checkpointing_save_attention=True) for s in list(schedules)
+                      if s.gradient_checkpointing and not s.backend.ffn_scope
+                      and not s.gradient_checkpointing_offload_attention]
     if streaming:
         schedules += [base.replace(weight_offload="stream") for base in BASE_MODES.values()]
     return schedules
@@ -134,7 +141,7 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
               on_step: Callable[[int, int], None] | None = None,
               should_stop: Callable[[], bool] | None = None,
               on_cell: Callable[[list[SweepCell]], None] | None = None,
-              frames: int | None = None) -> list[SweepCell]:
+              frames: int | None = None, compile_modes: bool = False) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
@@ -151,6 +158,8 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
             :class:`~.runs.RunWorkspace`).
         on_cell: called after every cell with every cell so far and the rest as ``not run``
             (write the tables there, and an interrupted sweep keeps what it measured).
+        compile_modes: after the schedules, each one again with ``compile_blocks`` (mode
+            ``<mode>+compile``; ``engine/core/compiling.py``).
         frames: measure clips of this many pixel frames (synthetic latents ``(N, C, F', h, w)``
             with the text of the run's data, :func:`~.frames.use_frames`); checked by the caller
             (:func:`~.frames.check_measure_frames`). None: the run's own data.
@@ -164,12 +173,17 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     family = get_family(bundle.family.name)
     cells: list[SweepCell] = []
     schedules = schedules or sweep_schedules()
+    runs = [(s, {}) for s in schedules] + ([(s, {"compile_blocks": True}) for s in schedules] if compile_modes else [])
+
+    def mode(schedule: CheckpointSchedule, changes: dict) -> str:
+        return schedule.mode + ("+compile" if changes else "")
+
     with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace, \
             (use_frames(workspace, frames) if frames is not None else contextlib.nullcontext()):
         workspace.expect((warmup_steps + measured_steps) * sum(
-            1 for s in schedules if not (skip is not None and skip(s)) and _supported(family, s)))
-        for schedule in schedules:
-            cell = SweepCell(schedule.mode, schedule.to_dict(), "ok")
+            1 for s, _ in runs if not (skip is not None and skip(s)) and _supported(family, s)))
+        for schedule, changes in runs:
+            cell = SweepCell(mode(schedule, changes), schedule.to_dict(), "ok")
             if skip is not None and skip(schedule):
                 cell.status = "not run"
             else:
@@ -178,19 +192,19 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
                 except ScheduleError as exc:
                     cell.status, cell.error = "unsupported", str(exc)
             if cell.status == "ok":
-                _measure(cell, workspace, schedule, warmup_steps, measured_steps)
+                _measure(cell, workspace, schedule, warmup_steps, measured_steps, changes)
             log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
             cells.append(cell)
             if on_cell is not None:
-                on_cell(cells + [SweepCell(s.mode, s.to_dict(), "not run") for s in schedules[len(cells):]])
+                on_cell(cells + [SweepCell(mode(s, c), s.to_dict(), "not run") for s, c in runs[len(cells):]])
     flag_ineffective(cells)
     return cells
 
 
 def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSchedule, warmup_steps: int,
-             measured_steps: int) -> None:
+             measured_steps: int, changes: dict | None = None) -> None:
     try:
-        result = workspace.run(schedule, warmup_steps, measured_steps)
+        result = workspace.run(schedule, warmup_steps, measured_steps, **(changes or {}))
     except MeasurementInterrupted:  # Cancel stops the sweep; nothing else does
         raise
     except Exception as exc:  # a cell never stops the sweep
@@ -218,7 +232,7 @@ def flag_ineffective(cells: list[SweepCell], noise: float = NOISE) -> None:
     measured = [c for c in cells if c.status == "ok"]
     for a in measured:
         for b in measured:
-            if a is b or a.block_map == b.block_map and a.schedule == b.schedule:
+            if a is b or a.block_map == b.block_map and a.schedule == b.schedule and a.mode == b.mode:
                 continue
             same_time = abs(a.sec_per_step - b.sec_per_step) <= noise * max(a.sec_per_step, b.sec_per_step)
             same_peak = a.peak_bytes == b.peak_bytes or abs(a.peak_bytes - b.peak_bytes) <= 0.005 * max(a.peak_bytes, b.peak_bytes)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..core.compiling import compile_seconds
 from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ModelPlan
 from ..data.buckets import sample_latent_shape
@@ -292,7 +293,7 @@ class TrainingRun:
             PeakMemory(device, exclude=trainable.runner.pool.is_host if trainable.runner.pool else None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist,
-            random_windows=self.random_windows)
+            random_windows=self.random_windows, compiled=trainable.compiled)
         if config.validation.validation_every:
             caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
             self.preview_source = preview_source_for(config, self.bundle, sample_latent_shape(cache), device,
@@ -348,6 +349,7 @@ class TrainingRun:
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
+                    "compile": compile_section(ctx.compiled, self.history),
                     "resume": self.data_change and {"data_changed": self.data_change["changes"],
                                                     "from_step": self.data_change["step"],
                                                     "fresh_epoch": self.data_change["fresh_epoch"]},
@@ -392,3 +394,15 @@ def _with_windows(summary: dict[str, Any], windows: Any) -> dict[str, Any]:
     if windows is None or "frames" not in summary:
         return summary
     return {**summary, "frames": {**summary["frames"], "windows_encoded": windows.encoded}}
+
+
+def compile_section(compiled: Any, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``report.json`` ``compile``: what ``compile_blocks`` compiled, the graphs after the first
+    step and the recompiles after it (0 when dynamic shapes held across buckets), and the seconds
+    spent compiling (kept out of sec/step by the warm-up steps)."""
+    if compiled is None:
+        return None
+    graphs = [h.get("compiled_graphs", 0) for h in history]
+    return {**compiled.to_dict(), "graphs_after_first_step": graphs[0] if graphs else 0,
+            "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
+            "compile_seconds": round(compile_seconds() - compiled.seconds, 3)}

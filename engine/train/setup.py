@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CheckpointSchedule, ShardingConfig, TrainConfig, derived_seed
+from ..core.compiling import CompileReport, compile_blocks
 from ..core.plan import count_blocks, effective_plan
 from ..core.runner import SegmentRunner
 from ..data.prepare import make_sampler
@@ -84,12 +85,14 @@ class Trainable:
         runner: the installed :class:`~..core.runner.SegmentRunner`.
         params: the trainable LoRA parameters (DTensor shards under FSDP).
         base: what the base's precision did (frozen bytes, quantized layers).
+        compiled: what ``compile_blocks`` compiled (``engine/core/compiling.py``), or None.
     """
 
     model: torch.nn.Module
     runner: SegmentRunner
     params: list[torch.nn.Parameter]
     base: BaseWeights
+    compiled: CompileReport | None = None
 
 
 def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precision, device: torch.device,
@@ -125,7 +128,12 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
             + ("; on_oom=switch is not applied under fsdp (the processes cannot retry a step together): a step "
                "that runs out of memory stops the run, its last good step saved"
                if config.guards.on_oom == "switch" else ""))
-    return Trainable(model, runner, params, base)
+    compiled = None
+    if config.model.compile_blocks:  # after the runner and sharding: the runner calls the compiled blocks
+        compiled = compile_blocks(model, bundle.family, runner, quantized=base.quantized_linear_layers > 0)
+        log(f"compile_blocks: {compiled.how}, {sum(map(len, compiled.compiled.values()))} blocks compiled at their "
+            "first call (dynamic shapes)")
+    return Trainable(model, runner, params, base, compiled)
 
 
 @dataclass

@@ -9,6 +9,7 @@ offloaded inputs come back) -> the non-finite guard (one synchronisation) -> the
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 
 from ..config import TrainConfig
+from ..core.compiling import CompileReport, compiled_graphs
 from ..core.memory import PeakMemory, StepTimer
+from ..core.plan import ScheduleWarning
 from ..core.runner import RecomputeMismatch, SegmentRunner
 from ..data.buckets import latents_for
 from ..data.samplers import BucketSampler, EpochSampler
@@ -59,6 +62,11 @@ class StepRecord:
         weight_h2d_bytes, weight_copies, weight_d2h_bytes, weight_stall_s, resident_frozen_bytes,
             streamed_frozen_bytes, pinned_host_bytes: weight streaming's figures of the step
             (:meth:`~..core.runner.SegmentRunner.weight_receipt`).
+        saved_attention_outputs, saved_attention_bytes, recomputed_attention_calls,
+            unsaved_attention_regions: ``gradient_checkpointing_save_attention``'s counts of the
+            step (:class:`~..core.attention_saving.AttentionStats`; all 0 without it).
+        compiled_graphs: with ``compile_blocks``, the graphs compiled since the run set up
+            compiling, through this step (a step that adds some recompiled).
         device_peak_bytes: the step's peak with everything the device holds: on CUDA
             ``peak_bytes``; on the CPU ``peak_bytes`` plus the frozen bytes resident on the
             "device", the trainable parameters and the optimizer state that existed before the
@@ -90,6 +98,11 @@ class StepRecord:
     streamed_frozen_bytes: int = 0
     pinned_host_bytes: int = 0
     device_peak_bytes: int = 0
+    saved_attention_outputs: int = 0
+    saved_attention_bytes: int = 0
+    recomputed_attention_calls: int = 0
+    unsaved_attention_regions: int = 0
+    compiled_graphs: int = 0
 
 
 @dataclass
@@ -119,6 +132,8 @@ class StepContext:
     """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
     dist: Distributed | None = None
     """The process group of a sharded run (FSDP): each rank trains its rows of every batch."""
+    compiled: CompileReport | None = None
+    """``compile_blocks``: what was compiled (the steps count the graphs compiled since)."""
     random_windows: RandomWindows | None = None
     """``frame_sampling=random``: the clips' windows drawn and encoded per batch, before the measured region."""
     lr_factor: Callable[[int], float] = field(init=False)
@@ -146,6 +161,8 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr
     runner.stats.reset()
+    if runner.saving:
+        runner.saving.stats.reset()
     # optimizer state that exists before the step is held on the device (the CPU tracker misses it)
     held_state = _state_bytes(ctx.optimizer) if device.type != "cuda" else 0
     if runner.offloader:
@@ -211,7 +228,26 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       stats.recomputed_blocks, stats.recomputed_ffn,
                       off.stats.tensors if off else 0, off.stats.bytes if off else 0,
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
-                      reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak)
+                      reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak,
+                      **_attention_counts(runner),
+                      compiled_graphs=compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0)
+
+
+def _attention_counts(runner: SegmentRunner) -> dict[str, int]:
+    """The step's attention-saving counts; warns once per run where a region saved nothing (the
+    math SDPA path is decomposed before the policy sees it: no saving is claimed there)."""
+    saving = runner.saving
+    if saving is None:
+        return {}
+    stats = saving.stats
+    if stats.unsaved_regions and not saving.warned:
+        saving.warned = True
+        warnings.warn(f"gradient_checkpointing_save_attention: {stats.unsaved_regions} checkpointed regions ran no "
+                      "fused attention kernel (the math SDPA path, e.g. attention_backend=math or a mask the fused "
+                      "kernels refuse): nothing was saved there, they recompute attention", ScheduleWarning,
+                      stacklevel=4)
+    return {"saved_attention_outputs": stats.saved_outputs, "saved_attention_bytes": stats.saved_bytes,
+            "recomputed_attention_calls": stats.recomputed_calls, "unsaved_attention_regions": stats.unsaved_regions}
 
 
 def _draw(ctx: StepContext) -> tuple[list[int], torch.Tensor]:

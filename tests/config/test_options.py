@@ -29,7 +29,7 @@ PINNED = (
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
     "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
-    "gradient_checkpointing_offload_pin_memory_max_buckets",
+    "gradient_checkpointing_offload_pin_memory_max_buckets", "gradient_checkpointing_save_attention",
     "weight_offload", "weight_offload_blocks", "weight_offload_prefetch",
     "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
     "output", "resume", "overwrite", "on_data_change", "lora_format", "save_every",
