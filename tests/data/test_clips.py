@@ -49,9 +49,16 @@ def _cache(result):
     return load_file(path)
 
 
+@pytest.fixture(scope="module")
+def runs(clip_data, tmp_path_factory):
+    """One 2-step run per video family on the clip folder (read by several tests)."""
+    root = tmp_path_factory.mktemp("runs")
+    return {family: train(_config(clip_data, root / family, family), **QUIET) for family in FRAMES}
+
+
 @pytest.mark.parametrize("family", sorted(FRAMES))
-def test_video_families_train_on_clips_and_an_image(clip_data, tmp_path, family):
-    result = train(_config(clip_data, tmp_path / family, family), **QUIET)
+def test_video_families_train_on_clips_and_an_image(runs, family):
+    result = runs[family]
     rule = get_family(family).frames
     shapes = {shape[1]: len(rows) for shape, rows in shape_classes(_cache(result))}
     assert shapes == {rule.latent_frames(FRAMES[family]): 3, 1: 1}  # 3 clips at F', the photo at 1
@@ -61,15 +68,14 @@ def test_video_families_train_on_clips_and_an_image(clip_data, tmp_path, family)
     assert report["lossy"]["clip_skipped"] == 0
 
 
-def test_the_cached_window_is_the_clip_s_frames_encoded(clip_data, tmp_path):
+def test_the_cached_window_is_the_clip_s_frames_encoded(clip_data, runs):
     """The cache's latents of a clip are its first 5 frames through the VAE, as encoded by hand."""
     from segmented_checkpointing.engine.data.cache import encode_latents
     from segmented_checkpointing.engine.data.video import load_clip
     from segmented_checkpointing.engine.model.bundle import build_preset
 
-    config = _config(clip_data, tmp_path / "w", "wan", steps=1)
-    result = train(config, **QUIET)
-    bundle = build_preset("wan", seed=config.seed)
+    result = runs["wan"]
+    bundle = build_preset("wan", seed=result.report["config"]["seed"])
     pixels = load_clip(clip_data / "clip0.mp4", [0, 1, 2, 3, 4], (64, 64))[None]
     assert pixels.shape == (1, 3, 5, 64, 64)
     by_hand = encode_latents(bundle.vae, pixels, True)
@@ -103,8 +109,8 @@ SCHEDULES = {"per-block": MODES["layer"], "interval2": MODES["interval2"],
 
 
 @pytest.mark.parametrize("family", sorted(FRAMES))
-def test_every_schedule_gives_the_no_checkpoint_gradients_on_clip_latents(clip_data, tmp_path, family):
-    cache = _cache(train(_config(clip_data, tmp_path / family, family, steps=1), **QUIET))
+def test_every_schedule_gives_the_no_checkpoint_gradients_on_clip_latents(runs, family):
+    cache = _cache(runs[family])
     shape, rows = shape_classes(cache)[0]
     assert shape[1] > 1  # multi-frame latents
     text = TextBatch(cache["text_seq"][rows[:1]], cache["text_mask"][rows[:1]],
@@ -123,7 +129,7 @@ def test_every_schedule_gives_the_no_checkpoint_gradients_on_clip_latents(clip_d
 def test_runs_under_every_schedule_give_equal_losses(clip_data, tmp_path):
     """The whole run (cache, sampler, noise, optimizer) on Wan clips: per-step losses of each schedule."""
     def losses(name, schedule):
-        config = _config(clip_data, tmp_path / name, "wan", steps=3).replace(schedule=schedule)
+        config = _config(clip_data, tmp_path / name, "wan", steps=2).replace(schedule=schedule)
         return [h["loss"] for h in train(config, **QUIET).history]
 
     reference = losses("none", MODES["none"])
