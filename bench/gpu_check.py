@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 from gpu_compile import compile_check  # noqa: E402
+from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 from gpu_video import video_check  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402

@@ -114,9 +114,21 @@ def compile_blocks(model: torch.nn.Module, family: FamilyAdapter, runner: Any, q
         if not (repeated and every):
             for i in report.compiled[bl.name]:
                 blocks[i].compile(dynamic=True)
-    left = [f"{name} {', '.join(map(str, sorted(v)))} ({sorted(set(v.values()))[0]})" for name, v in eager.items() if v]
+    left = [f"{name} {_ranges(sorted(v))} ({'; '.join(sorted(set(v.values())))})" for name, v in eager.items() if v]
     if left:
         warnings.warn(f"compile_blocks: blocks left eager: {'; '.join(left)}", ScheduleWarning, stacklevel=3)
     return report
 
 
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    parts, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(str(start) if start == index else f"{start}-{index}")
+            start = None
+    return ", ".join(parts)

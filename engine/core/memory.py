@@ -215,11 +215,17 @@ class PeakMemory:
         device: the device the step runs on.
         exclude: CPU tracker only: tensors whose storage is not counted (see
             :class:`LiveTensorTracker`).
+        compiled: the step runs compiled blocks (``compile_blocks``). On the CPU nothing is then
+            tracked (the reading stays 0): dynamo runs no compiled code while a dispatch mode such
+            as the tracker is active, so tracking would measure an eager step instead. Measure
+            compile's memory on CUDA, where the allocator counts it.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", exclude: Callable[[torch.Tensor], bool] | None = None):
+    def __init__(self, device: torch.device | str = "cpu", exclude: Callable[[torch.Tensor], bool] | None = None,
+                 compiled: bool = False):
         self.device = torch.device(device)
         self.exclude = exclude
+        self.compiled = compiled
         self.tracker: LiveTensorTracker | None = None
         """The CPU tracker of the step being measured (None on CUDA and between steps)."""
 
@@ -237,6 +243,9 @@ class PeakMemory:
                 torch.cuda.synchronize(self.device)  # the peak of queued kernels is now recorded
                 reading.peak_bytes = torch.cuda.max_memory_allocated(self.device)
                 reading.end_bytes = torch.cuda.memory_allocated(self.device)
+            return
+        if self.compiled:  # see the class docstring: an untracked, compiled step
+            yield reading
             return
         with LiveTensorTracker(self.exclude) as tracker:
             self.tracker = tracker

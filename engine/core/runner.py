@@ -108,6 +108,9 @@ def _snapshot(value: Any) -> Any:
     compare the changed dict with itself. A tuple holding no container is immutable all the way
     down and is kept as it is (the common case: tensors, ``None``, a rotary-embedding pair), which
     keeps the per-call cost low (bench/overhead.py)."""
+    kind = type(value)
+    if kind is tuple and _frozen(value):  # the common case, decided on exact types
+        return value
     if isinstance(value, dict):
         return {k: _snapshot(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -115,6 +118,19 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields") and any(_holds_mutable(v) for v in value):
         return tuple(_snapshot(v) for v in value)
     return value
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str})
+"""Exact types of arguments that hold no container (a tensor subclass goes the general way)."""
+
+
+def _frozen(value: tuple) -> bool:
+    """Whether a plain tuple holds only :data:`_PLAIN` values and such tuples (nothing to copy)."""
+    for v in value:
+        kind = type(v)
+        if kind not in _PLAIN and not (kind is tuple and _frozen(v)):
+            return False
+    return True
 
 
 def _holds_mutable(value: Any) -> bool:
@@ -165,10 +181,10 @@ class _Region:
 
     __slots__ = ("runner", "blocks", "carry", "runs", "list_name", "start")
 
-    def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry,
-                 where: tuple[str, int]):
+    def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry, list_name: str,
+                 start: int):
         self.runner, self.blocks, self.carry, self.runs = runner, blocks, carry, 0
-        self.list_name, self.start = where
+        self.list_name, self.start = list_name, start
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
@@ -317,9 +333,13 @@ class SegmentRunner:
 
     def _index_plan(self) -> None:
         self._segment_end = [dict(lp.segments) for lp in self.plan.lists]
-        # per list, segment start -> (end, its blocks, the block list): one look-up per block call
-        self._segments = [{start: (end, self._lists[li][start:end], self.family.block_lists[li])
-                           for start, end in ends.items()} for li, ends in enumerate(self._segment_end)]
+        # per block, (list, index, its segment when one starts there: (end, blocks, block list, carry));
+        # the *-ffn backends checkpoint inside plain block calls: no segment
+        segments = [{start: (end, self._lists[li][start:end], self.family.block_lists[li],
+                             self.family.block_lists[li].carry) for start, end in ends.items()}
+                    for li, ends in enumerate(self._segment_end)]
+        self._entries = {key: (li, bi, None if self.ffn_scope else segments[li].get(bi))
+                         for key, (li, bi) in self._where.items()}
         self._ffn_blocks = [set(lp.checkpointed) for lp in self.plan.lists] if self.ffn_scope else None
         self._streamed = [set(lp.streamed) for lp in self.plan.lists]
         if self.streamer is not None:  # a fallback changed the segments: new units
@@ -413,26 +433,25 @@ class SegmentRunner:
 
     def __call__(self, block: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The ``gradient_checkpointing_func`` diffusers calls for every block."""
-        where = self._where.get(id(block))
-        if where is None:  # a module outside the declared lists: checkpoint it as diffusers does
+        entry = self._entries.get(id(block))
+        if entry is None:  # a module outside the declared lists: checkpoint it as diffusers does
             self.stats.checkpoint_calls += 1
             self.stats.undeclared_calls += 1
             return self._checkpoint(block, *args, **kwargs)
-        list_index, block_index = where
+        list_index, block_index, segment = entry
         if self._pending is not None:
             return self._pass_through(list_index, block_index, args, kwargs)
-        segment = None if self.ffn_scope else self._segments[list_index].get(block_index)
         if segment is None:
             self.stats.plain_blocks += 1
             with self._block_scope(list_index, block_index, block):
                 return block(*args, **kwargs)
-        end, blocks, block_list = segment
+        end, blocks, block_list, carry = segment
         self.stats.checkpoint_calls += 1
         # the checkpoint keeps these arguments for the recompute: copies of their containers, so
         # that the loop changing a shared dict afterwards changes neither the recompute nor the check
         args, kwargs = _snapshot(args), _snapshot(kwargs)
-        region = _Region(self, blocks, block_list.carry, (block_list.name, block_index))
-        with self._offload_boundary(block_list.carry, args, kwargs):
+        region = _Region(self, blocks, carry, block_list.name, block_index)
+        with self._offload_boundary(carry, args, kwargs):
             output = self._checkpoint(region, *args, **kwargs)
         if end - block_index > 1:
             self._pending = _Pending(list_index, block_index + 1, end, output, args, kwargs,

@@ -290,7 +290,8 @@ class TrainingRun:
         self.context = StepContext(
             config, model, self.bundle.family, trainable.runner, opt.optimizer, opt.scaler, opt.sampler, cache,
             opt.noise_gen, device, self.precision, self.kernels,
-            PeakMemory(device, exclude=trainable.runner.pool.is_host if trainable.runner.pool else None),
+            PeakMemory(device, exclude=trainable.runner.pool.is_host if trainable.runner.pool else None,
+                       compiled=trainable.compiled is not None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist,
             random_windows=self.random_windows, compiled=trainable.compiled)
@@ -398,11 +399,16 @@ def _with_windows(summary: dict[str, Any], windows: Any) -> dict[str, Any]:
 
 def compile_section(compiled: Any, history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """``report.json`` ``compile``: what ``compile_blocks`` compiled, the graphs after the first
-    step and the recompiles after it (0 when dynamic shapes held across buckets), and the seconds
-    spent compiling (kept out of sec/step by the warm-up steps)."""
+    step and the graphs compiled after it, the graphs compiled once every latent shape of the run
+    had trained (``recompiles_after_every_shape``: 0 when nothing recompiles in steady state), and
+    the seconds spent compiling (kept out of sec/step by the warm-up steps)."""
     if compiled is None:
         return None
     graphs = [h.get("compiled_graphs", 0) for h in history]
+    shapes = [h.get("shape", "") for h in history]
+    every = next((i for i in range(len(shapes)) if set(shapes[: i + 1]) == set(shapes)), 0)
     return {**compiled.to_dict(), "graphs_after_first_step": graphs[0] if graphs else 0,
             "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
+            "latent_shapes": len(set(shapes)),
+            "recompiles_after_every_shape": graphs[-1] - graphs[every] if graphs else 0,
             "compile_seconds": round(compile_seconds() - compiled.seconds, 3)}

@@ -73,7 +73,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
             "peak_mib": round(peak / 2**20, 3),
             "peak_gib": round(peak / 2**30, 6),
             "peak_scope": "cuda max_memory_allocated" if device.type == "cuda"
-            else "cpu live tensors created during the step",
+            else "not measured (compile_blocks on the CPU: compiled code runs only untracked)"
+            if config.model.compile_blocks else "cpu live tensors created during the step",
             "final_loss": history[-1]["loss"] if history else None,
             # latent tokens of one sample (latent frames x patches per frame), the largest batch's
             "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),

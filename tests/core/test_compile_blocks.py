@@ -1,5 +1,5 @@
 """compile_blocks: each block compiled once (inductor on the CPU), the checkpoint call outside it:
-losses equal eager over 3 steps, no recompile after the first step across two bucket shapes, and
+losses equal eager over 4 steps on two bucket shapes, nothing recompiles once both were seen, and
 the blocks that cannot compile stay eager, named."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from PIL import Image
 
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.core.compiling import _eager_reason
+from segmented_checkpointing.engine.core.compiling import _eager_reason, compile_blocks
 from segmented_checkpointing.engine.core.plan import ScheduleWarning, count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
 from segmented_checkpointing.engine.families import get_family
@@ -35,7 +35,7 @@ def two_buckets(tmp_path_factory):
 
 
 def _config(data, out, schedule, compile_blocks):
-    return TrainConfig.create(family="flux", output=str(out), data=str(data), resolution=64, steps=3, buckets=True,
+    return TrainConfig.create(family="flux", output=str(out), data=str(data), resolution=64, steps=4, buckets=True,
                               lora=LoraSettings(rank=2, alpha=2.0), timing_warmup_steps=1, schedule=schedule,
                               compile_blocks=compile_blocks)
 
@@ -44,16 +44,21 @@ def _config(data, out, schedule, compile_blocks):
 @pytest.mark.parametrize("schedule", [CheckpointSchedule(), CheckpointSchedule(
     gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4)], ids=["per-block", "interval2-stride4"])
 def test_compiled_blocks_train_as_eager_ones_without_recompiling(two_buckets, tmp_path, schedule):
-    torch._dynamo.reset()
     eager = train(_config(two_buckets, tmp_path / "eager", schedule, False), **QUIET)
+    torch._dynamo.reset()  # this run compiles its own graphs (inductor's on-disk cache keeps it quick)
     compiled = train(_config(two_buckets, tmp_path / "compiled", schedule, True), **QUIET)
-    assert {tuple(h["batch_shape"]) if "batch_shape" in h else None for h in compiled.history} is not None
+    shapes = {tuple(b["bucket"] for b in compiled.report["dataset"]["buckets"])}
+    assert shapes == {("64x64", "80x48")} or len(next(iter(shapes))) == 2  # two bucket shapes trained
     assert [h["loss"] for h in compiled.history] == pytest.approx([h["loss"] for h in eager.history], abs=1e-5)
     section = compiled.report["compile"]
-    assert section["compiled_blocks"] == {"double": 2, "single": 4} or sum(section["compiled_blocks"].values()) > 0
-    assert section["eager_blocks"] == {}
-    assert section["graphs_after_first_step"] > 0 and section["recompiles_after_first_step"] == 0
-    assert section["compile_seconds"] > 0
+    family = get_family("flux")
+    counts = count_blocks(family, family.model_cls()(**family.tiny_config))
+    assert section["compiled_blocks"] == counts and section["eager_blocks"] == {}
+    # diffusers 0.42's Flux attention specializes the sequence length (apply_rotary_emb broadcasts
+    # against the rotary table): a new bucket shape compiles once, then nothing recompiles
+    assert section["latent_shapes"] == 2 and section["graphs_after_first_step"] > 0
+    assert section["recompiles_after_every_shape"] == 0
+    assert compiled.report["totals"]["peak_scope"].startswith("not measured")
 
 
 def test_blocks_that_cannot_compile_are_named():
@@ -70,4 +75,7 @@ def test_blocks_that_cannot_compile_are_named():
                                                          warn=False))
     assert _eager_reason(runner, 0, 0, False) is None
     assert "quantized" in _eager_reason(runner, 0, 0, True)
-    assert ScheduleWarning
+    with pytest.warns(ScheduleWarning, match=r"compile_blocks: blocks left eager: double 0-7 \(its region keeps"):
+        plan = effective_plan(family, CheckpointSchedule(gradient_checkpointing_save_attention=True),
+                              count_blocks(family, model), warn=False)
+        compile_blocks(model, family, SegmentRunner(model, family, plan))
