@@ -20,6 +20,7 @@ Run: ``python bench/overhead.py [--rounds 25] [--warmup 3] [--threads 1] [--orde
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import sys
@@ -187,6 +188,31 @@ def save_attention_ratio(device: torch.device, rounds: int, warmup: int) -> tupl
     return statistics.median(x / y for x, y in zip(a, b)), min(a) / min(b), tokens
 
 
+def compile_ratio(device: torch.device, rounds: int, warmup: int) -> tuple[float, float, float]:
+    """Per-block recompute with every block compiled (``compile_blocks``, inductor) vs eager, Flux at
+    its config's size: ``(median of paired ratios, ratio of minima, compile seconds)``; below 1 =
+    compiled is faster. The compile happens in the warm-up rounds, outside the timed ones."""
+    from segmented_checkpointing.engine.core.compiling import compile_blocks, compile_seconds
+
+    family, model, latents, inputs = build("flux", device)
+    eager_model = copy.deepcopy(model)
+    runners = {}
+    for name, m in (("eager", eager_model), ("compiled", model)):
+        plan = effective_plan(family, CheckpointSchedule(), count_blocks(family, m), warn=False)
+        runners[name] = (m, SegmentRunner(m, family, plan).install())
+    started = compile_seconds()
+    compile_blocks(model, family, runners["compiled"][1])
+    timers = {name: StepTimer(device, warmup) for name in runners}
+    for i in range(warmup + rounds):
+        for name in (("compiled", "eager") if i % 2 else ("eager", "compiled")):
+            m, runner = runners[name]
+            m.zero_grad(set_to_none=True)
+            with timers[name].step():
+                _step(family, m, latents, inputs, runner.forward)
+    a, b = timers["compiled"].samples, timers["eager"].samples
+    return statistics.median(x / y for x, y in zip(a, b)), min(a) / min(b), compile_seconds() - started
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -196,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--order", choices=("abba", "abab"), default="abba",
                         help="abba: flip the order every round; abab: ours always first")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time compile_blocks against eager (inductor; about a minute of compiling on a CPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -231,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
         paired, minima, tokens = save_attention_ratio(device, max(4, args.rounds // 3), args.warmup)
         print(f"- save_attention (flux, {tokens} tokens, per-block): step time with the attention outputs kept / "
               f"plain recompute: median of paired ratios {paired:.3f}, ratio of minima {minima:.3f}")
+    if args.compile:
+        paired, minima, seconds = compile_ratio(device, args.rounds, max(args.warmup, 2))
+        print(f"- compile_blocks (flux, per-block): step time compiled / eager: median of paired ratios {paired:.3f}, "
+              f"ratio of minima {minima:.3f}; {seconds:.0f} s compiling (in the warm-up)")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

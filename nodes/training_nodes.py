@@ -45,7 +45,7 @@ from .widgets import NodeOptions, tip, widget
 OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_scheduler": "lr_scheduler",
                        "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
                        "seed": "seed", "attention_backend": "attention_backend", "on_nonfinite": "on_nonfinite",
-                       "preview_every": "validation_every"})
+                       "preview_every": "validation_every", "compile_blocks": "compile_blocks"})
 """Train LoRA's widgets that are engine options (``preview_every`` is ``validation_every``)."""
 messages.register({"run_name": "output"})  # the node's run_name makes the engine's output folder
 
@@ -170,6 +170,7 @@ class TrainLoRA:
                 "guardrails": (GUARDRAILS, tip("Optional, from Fit Guardrails: a pre-flight memory verdict before "
                                                "step 1, out-of-memory recovery, the slowdown watchdog.")),
                 "attention_backend": widget("attention_backend"),
+                "compile_blocks": widget("compile_blocks"),
                 "on_nonfinite": widget("on_nonfinite"),
                 "preview_every": widget("validation_every", extra=" Shown on this node while it trains; with latent "
                                         "+ conditioning, connect the VAE that encoded them."),

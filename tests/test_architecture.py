@@ -18,7 +18,8 @@ MAX_MODULES = 14
 LAYERS = {"files": 0, "families": 0, "config": 1, "core": 2, "model": 3, "data": 4, "train": 5, "measure": 6}
 """Lower layers never import higher ones: files, families <- config <- core <- model <- data <- train <- measure
 (``files``: reading and writing files safely; it imports no engine module)."""
-OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers", "diffusers.modular_pipelines", "av")
+OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers", "diffusers.modular_pipelines", "av",
+                  "torch._dynamo")
 """Imported inside the function that needs them: optional, or heavy and needed by one feature."""
 HEAVY = ("torch", "diffusers", "peft", "torchao", "transformers", "accelerate", "safetensors")
 """Libraries the declarations (config/, families/) never import at module level, so that ``--help``, a

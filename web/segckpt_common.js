@@ -60,7 +60,7 @@ export function planQuery(values, size = "full") {
   params.set("family", String(values.family ?? ""));
   params.set("size", size);
   for (const key of [...SCHEDULE_KEYS, ...STREAM_KEYS]) {
-    if (!(key in values)) continue;
+    if (!(key in values) || values[key] === undefined) continue; // an optional widget the node lacks
     let value = values[key];
     if ((key.endsWith("_interval") || key.endsWith("_stride")) && Number(value) === 0) value = "";
     if (key === "weight_offload_blocks" && Number(value) === 0) value = "all";

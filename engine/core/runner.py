@@ -179,17 +179,19 @@ class RecomputeMismatch(RuntimeError):
 class _Region:
     """The function one checkpoint call runs: blocks of one segment, chained by the carry map."""
 
-    __slots__ = ("runner", "blocks", "carry", "runs", "list_name", "start")
+    __slots__ = ("runner", "blocks", "carry", "runs", "list_name", "start", "attends")
 
     def __init__(self, runner: "SegmentRunner", blocks: list[torch.nn.Module], carry: Carry, list_name: str,
-                 start: int):
+                 start: int, attends: bool = True):
         self.runner, self.blocks, self.carry, self.runs = runner, blocks, carry, 0
         self.list_name, self.start = list_name, start
+        self.attends = attends
+        """The list's blocks hold attention (``BlockList.attention``): a region saving none is counted."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
         recompute = self.runs > 1
-        saving = self.runner.saving
+        saving = self.runner.saving if self.attends else None
         with self.runner._in_region(recompute), (saving.region() if saving and not recompute else _NULL):
             output = None
             for i, block in enumerate(self.blocks):
@@ -450,7 +452,7 @@ class SegmentRunner:
         # the checkpoint keeps these arguments for the recompute: copies of their containers, so
         # that the loop changing a shared dict afterwards changes neither the recompute nor the check
         args, kwargs = _snapshot(args), _snapshot(kwargs)
-        region = _Region(self, blocks, carry, block_list.name, block_index)
+        region = _Region(self, blocks, carry, block_list.name, block_index, block_list.attention is not None)
         with self._offload_boundary(carry, args, kwargs):
             output = self._checkpoint(region, *args, **kwargs)
         if end - block_index > 1:

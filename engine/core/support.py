@@ -27,6 +27,10 @@ HEADER = (
     "*FFN* = the sub-module checkpointed by `torch-ffn` / `unsloth-ffn` (`-` = none: those backends fail "
     "for the family); *attention* = the sub-module whose saved activations "
     "`gradient_checkpointing_offload_attention` offloads (`-` = none: the option fails).\n\n"
+    "`gradient_checkpointing_save_attention`: every family here runs its attention through torch's fused "
+    "SDPA kernels (diffusers' attention dispatch), so checkpointed regions keep their outputs; lists whose "
+    "attention is `-` (the U-Net's and Stable Cascade's resnet lists) hold none to keep "
+    "(`tests/core/test_save_attention.py` checks every family's tiny preset).\n\n"
 )
 
 DOCUMENT_FAMILIES: tuple[tuple[str, str | None], ...] = (

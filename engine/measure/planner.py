@@ -552,10 +552,13 @@ def try_levers(choice: PlanChoice, workspace: RunWorkspace, warmup_steps: int, m
     """
     base = choice.chosen.schedule
     levers = []
-    if ("save_attention" in names and base.gradient_checkpointing and not base.backend.ffn_scope
-            and not base.gradient_checkpointing_save_attention):
-        levers.append(("gradient_checkpointing_save_attention", base.replace(gradient_checkpointing_save_attention=True),
-                       {}))
+    if "save_attention" in names:
+        if base.gradient_checkpointing and not base.backend.ffn_scope and not base.gradient_checkpointing_save_attention:
+            levers.append(("gradient_checkpointing_save_attention",
+                           base.replace(gradient_checkpointing_save_attention=True), {}))
+        else:
+            choice.notes.append(f"gradient_checkpointing_save_attention: not tried ({base.mode} has no whole-block "
+                                "region to keep attention in)")
     if "compile" in names:
         levers.append(("compile_blocks", None, {"compile_blocks": True}))
     workspace.expect(len(levers) * (warmup_steps + measure_steps))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PINNED = (
     "family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "init_lora", "device",
-    "mixed_precision", "base_model_precision", "attention_backend",
+    "mixed_precision", "base_model_precision", "attention_backend", "compile_blocks",
     "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
     "batch_size", "global_batch_size",
     "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",

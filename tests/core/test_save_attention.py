@@ -16,6 +16,7 @@ from segmented_checkpointing.engine.core.attention_saving import ATTENTION_OPS
 from segmented_checkpointing.engine.core.memory import LiveTensorTracker
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.families import family_names
 
 FAMILIES = ("flux", "sd3", "wan", "qwenimage")
 BASES = {"per-block": MODES["layer"], "interval2": MODES["interval2"], "interval2-stride4": MODES["interval2-stride4"]}
@@ -103,3 +104,12 @@ def test_save_attention_is_refused_where_nothing_holds_attention():
         CheckpointSchedule(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_save_attention=True)
     with pytest.raises(ConfigError, match="fsdp_activation_checkpointing=True: allowed false"):
         TrainConfig.create(fsdp=True, fsdp_activation_checkpointing=True, gradient_checkpointing_save_attention=True)
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_every_family_keeps_its_attention_outputs(family):
+    """docs/FAMILIES.md's claim: every family's attention is a fused SDPA call (the regions of its lists
+    that hold attention save outputs, none saves nothing)."""
+    _, calls, _, runner = _step(family, _saving(MODES["layer"]))
+    stats = runner.saving.stats
+    assert stats.saved_outputs > 0 and stats.unsaved_regions == 0 and calls == 0

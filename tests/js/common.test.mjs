@@ -11,6 +11,7 @@ test("planQuery sends every key and turns interval/stride 0 into unset", () => {
     family: "flux", gradient_checkpointing: true, gradient_checkpointing_backend: "torch",
     gradient_checkpointing_interval: 2, gradient_checkpointing_segment_stride: 0,
     gradient_checkpointing_offload_attention: false, gradient_checkpointing_offload_pin_memory_max_buckets: 12,
+    gradient_checkpointing_save_attention: false,
   };
   const q = new URLSearchParams(planQuery(values, "tiny"));
   assert.equal(q.get("family"), "flux");

@@ -18,11 +18,12 @@ from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, Checkpoi
 RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
 ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4"]
 ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format",
-         "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames"}
+         "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames",
+         "compile_blocks"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
 what a resume does when the data changed; issue 23: which LoRA files a run writes; issue 24: the
-frame options of video families)."""
+frame options of video families; issue 25: per-block compile)."""
 REMOVED = {"validation_steps"}
 
 
@@ -35,7 +36,7 @@ def test_a_state_of_the_last_release_resumes(tmp_path):
     old = json.loads((RELEASE / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
-    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files"}
+    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile"}
     assert report["ignored_config_keys"] == [] and set(report["lora_files"]) == {"diffusers", "comfyui"}
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
@@ -52,8 +53,10 @@ def test_the_saved_config_keeps_the_flat_keys_of_the_last_release():
     current = TrainConfig.create(resolution=32, lora_rank=2, steps=2).to_dict()
     assert set(saved) == set(current) - ADDED | REMOVED
     assert set(saved["lora"]) == set(current["lora"])
-    # the three weight-streaming keys are new since that release (issue 21); its schedule reads as not streaming
-    assert set(current["schedule"]) - set(saved["schedule"]) == set(STREAM_KEYS)
+    # the three weight-streaming keys (issue 21) and save_attention (issue 25) are new since that release;
+    # its schedule reads as not streaming and keeping no attention outputs
+    assert set(current["schedule"]) - set(saved["schedule"]) == set(STREAM_KEYS) | {"gradient_checkpointing_save_attention"}
+    assert not CheckpointSchedule.from_config(saved["schedule"]).gradient_checkpointing_save_attention
     assert set(saved["schedule"]) <= set(current["schedule"])
     assert not CheckpointSchedule.from_config(saved["schedule"]).streams
     config, ignored = TrainConfig.from_dict({k: v for k, v in saved.items() if k not in ("lora", "schedule")})
