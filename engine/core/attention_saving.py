@@ -1,21 +1,23 @@
-"""Checkpointed regions that keep their attention outputs: PyTorch's selective activation
-checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with a policy that
-saves the outputs of the fused attention kernels and recomputes everything else
-(``gradient_checkpointing_save_attention``).
+"""Checkpointed regions that keep their attention outputs (``gradient_checkpointing_save_attention``):
+selective activation checkpointing through :func:`torch.utils.checkpoint.checkpoint`'s
+``context_fn``, as PyTorch's ``create_selective_checkpoint_contexts`` does it (a dispatch mode in
+the region's forward that keeps chosen operators' outputs, one in its recompute that returns them),
+narrowed to the attention kernels: torch's version records every operator and refuses a recompute
+whose other operators differ from the forward's, which weight streaming's copies (made in the
+recompute, not in the forward) do; these modes look at the attention kernels only.
 
-The kernels are matched by their exact dispatcher operator, as the policy sees them (hao-ai-lab/
+The kernels are matched by their exact dispatcher operator, as a dispatch mode sees them (hao-ai-lab/
 FastVideo PR #1716: a policy that names another operator silently saves nothing):
 :data:`ATTENTION_OPS` are the fused scaled-dot-product attention operators (flash, memory-efficient,
 cuDNN, the CPU flash kernel, the fused "overrideable" one), each of which returns the attention
 output with its logsumexp and the random state that backward reads. A family whose attention
 calls another kernel declares it (``FamilyAdapter.attention_ops``). The math SDPA path is a
-composite that is decomposed (matmul, softmax, ...) before a dispatch policy sees it, so a region
+composite that is decomposed (matmul, softmax, ...) before a dispatch mode sees it, so a region
 whose attention ran on it saves nothing: :class:`AttentionSaving` counts those regions and the run
 says so once, claiming no saving.
 
 With ``unsloth`` the saved outputs go to host memory with the region's boundary inputs (after the
-region's forward) and come back when its recompute starts; the selective checkpoint's cache
-entries (``torch.utils.checkpoint._VersionWrapper``) are rewritten in place for that.
+region's forward) and come back when its recompute starts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 ATTENTION_OPS = tuple(getattr(_aten, name).default for name in (
@@ -61,16 +62,36 @@ class AttentionStats:
         self.saved_outputs = self.saved_bytes = self.recomputed_calls = self.unsaved_regions = 0
 
 
-class _CountCalls(TorchDispatchMode):
-    """Counts the attention kernels that actually run (below the selective checkpoint's cache)."""
+class _Keep(TorchDispatchMode):
+    """A region's forward: the attention kernels' outputs are kept (detached, in call order)."""
 
-    def __init__(self, ops: frozenset, stats: AttentionStats):
+    def __init__(self, saving: "AttentionSaving", kept: list):
         super().__init__()
-        self.ops, self.stats = ops, stats
+        self.saving, self.kept = saving, kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
-            self.stats.recomputed_calls += 1
+        out = func(*args, **(kwargs or {}))
+        if func in self.saving.ops:
+            self.kept.append(tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out))
+            self.saving.counted(out)
+        return out
+
+
+class _Reuse(TorchDispatchMode):
+    """A region's recompute: each attention kernel call returns what the forward kept, in order;
+    every other operator runs again (weight-streaming copies, recompute-only bookkeeping included)."""
+
+    def __init__(self, saving: "AttentionSaving", kept: list):
+        super().__init__()
+        self.saving, self.kept, self.next = saving, kept, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.saving.ops and self.next < len(self.kept):
+            out, self.kept[self.next] = self.kept[self.next], None  # handed over once
+            self.next += 1
+            return out
+        if func in self.saving.ops:  # more attention calls than the forward made: run it, counted
+            self.saving.stats.recomputed_calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -100,15 +121,11 @@ class AttentionSaving:
         self.warned = False  # the run said once that some regions saved nothing
         self._seen = 0
 
-    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """Save the attention kernels' outputs, recompute the rest."""
-        if op in self.ops:
-            if not ctx.is_recompute:
-                self._seen += 1
-                self.stats.saved_outputs += 1
-                self.stats.saved_bytes += _tensor_bytes(getattr(ctx, "op_output", None))
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    def counted(self, out: Any) -> None:
+        """Count one kept attention output (its bytes)."""
+        self._seen += 1
+        self.stats.saved_outputs += 1
+        self.stats.saved_bytes += _tensor_bytes(out)
 
     @contextlib.contextmanager
     def region(self) -> Iterator[None]:
@@ -119,31 +136,20 @@ class AttentionSaving:
             self.stats.unsaved_regions += 1
 
     def __call__(self) -> tuple[Any, Any]:
-        """``(forward context, recompute context)`` of one checkpoint call."""
-        forward, recompute = create_selective_checkpoint_contexts(self.policy)
-        counting = _CountCalls(self.ops, self.stats)
+        """``(forward context, recompute context)`` of one checkpoint call (its ``context_fn``)."""
+        kept: list = []
+        forward, recompute = _Keep(self, kept), _Reuse(self, kept)
         if self.offload is None:
-            return forward, _stacked(counting, recompute)
+            return forward, recompute
         to_host, to_device, handle = self.offload
-        return _after(forward, lambda: _move(forward.storage, self.ops, to_host, torch.Tensor)), _stacked(
-            counting, _before(recompute, lambda: _move(recompute.storage, self.ops, to_device, handle)))
+        return (_after(forward, lambda: _move(kept, to_host, torch.Tensor)),
+                _before(recompute, lambda: _move(kept, to_device, handle)))
 
 
-def _move(storage: dict, ops: frozenset, copy: Callable[[Any], Any], kind: type) -> None:
-    """Rewrite the cached outputs of the attention kernels in ``storage`` (values of ``kind``) with
-    ``copy`` of them (the checkpoint reads each entry once, in its recompute)."""
-    for key, entries in storage.items():
-        if (key[0] if isinstance(key, tuple) else key) not in ops:
-            continue
-        for index, entry in list(entries.items()):
-            entries[index] = tree_map(lambda w: _VersionWrapper(copy(w.val)) if isinstance(w, _VersionWrapper)
-                                      and isinstance(w.val, kind) else w, entry)
-
-
-@contextlib.contextmanager
-def _stacked(outer: Any, inner: Any) -> Iterator[None]:
-    with outer, inner:
-        yield
+def _move(kept: list, copy: Callable[[Any], Any], kind: type) -> None:
+    """Rewrite the kept attention outputs (values of ``kind``) with ``copy`` of them."""
+    for index, entry in enumerate(kept):
+        kept[index] = tree_map(lambda x: copy(x) if isinstance(x, kind) else x, entry)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from ..families.base import FamilyAdapter
 from .plan import ScheduleWarning
@@ -96,6 +97,10 @@ def compile_blocks(model: torch.nn.Module, family: FamilyAdapter, runner: Any, q
     Warns:
         ScheduleWarning: once, naming the blocks left eager and why.
     """
+    # dynamo's duck shaping gives dimensions of equal size one symbol: on a model whose text and
+    # image token counts (or a token count and a width) happen to be equal, one gets specialized with
+    # the other and a new bucket recompiles; sizes are kept apart (a process-wide setting)
+    fx_config.use_duck_shape = False
     lists = [family.blocks(model, bl) for bl in family.block_lists]
     eager = {bl.name: {} for bl in family.block_lists}
     for li, (bl, blocks) in enumerate(zip(family.block_lists, lists)):

@@ -94,6 +94,13 @@ def build_receipt(result: TrainResult, verdict: Verdict | None) -> dict[str, Any
                               for s in report.get("schedule_switches", [])],
         "options": [],
     }
+    compiled = report.get("compile")
+    if compiled:  # compile_blocks: what compiled, its graphs and recompiles, its seconds
+        receipt["compile"] = {k: compiled[k] for k in ("compiled_blocks", "graphs_after_first_step",
+                                                       "recompiles_after_every_shape", "compile_seconds")}
+    saved = sum(h.get("saved_attention_bytes", 0) for h in history[-1:])
+    if saved:  # save_attention: the attention outputs kept per step
+        receipt["saved_attention_bytes"] = saved
     if verdict is None:
         receipt["note"] = ("no probe of this run's shapes (no memory budget): give --budget for what each "
                            "memory option saved and cost")
@@ -112,6 +119,13 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     lines += [f"  peak {phase}" + (f" ({tokens[phase]} tokens)" if tokens.get(phase) else "") + f": {_size(n)}"
               for phase, n in receipt["peak_bytes_by_phase"].items() if n]
     lines += [f"  switched at {s}" for s in receipt["schedule_switches"]]
+    if receipt.get("saved_attention_bytes"):
+        lines.append(f"  attention outputs kept per step (save_attention): {_size(receipt['saved_attention_bytes'])}")
+    if receipt.get("compile"):
+        c = receipt["compile"]
+        lines.append(f"  compile_blocks: {sum(c['compiled_blocks'].values())} blocks, {c['graphs_after_first_step']} "
+                     f"graphs after step 1, {c['recompiles_after_every_shape']} recompiles once every shape had run, "
+                     f"{c['compile_seconds']:.1f} s compiling")
     for effect in receipt["options"]:
         saved, fraction = effect["saved_bytes"], effect["cost_fraction"]
         memory = f"saves {_size(saved)}" if saved >= 0 else f"uses {_size(-saved)} more"

@@ -113,3 +113,29 @@ def test_every_family_keeps_its_attention_outputs(family):
     _, calls, _, runner = _step(family, _saving(MODES["layer"]))
     stats = runner.saving.stats
     assert stats.saved_outputs > 0 and stats.unsaved_regions == 0 and calls == 0
+
+
+@pytest.mark.parametrize("changes", [{"weight_offload": "stream"}, {"base_model_precision": "int8-torchao"}],
+                         ids=["weights streamed", "int8 base"])
+def test_saved_attention_composes_with_streaming_and_a_quantized_base(tmp_path, changes):
+    """Through the trainer: the runs with and without kept attention outputs give the same losses and LoRA."""
+    from safetensors.torch import load_file
+
+    from segmented_checkpointing.engine.config import LoraSettings
+    from segmented_checkpointing.engine.train.loop import train
+
+    if "base_model_precision" in changes:
+        pytest.importorskip("torchao")
+    results = {}
+    for save in (False, True):
+        schedule = CheckpointSchedule.from_config({"weight_offload": changes.get("weight_offload", "none"),
+                                                   "gradient_checkpointing_save_attention": save})
+        config = TrainConfig.create(resolution=32, steps=2, lora=LoraSettings(rank=2, alpha=2.0), schedule=schedule,
+                                    output=str(tmp_path / str(save)), timing_warmup_steps=0,
+                                    **{k: v for k, v in changes.items() if k != "weight_offload"})
+        results[save] = train(config, log=lambda line: None)
+    assert results[True].report["steps"][0]["saved_attention_outputs"] > 0
+    assert [h["loss"] for h in results[True].history] == pytest.approx([h["loss"] for h in results[False].history],
+                                                                        abs=1e-6)
+    a, b = load_file(results[True].lora_path), load_file(results[False].lora_path)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
