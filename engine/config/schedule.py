@@ -287,6 +287,8 @@ def swap_alias(value: Any) -> dict[str, Any]:
         raise _bad(SWAP_ALIAS, value, f"an integer from 0 to {MAX_BLOCKS} (0 = no block swap)")
     return {"weight_offload": "stream", "weight_offload_blocks": blocks}
 HELP = {f.name: f.metadata["help"] for f in fields(CheckpointSchedule)}
+_BOOLEAN_KEYS = tuple(f.name for f in fields(CheckpointSchedule) if f.type in (bool, "bool"))
+"""The true/false keys (read from ``"true"``, ``"1"``, ``"yes"`` and their opposites)."""
 """One help text per key: feeds ``--help`` and the node tooltips."""
 _OPTIONAL = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride", "weight_offload_blocks")
 
@@ -313,7 +315,7 @@ def _coerce(key: str, value: Any) -> Any:
                 raise _bad(key, value, "all, or an integer from 1 to 1024") from None
         if text.lower() in UNSET_WORDS:
             return None
-        if key in ("gradient_checkpointing", "gradient_checkpointing_offload_attention"):
+        if key in _BOOLEAN_KEYS:
             if text.lower() in ("true", "1", "yes"):
                 return True
             if text.lower() in ("false", "0", "no"):

@@ -139,3 +139,12 @@ def test_saved_attention_composes_with_streaming_and_a_quantized_base(tmp_path, 
                                                                         abs=1e-6)
     a, b = load_file(results[True].lora_path), load_file(results[False].lora_path)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_the_plan_route_reads_save_attention_as_the_strip_sends_it():
+    """The node's block strip sends widget values as query strings (``true`` / ``false``)."""
+    from segmented_checkpointing.engine.core.plan_query import plan_for_query
+
+    on = plan_for_query({"family": "wan", "size": "tiny", "gradient_checkpointing_save_attention": "true"})
+    off = plan_for_query({"family": "wan", "size": "tiny", "gradient_checkpointing_save_attention": "false"})
+    assert on["block_map"] == {"blocks": "K" * 8} and off["block_map"] == {"blocks": "C" * 8}
