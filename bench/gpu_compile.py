@@ -25,14 +25,13 @@ from pathlib import Path
 
 import diffusers
 import torch
+from gpu_video import random_bundle, run_cell  # noqa: E402 (bench/ is on the path: gpu_check.py)
 
 from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.data.comfy_data import PreparedData
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
-from segmented_checkpointing.engine.model.bundle import ModelBundle, tiny_vae
-from segmented_checkpointing.engine.model.text_encoders import DeterministicTextEmbedder
 
 FAMILY = get_family("flux")
 FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
@@ -70,13 +69,9 @@ def latents(config: dict, side: int, text_tokens: int) -> PreparedData:
 
 def _cell(workspace: RunWorkspace, schedule: CheckpointSchedule, compiled: bool, s: dict) -> tuple[float, int] | str:
     """``(sec/step, peak bytes)`` of one trainer run, or ``OOM`` / ``failed (...)``."""
-    try:
-        result = workspace.run(schedule, s["warmup"], s["steps"], compile_blocks=compiled)
-    except Exception as exc:  # noqa: BLE001 - a cell never stops the check
-        return "OOM" if "out of memory" in str(exc).lower() else f"failed ({type(exc).__name__})"
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    result = run_cell(workspace, schedule, s["warmup"], s["steps"], compile_blocks=compiled)
+    if isinstance(result, str):
+        return result
     return result.report["totals"]["sec_per_step"], peak_after_warmup(result, s["warmup"])
 
 
@@ -91,15 +86,7 @@ def compile_check(smoke: bool, device: torch.device, budget_s: float, log) -> li
     """The rows of part (h): per pixel side, one row per schedule and variant (``not run`` past ``budget_s``)."""
     s = sizes(smoke)
     unit, scale = ("GiB", 2**30) if device.type == "cuda" else ("MiB", 2**20)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)  # built in host memory
-    try:
-        transformer = diffusers.FluxTransformer2DModel(**s["config"])
-    finally:
-        torch.set_default_dtype(old)
-    bundle = ModelBundle(FAMILY, transformer.eval(), tiny_vae(FAMILY).eval(),
-                         DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init Flux.1-dev")
+    bundle = random_bundle(FAMILY, diffusers.FluxTransformer2DModel, s["config"], device, "random-init Flux.1-dev")
     rows = [f"sec/step / peak {unit} (ratio to no checkpointing)", "",
             "| px | schedule | " + " | ".join(name for name, _, _ in s["variants"]) + " |",
             "|---|---|" + "---:|" * len(s["variants"])]

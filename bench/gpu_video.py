@@ -70,15 +70,37 @@ def clips(config: dict, frames: int, pixels: tuple[int, int], text_tokens: int) 
     return PreparedData(FAMILY.name, cache, summary)
 
 
-def _cell(workspace: RunWorkspace, schedule: CheckpointSchedule, warmup: int, steps: int, scale: int) -> str:
-    """``sec/step / peak`` of one trainer run, ``OOM`` or ``failed``."""
+def run_cell(workspace: RunWorkspace, schedule: CheckpointSchedule, warmup: int, steps: int, **changes):
+    """One trainer run of ``schedule`` (``changes``: other settings, e.g. ``compile_blocks``): its
+    result, or ``OOM`` / ``failed (...)`` (a cell never stops the check)."""
     try:
-        result = workspace.run(schedule, warmup, steps)
+        return workspace.run(schedule, warmup, steps, **changes)
     except Exception as exc:  # noqa: BLE001 - a cell never stops the check
         return "OOM" if "out of memory" in str(exc).lower() else f"failed ({type(exc).__name__})"
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def random_bundle(family, model_cls: type, config: dict, device: torch.device, source: str) -> ModelBundle:
+    """A random-init model of ``config`` (bf16 on CUDA, built in host memory) with the family's tiny
+    VAE and the deterministic text embedder."""
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        transformer = model_cls(**config)
+    finally:
+        torch.set_default_dtype(old)
+    return ModelBundle(family, transformer.eval(), tiny_vae(family).eval(),
+                       DeterministicTextEmbedder(family.text(transformer.config)), source)
+
+
+def _cell(workspace: RunWorkspace, schedule: CheckpointSchedule, warmup: int, steps: int, scale: int) -> str:
+    """``sec/step / peak`` of one trainer run, ``OOM`` or ``failed``."""
+    result = run_cell(workspace, schedule, warmup, steps)
+    if isinstance(result, str):
+        return result
     return f"{result.report['totals']['sec_per_step']:.3f} / {peak_after_warmup(result, warmup) / scale:.3f}"
 
 
@@ -86,15 +108,8 @@ def video_check(smoke: bool, device: torch.device, budget_s: float, log) -> list
     """The rows of part (g): one per frame count, one cell per column (``not run`` past ``budget_s``)."""
     s = sizes(smoke)
     unit, scale = ("GiB", 2**30) if device.type == "cuda" else ("MiB", 2**20)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)  # built in host memory
-    try:
-        transformer = diffusers.WanTransformer3DModel(**s["config"])
-    finally:
-        torch.set_default_dtype(old)
-    bundle = ModelBundle(FAMILY, transformer.eval(), tiny_vae(FAMILY).eval(),
-                         DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init Wan 2.1 14B")
+    bundle = random_bundle(FAMILY, diffusers.WanTransformer3DModel, s["config"], device, "random-init Wan 2.1 14B")
+    transformer = bundle.transformer
     head = "| frames (latent) | tokens | " + " | ".join(name for name, _ in COLUMNS) + " |"
     rows = [f"sec/step / peak {unit}", "", head, "|---|---:|" + "---:|" * len(COLUMNS)]
     started = time.monotonic()

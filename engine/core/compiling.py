@@ -52,6 +52,24 @@ class CompileReport:
         return {"how": self.how, "compiled_blocks": {k: len(v) for k, v in self.compiled.items()},
                 "eager_blocks": {k: {str(i): why for i, why in v.items()} for k, v in self.eager.items() if v}}
 
+    def section(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """``report.json`` ``compile``: what was compiled, the graphs after the first step and the
+        graphs compiled after it, the graphs compiled once every latent shape of the run had trained
+        (``recompiles_after_every_shape``), and the seconds spent compiling (kept out of sec/step by
+        the warm-up steps).
+
+        Args:
+            history: the run's step records (``compiled_graphs``, ``shape``).
+        """
+        graphs = [h.get("compiled_graphs", 0) for h in history]
+        shapes = [h.get("shape", "") for h in history]
+        every = next((i for i in range(len(shapes)) if set(shapes[: i + 1]) == set(shapes)), 0)
+        return {**self.to_dict(), "graphs_after_first_step": graphs[0] if graphs else 0,
+                "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
+                "latent_shapes": len(set(shapes)),
+                "recompiles_after_every_shape": graphs[-1] - graphs[every] if graphs else 0,
+                "compile_seconds": round(compile_seconds() - self.seconds, 3)}
+
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process (``torch._dynamo.utils.counters``): a recompile

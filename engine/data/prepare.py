@@ -130,12 +130,12 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
     what = f"{len(samples)} images" if not clips else f"{len(samples)} samples ({sum(s.clip for s in samples)} clips)"
     log(f"data: {what} ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
         f"latents {shapes}{_skipped_text(dataset)}{_lossy_text(summary)}")
-    random = None
+    drawn = None
     if clips and data.frame_sampling == "random":
         vae = bundle.vae
-        random = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
+        drawn = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
                                seed, data.frame_rate)
-    return RunData(cache, epoch, summary, text_encoder, dataset, random)
+    return RunData(cache, epoch, summary, text_encoder, dataset, drawn)
 
 
 def _bucket_candidates(resolution: int, bundle: ModelBundle, multiple: int

@@ -65,6 +65,7 @@ from ..core.plan import effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_text
 from .frames import frames_label, use_frames
+from .levers import try_levers
 from .lockstep import lockstep_runs, paired_ratio
 from .probe import Probe, probe, probe_steps
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
@@ -531,57 +532,3 @@ def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, wa
     raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the candidates tried fits when measured "
                        f"({'; '.join(notes)})")
 
-
-LEVER_GAIN = 0.02
-"""A lever is kept only when it measures at least this much faster (2%: above the noise of a
-paired measurement on a shared machine) with its measured peak within the budget."""
-
-
-LEVERS = ("save_attention", "compile")
-"""What :func:`try_levers` can try: ``gradient_checkpointing_save_attention``, ``compile_blocks``."""
-
-
-def try_levers(choice: PlanChoice, workspace: RunWorkspace, warmup_steps: int, measure_steps: int,
-               names: tuple[str, ...] = LEVERS) -> None:
-    """Measure the chosen schedule with each lever of ``names`` (:data:`LEVERS`) and keep a lever
-    only when it is faster within the budget, time and peak measured (never predicted: its cost
-    depends on the model and the card; FastVideo PR #1410, OneTrainer #1114 and the documents'
-    compile regressions): ``gradient_checkpointing_save_attention`` (checkpointed ``torch`` or
-    ``unsloth`` regions), then ``compile_blocks`` over what was kept. The choice's schedule, its
-    measured figures and ``compile_blocks`` follow; ``notes`` say which lever was kept and why.
-    """
-    base = choice.chosen.schedule
-    levers = []
-    if "save_attention" in names:
-        if base.gradient_checkpointing and not base.backend.ffn_scope and not base.gradient_checkpointing_save_attention:
-            levers.append(("gradient_checkpointing_save_attention",
-                           base.replace(gradient_checkpointing_save_attention=True), {}))
-        else:
-            choice.notes.append(f"gradient_checkpointing_save_attention: not tried ({base.mode} has no whole-block "
-                                "region to keep attention in)")
-    if "compile" in names:
-        levers.append(("compile_blocks", None, {"compile_blocks": True}))
-    workspace.expect(len(levers) * (warmup_steps + measure_steps))
-    for name, schedule, changes in levers:
-        schedule = schedule or choice.chosen.schedule
-        try:
-            result = workspace.run(schedule, warmup_steps, measure_steps, **changes)
-        except MeasurementInterrupted:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a lever that fails is not kept
-            choice.notes.append(f"{name}: not kept ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-            continue
-        seconds, peak = result.report["totals"]["sec_per_step"], peak_after_warmup(result, warmup_steps)
-        ratio = seconds / choice.measured_sec_per_step
-        figures = f"{ratio:.3f}x sec/step, peak {peak / 2**30:.4g} GiB"
-        if peak > choice.budget_bytes:
-            choice.notes.append(f"{name}: not kept ({figures}, over the budget)")
-        elif ratio > 1 - LEVER_GAIN:
-            choice.notes.append(f"{name}: not kept ({figures}: not faster by {LEVER_GAIN:.0%})")
-        else:
-            choice.notes.append(f"{name}: kept ({figures}, within the budget)")
-            choice.measured_sec_per_step, choice.measured_peak_bytes = seconds, peak
-            if changes:
-                choice.compile_blocks = True
-            else:
-                choice.chosen = dataclasses.replace(choice.chosen, schedule=schedule)

@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..core.compiling import compile_seconds
 from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ModelPlan
 from ..data.buckets import sample_latent_shape
@@ -350,7 +349,7 @@ class TrainingRun:
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
-                    "compile": compile_section(ctx.compiled, self.history),
+                    "compile": ctx.compiled.section(self.history) if ctx.compiled else None,
                     "resume": self.data_change and {"data_changed": self.data_change["changes"],
                                                     "from_step": self.data_change["step"],
                                                     "fresh_epoch": self.data_change["fresh_epoch"]},
@@ -396,19 +395,3 @@ def _with_windows(summary: dict[str, Any], windows: Any) -> dict[str, Any]:
         return summary
     return {**summary, "frames": {**summary["frames"], "windows_encoded": windows.encoded}}
 
-
-def compile_section(compiled: Any, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """``report.json`` ``compile``: what ``compile_blocks`` compiled, the graphs after the first
-    step and the graphs compiled after it, the graphs compiled once every latent shape of the run
-    had trained (``recompiles_after_every_shape``: 0 when nothing recompiles in steady state), and
-    the seconds spent compiling (kept out of sec/step by the warm-up steps)."""
-    if compiled is None:
-        return None
-    graphs = [h.get("compiled_graphs", 0) for h in history]
-    shapes = [h.get("shape", "") for h in history]
-    every = next((i for i in range(len(shapes)) if set(shapes[: i + 1]) == set(shapes)), 0)
-    return {**compiled.to_dict(), "graphs_after_first_step": graphs[0] if graphs else 0,
-            "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
-            "latent_shapes": len(set(shapes)),
-            "recompiles_after_every_shape": graphs[-1] - graphs[every] if graphs else 0,
-            "compile_seconds": round(compile_seconds() - compiled.seconds, 3)}
