@@ -436,7 +436,8 @@ def _error(exc: BaseException) -> int:
 
 def _run_workflow(args: argparse.Namespace) -> int:
     os.environ["SEGCKPT_BASE_DIR"] = args.base_dir
-    from .nodes.graph import GraphError, load_api_graph, run_graph
+    with api.lazy_imports():
+        from .nodes.graph import GraphError, load_api_graph, run_graph
 
     try:
         results = run_graph(load_api_graph(args.workflow))

@@ -12,7 +12,6 @@ when a function needs them or a re-exported name is first read (:data:`_ON_FIRST
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -38,6 +37,7 @@ from .config.schedule import check_supported
 from .config.table import options_table
 from .core.support import support_table
 from .families import FamilyAdapter, family_names, get_family
+from .families.lazy import import_module, lazy_imports
 
 if TYPE_CHECKING:
     from .measure.planner import PlanChoice
@@ -88,7 +88,7 @@ def __getattr__(name: str) -> Any:
     """
     if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name], __package__), name)
+    value = getattr(import_module(_MODULE_OF[name], __package__), name)
     globals()[name] = value  # the next read is an ordinary one
     return value
 
@@ -105,7 +105,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "model_family", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
@@ -127,7 +127,8 @@ def load_model(config: TrainConfig, log: Callable[[str], None] = print) -> Model
     Raises:
         ModelLoadError: the folder or file cannot be used.
     """
-    from .model.loading import load_bundle
+    with lazy_imports():
+        from .model.loading import load_bundle
 
     return load_bundle(config.model, config.seed, log=log)
 
@@ -140,11 +141,13 @@ def model_family(model_path: str | None, model_file: str | None) -> str | None:
         ModelLoadError: the folder or file is of no known family.
     """
     if model_path and Path(model_path).is_dir():
-        from .model.folders import detect_family
+        with lazy_imports():
+            from .model.folders import detect_family
 
         return detect_family(model_path)
     if model_file and model_file.endswith((".safetensors", ".gguf")) and Path(model_file).is_file():
-        from .model.single_file import identify_file
+        with lazy_imports():
+            from .model.single_file import identify_file
 
         return identify_file(model_file).family.name
     return None
@@ -156,8 +159,9 @@ def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -
     Raises:
         ConfigError: not a budget; the message names ``key``.
     """
-    from .core.memory import budget_bytes
-    from .model.loading import resolve_device
+    with lazy_imports():
+        from .core.memory import budget_bytes
+        from .model.loading import resolve_device
 
     return budget_bytes(value, resolve_device(config.model), key)
 
@@ -170,7 +174,8 @@ def host_budget(value: str | float | None, config: TrainConfig) -> int:
     Raises:
         HostBudgetError: an invalid value, or one below the streamed bytes (named).
     """
-    from .measure.host import check_host_budget, host_budget_bytes
+    with lazy_imports():
+        from .measure.host import check_host_budget, host_budget_bytes
 
     budget_bytes_ = host_budget_bytes(value)
     check_host_budget(config, budget_bytes_, value)
@@ -181,8 +186,9 @@ def _recovery_guided_by(verdict: Verdict) -> Callable[[CheckpointSchedule, Any],
     """Out-of-memory recovery that skips rungs predicted not to fit: the first schedule of the
     ladder (``engine/train/recovery.py``) whose predicted peak fits every probed shape, else the
     ladder's next rung."""
-    from .measure.planner import predict
-    from .train.recovery import cheaper_schedules
+    with lazy_imports():
+        from .measure.planner import predict
+        from .train.recovery import cheaper_schedules
 
     def choose(schedule: CheckpointSchedule, family) -> CheckpointSchedule | None:
         ladder = cheaper_schedules(schedule, family)
@@ -217,12 +223,13 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
             memory less a margin (``engine/measure/host.py``), before any model is built.
         See ``engine/train/loop.py`` (``TrainingRun``) for the rest.
     """
-    from .measure.host import check_host_budget, host_budget_bytes
-    from .measure.preflight import PreflightRefused, preflight
-    from .measure.receipt import build_receipt, render_receipt
-    from .train.checks import check_input_paths
-    from .train.loop import train as _train
-    from .train.report import write_report
+    with lazy_imports():
+        from .measure.host import check_host_budget, host_budget_bytes
+        from .measure.preflight import PreflightRefused, preflight
+        from .measure.receipt import build_receipt, render_receipt
+        from .train.checks import check_input_paths
+        from .train.loop import train as _train
+        from .train.report import write_report
 
     verdict, guards = None, config.guards
     check_input_paths(config)  # the data's captions and images too: before the pre-flight loads the model
@@ -261,7 +268,8 @@ def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **pro
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
-    from .measure.preflight import preflight
+    with lazy_imports():
+        from .measure.preflight import preflight
 
     return preflight(config, bundle, budget_bytes, **probing)
 
@@ -269,7 +277,8 @@ def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **pro
 def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
     """Write ``preflight.json`` and, when a schedule would fit, ``schedule.json`` (usable as
     ``segckpt train --config``) into ``folder``, atomically; their paths."""
-    from .files.atomic import atomic_write_text
+    with lazy_imports():
+        from .files.atomic import atomic_write_text
 
     folder = Path(folder)
     paths = {"preflight": atomic_write_text(folder / "preflight.json", json.dumps(verdict.to_dict(), indent=2) + "\n")}
@@ -280,7 +289,8 @@ def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
 
 def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
     """Write ``schedule.json`` (the six keys) into ``folder``, atomically; its path."""
-    from .files.atomic import atomic_write_text
+    with lazy_imports():
+        from .files.atomic import atomic_write_text
 
     return atomic_write_text(Path(folder) / "schedule.json", json.dumps(schedule.to_dict(), indent=2) + "\n")
 
@@ -294,14 +304,16 @@ def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_st
     Raises:
         PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.
     """
-    from .measure.planner import plan_for_budget
+    with lazy_imports():
+        from .measure.planner import plan_for_budget
 
     return plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
 
 
 def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     """Write ``plan.txt`` and ``schedule.json`` into ``folder``, atomically; their paths."""
-    from .measure.planner import write_choice
+    with lazy_imports():
+        from .measure.planner import write_choice
 
     return write_choice(choice, folder)
 
@@ -311,7 +323,8 @@ def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSc
     """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
     ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``,
     ``on_cell``, ``frames`` (``engine/measure/sweep.py``)."""
-    from .measure.sweep import run_sweep
+    with lazy_imports():
+        from .measure.sweep import run_sweep
 
     return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
 
@@ -320,6 +333,7 @@ def write_sweep(cells: list[SweepCell], folder: str | Path, family: str,
                 budget_bytes: int | None = None, measured_at: str = "") -> dict[str, Path]:
     """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their
     paths (``measured_at``: what the cells trained on, e.g. a frame count, in the title)."""
-    from .measure.sweep import write_outputs
+    with lazy_imports():
+        from .measure.sweep import write_outputs
 
     return write_outputs(cells, folder, family, budget_bytes, measured_at)

@@ -113,12 +113,41 @@ def test_the_facade_imports_only_the_declarations_at_module_level():
     assert not {m for m in libraries if m.split(".")[0] in HEAVY}, libraries
 
 
+IMPORT_LOCK = ("families/lazy.py", ("import threading  #", "_IMPORTS = threading.RLock()"))
+"""The one use of ``threading`` in the engine: the lock that serialises lazy imports (issue 34), no thread."""
+
+
 def test_no_threads_or_process_wide_thread_settings():
     pattern = re.compile(r"threading|set_num_threads|sched_setaffinity")
     hits = [f"{p.relative_to(ENGINE)}:{i}" for p in ENGINE.rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1)
-            if pattern.search(line) and not line.lstrip().startswith("#")]
+            if pattern.search(line) and not line.lstrip().startswith("#")
+            if not (str(p.relative_to(ENGINE)) == IMPORT_LOCK[0] and line.startswith(IMPORT_LOCK[1]))]
     assert hits == []
+
+
+def _guarded(function: ast.AST) -> set[int]:
+    """ids of the statements inside a ``with lazy_imports():`` (or ``api.lazy_imports()``) of ``function``."""
+    inside = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.With) and any(
+                isinstance(item.context_expr, ast.Call)
+                and getattr(item.context_expr.func, "id", getattr(item.context_expr.func, "attr", "")) == "lazy_imports"
+                for item in node.items):
+            inside |= {id(n) for statement in node.body for n in ast.walk(statement)}
+    return inside
+
+
+@pytest.mark.parametrize("path", [*ENGINE.rglob("*.py"), ROOT / "cli.py"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_function_local_import_runs_under_the_import_lock(path):
+    """Issue 34: a lazy import (a heavy library, or an engine module that imports one) may run on several
+    threads of a ComfyUI server at once; each goes through ``engine/families/lazy.py``'s ``lazy_imports``."""
+    tree = ast.parse(path.read_text())
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        guarded = _guarded(function)
+        for node in ast.walk(function):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                assert id(node) in guarded, f"{path.name}:{node.lineno} {function.name}: import outside lazy_imports()"
 
 
 def test_backend_names_live_in_the_backend_table_only():

@@ -25,6 +25,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from ..families.base import FamilyAdapter
+from ..families.lazy import lazy_imports
 from .plan import ScheduleWarning
 
 
@@ -74,14 +75,16 @@ class CompileReport:
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process (``torch._dynamo.utils.counters``): a recompile
     adds one."""
-    from torch._dynamo.utils import counters
+    with lazy_imports():
+        from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
 
 
 def compile_seconds() -> float:
     """Seconds dynamo and inductor spent compiling in this process so far."""
-    from torch._dynamo.utils import compilation_time_metrics
+    with lazy_imports():
+        from torch._dynamo.utils import compilation_time_metrics
 
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from ..families.lazy import lazy_imports
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..files.text import TextFileError, read_text
 
@@ -81,7 +82,8 @@ class Sample:
 
 def write_sample_dataset(folder: str | Path) -> Path:
     """Write the built-in sample photographs with captions into ``folder`` (idempotent, atomic)."""
-    import skimage.data
+    with lazy_imports():
+        import skimage.data
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import torch
 from PIL import Image, ImageOps, ImageSequence
 
 from ..config import derived_seed
+from ..families.lazy import lazy_imports
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from .folder import ANIMATED_SUFFIXES, DatasetError
 from .images import to_rgb
@@ -93,7 +94,8 @@ def _decode(path: Path, keep: set[int] | None) -> list[tuple[Image.Image, float]
 
 
 def _decode_video(path: Path, keep: set[int] | None) -> list[tuple[Image.Image, float]]:
-    import av
+    with lazy_imports():
+        import av
 
     found = []
     with av.open(str(path)) as container:
@@ -204,8 +206,9 @@ SAMPLE_CLIP = ("astronaut", "a slow camera pan across a portrait photo of an ast
 def write_sample_clip(folder: str | Path) -> Path:
     """Write the built-in sample clip with its caption into ``folder`` (idempotent, atomic): an H.264
     mp4 (PyAV) of a 256 px window panning across a scikit-image photograph, 33 frames at 16 fps."""
-    import av
-    import skimage.data
+    with lazy_imports():
+        import av
+        import skimage.data
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,14 @@ demo. It registers itself with one call to :func:`register_family`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .blocks import SINGLE, ArgSlot, BlockList, Carry, OutputIndex, resolve_blocks  # noqa: F401 (re-exported)
 from .conditioning import LatentFormat, TextEncoders
 from .frames import FrameRule
-from .lazy import torch
+from .lazy import import_attribute, torch
 from .limits import Limits
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 
@@ -140,10 +141,9 @@ class FamilyAdapter:
         return torch.nn.ModuleList(resolve_blocks(model, block_list.attr))
 
     def model_cls(self) -> type:
-        """The diffusers class ``model_class`` names, diffusers imported here (not with the adapter's
-        data). Raises ImportError when the installed diffusers has no such class."""
-        import diffusers.models
-        cls = getattr(diffusers, self.model_class, None) or getattr(diffusers.models, self.model_class, None)
-        if cls is None:
-            raise ImportError(f"diffusers {diffusers.__version__} has no class {self.model_class}")
-        return cls
+        """The diffusers class ``model_class`` names, imported here (:func:`~.lazy.import_attribute`,
+        safe under threads). Raises ImportError when the installed diffusers has no such class."""
+        for package in ("diffusers", "diffusers.models"):
+            with contextlib.suppress(AttributeError):
+                return import_attribute(package, self.model_class)
+        raise ImportError(f"diffusers {import_attribute('diffusers', '__version__')} has no class {self.model_class}")

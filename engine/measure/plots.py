@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ..families.lazy import lazy_imports
+
 
 def loss_curve_rgb(history: list[dict[str, Any]], title: str = "", width_px: int = 640,
                    height_px: int = 360) -> np.ndarray:
@@ -17,8 +19,9 @@ def loss_curve_rgb(history: list[dict[str, Any]], title: str = "", width_px: int
         title: plot title (e.g. family and schedule mode).
         width_px, height_px: image size in pixels.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    with lazy_imports():
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
     figure = Figure(figsize=(width_px / 100, height_px / 100), dpi=100)
     canvas = FigureCanvasAgg(figure)
@@ -44,8 +47,9 @@ def sweep_plot_png(cells, family: str, budget_bytes: int | None = None, width_px
         family: shown in the title.
         budget_bytes: the budget line, when given.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    with lazy_imports():
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
     figure = Figure(figsize=(width_px / 100, height_px / 100), dpi=100)
     FigureCanvasAgg(figure)

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config.model import BASE_PRECISIONS, QUANTIZED
 from ..core.memory import format_mib
+from ..families.lazy import lazy_imports
 from .distributed import local_tensor
 from .quantized.gguf_linear import GGUFLinear
 
@@ -309,7 +310,7 @@ def _torchao(base: str) -> tuple[Any, Any]:
         PrecisionError: torchao is not importable.
     """
     try:
-        with quiet_torchao():
+        with lazy_imports(), quiet_torchao():
             from torchao.quantization import (
                 Float8WeightOnlyConfig,
                 Int8WeightOnlyConfig,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..families import FamilyAdapter, TextBatch, TextSpec
 from ..families.conditioning import TextEncoders
+from ..families.lazy import lazy_imports
 
 _WORD = re.compile(r"[\w']+")
 _KINDS = {"t5": "t5", "umt5": "t5", "mt5": "t5", "clip_text_model": "clip"}
@@ -130,16 +131,17 @@ class _Encoder:
         Raises:
             TextEncoderError: no tokenizer, or the model or tokenizer cannot be loaded.
         """
-        from transformers import (
-            AutoConfig,
-            AutoModel,
-            AutoTokenizer,
-            CLIPTextModel,
-            CLIPTextModelWithProjection,
-            MT5EncoderModel,
-            T5EncoderModel,
-            UMT5EncoderModel,
-        )
+        with lazy_imports():
+            from transformers import (
+                AutoConfig,
+                AutoModel,
+                AutoTokenizer,
+                CLIPTextModel,
+                CLIPTextModelWithProjection,
+                MT5EncoderModel,
+                T5EncoderModel,
+                UMT5EncoderModel,
+            )
 
         self.folder, self.kind = folder, encoder_kind(folder)
         tokenizer_folder = _tokenizer_folder(folder)

@@ -9,7 +9,7 @@ packed 1-D sequence (text rows, video rows, audio rows) with full self-attention
 from __future__ import annotations
 
 from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
-from ..lazy import torch
+from ..lazy import lazy_imports, torch
 
 _VIDEO_TAG, _TEXT_TAG, _AUDIO_TAG = 0, 1, 2  # modular_pipelines/minimax_h3/modular_pipeline.py
 _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built here)
@@ -30,7 +30,11 @@ def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextB
             f"different noise levels (sigmas {sigmas.tolist()}); use batch_size=1")
     # the modular pipeline's helpers: imported here (they pull in diffusers' whole modular-pipeline
     # package, seconds of start-up that no other family needs)
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, patchify_video_latents
+    with lazy_imports():
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3PrepareLayoutStep,
+            patchify_video_latents,
+        )
 
     b, c, f, h, w = latents.shape
     patch = tuple(model.config.patch_size)
