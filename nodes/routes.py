@@ -6,7 +6,8 @@ query parameters only: every parameter is validated, unknown ones are refused, a
 file system is read or listed.
 
 Responses: 200 with the plan as JSON; 400 with ``{"error": message}`` naming the parameter, its
-value and what is allowed.
+value and what is allowed; 500 with ``{"error": message}`` (JSON too, so the block strip shows
+it) when the plan fails for another reason, its traceback in ComfyUI's log.
 
 Also on ComfyUI's server: :func:`name_inputs_middleware`, which makes a refused prompt's errors
 name the pack node's own input (see :func:`name_inputs`).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from typing import Any, Mapping
 
@@ -38,6 +40,10 @@ async def plan_handler(request: web.Request) -> web.Response:
         plan = await asyncio.to_thread(plan_for_query, dict(query))
     except PlanQueryError as exc:
         return web.json_response({"error": str(exc)}, status=400)
+    except Exception as exc:  # a fault of ours: the strip shows its one line, the log its traceback
+        logging.exception("segckpt: GET %s failed", PLAN_ROUTE)
+        return web.json_response({"error": f"the plan could not be computed: {type(exc).__name__}: {exc}"},
+                                 status=500)
     return web.json_response(plan)
 
 

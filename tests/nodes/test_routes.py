@@ -78,3 +78,17 @@ def test_bad_parameters_answer_400_naming_them(query, text):
 def test_repeated_parameter_is_refused():
     status, body = _get([("family", "flux"), ("family", "wan")])
     assert status == 400 and "family" in body["error"]
+
+
+def test_an_unexpected_failure_answers_json_the_strip_can_show(monkeypatch):
+    """Issue 34: a failed import answered aiohttp's text page, and the canvas showed a JSON SyntaxError."""
+    from segmented_checkpointing.nodes import routes
+
+    def broken(_query):
+        raise RuntimeError("Failed to import diffusers.models.transformers.transformer_wan")
+
+    monkeypatch.setattr(routes, "plan_for_query", broken)
+    status, body = _get({"family": "wan"})
+    assert status == 500
+    assert body == {"error": "the plan could not be computed: RuntimeError: Failed to import "
+                             "diffusers.models.transformers.transformer_wan"}
