@@ -250,7 +250,9 @@ class TrainLoRA:
         elif result.trained_steps == 0:
             live.note([f"0 steps trained: the run already had {len(result.history)} of {config.steps} steps "
                        "(raise steps to continue it)"])
-        return (result,)
+        # ComfyUI keeps node outputs in its cache: hand on the LoRA, not the trained model copy (its
+        # frozen weights, the runner and its host buffers are released here)
+        return (result.without_model(),)
 
 
 class SaveLoRA:
@@ -296,7 +298,7 @@ class SaveLoRA:
         lora, family = run.config.lora, run.plan.family
         meta = {"schedule": run.config.schedule.to_dict(), "steps": len(run.history)}
         # the graph's loader takes the ComfyUI file: with both, it keeps the plain name
-        files = api.save_lora_files(run.model, path, lora, family, lora_format, meta, primary="comfyui")
+        files = api.save_lora_files(run.lora_source, path, lora, family, lora_format, meta, primary="comfyui")
         path = files.get("comfyui", files.get("diffusers"))
         same = _same_earlier_file(path, filename_prefix) if run.trained_steps == 0 else None
         if same is not None:  # a resume with nothing left: the earlier file is this LoRA

@@ -26,7 +26,7 @@ The trained settings (rank, alpha, targets, dropout) stay in the header as ``lor
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -153,7 +153,42 @@ def diffusers_metadata(model: torch.nn.Module) -> str:
     return json.dumps({PREFIX + k: v for k, v in config.items()}, indent=2, sort_keys=True)
 
 
-def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
+@dataclass(frozen=True)
+class LoraWeights:
+    """A trained LoRA without its model: all that :func:`save_lora_files` writes, as CPU tensors.
+
+    A finished run hands it on instead of the trained model copy (whose frozen base weights, runner
+    and host buffers a long-lived ComfyUI server would otherwise keep in its node cache, issue 34).
+
+    Attributes:
+        state: :func:`lora_state_dict` of the model (bare peft keys; ``lora_A`` ``(r, in)``,
+            ``lora_B`` ``(out, r)``), on the CPU.
+        scales: :func:`adapter_scales` (``alpha / rank`` by module name).
+        shapes: :func:`~.comfy_lora.base_shapes` (the base weights' shapes, for ComfyUI's fused keys).
+        metadata: :func:`diffusers_metadata` (the ``lora_adapter_metadata`` header value).
+    """
+
+    state: dict[str, torch.Tensor]
+    scales: dict[str, float]
+    shapes: dict[str, tuple[int, ...]]
+    metadata: str
+
+    @classmethod
+    def of(cls, source: torch.nn.Module | LoraWeights) -> LoraWeights:
+        """The LoRA of a model with a peft adapter (from :func:`add_lora`); a :class:`LoraWeights` as it
+        is. Of a sharded model this gathers (:func:`lora_state_dict`): every rank must call it."""
+        if isinstance(source, LoraWeights):
+            return source
+        state = {k: v.cpu() for k, v in lora_state_dict(source).items()}
+        return cls(state, adapter_scales(source), base_shapes(source), diffusers_metadata(source))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+def save_lora(model: torch.nn.Module | LoraWeights, path: str | Path, settings: LoraSettings,
               metadata: Mapping[str, Any] | None = None, write: bool = True) -> Path:
     """Save the model's LoRA as a ComfyUI/diffusers-loadable ``.safetensors`` file (atomic).
 
@@ -162,7 +197,7 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
     diffusers where the family has a LoRA loader there).
 
     Args:
-        model: a model with a peft adapter (from :func:`add_lora`).
+        model: a model with a peft adapter (from :func:`add_lora`), or its :class:`LoraWeights`.
         path: destination file.
         settings: the LoRA settings, recorded in the header as ``lora_settings``.
         metadata: more header fields (family, schedule, ...); values are JSON-encoded. They cannot
@@ -171,11 +206,12 @@ def save_lora(model: torch.nn.Module, path: str | Path, settings: LoraSettings,
         write: False on the ranks of a sharded run other than 0: they take part in gathering
             the weights and write nothing.
     """
-    tensors = to_file_keys(lora_state_dict(model), adapter_scales(model))
+    weights = LoraWeights.of(model)
+    tensors = to_file_keys(weights.state, weights.scales)
     if not write:
         return Path(path)
     header = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    header.update({"format": "pt", LORA_ADAPTER_METADATA_KEY: diffusers_metadata(model),
+    header.update({"format": "pt", LORA_ADAPTER_METADATA_KEY: weights.metadata,
                    "lora_settings": json.dumps(asdict(settings))})
     return atomic_save_file(tensors, path, header)
 
@@ -219,7 +255,7 @@ def lora_paths(path: str | Path, lora_format: str, family: str, primary: str = "
     return {primary: path, other: path.with_name(f"{path.stem}_{other}{path.suffix}")}
 
 
-def save_lora_files(model: torch.nn.Module, path: str | Path, settings: LoraSettings, family: str,
+def save_lora_files(model: torch.nn.Module | LoraWeights, path: str | Path, settings: LoraSettings, family: str,
                     lora_format: str = "both", metadata: Mapping[str, Any] | None = None,
                     write: bool = True, primary: str = "diffusers") -> dict[str, Path]:
     """Save the model's LoRA in the files of ``lora_format`` (:func:`lora_paths`); ``{format: file}``.
@@ -234,13 +270,14 @@ def save_lora_files(model: torch.nn.Module, path: str | Path, settings: LoraSett
         LayoutError: an adapted module has no place in the released layout.
     """
     paths = lora_paths(path, lora_format, family, primary)
+    weights = LoraWeights.of(model)  # gathered once (a collective of a sharded model)
     if "diffusers" in paths:
-        save_lora(model, paths["diffusers"], settings, {**(metadata or {}), "family": family}, write)
+        save_lora(weights, paths["diffusers"], settings, {**(metadata or {}), "family": family}, write)
     if "comfyui" in paths:
-        scales = adapter_scales(model)
+        scales = weights.scales
         bare = {k: v * scales[k.partition(".lora_B.")[0]] if ".lora_B." in k else v
-                for k, v in lora_state_dict(model).items()}
-        tensors = to_comfy_keys(bare, get_layout(family), base_shapes(model))
+                for k, v in weights.state.items()}
+        tensors = to_comfy_keys(bare, get_layout(family), weights.shapes)
         if write:
             header = {k: v if isinstance(v, str) else json.dumps(v)
                       for k, v in {**(metadata or {}), "family": family}.items()}

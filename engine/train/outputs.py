@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,7 +13,7 @@ from ..config import TrainConfig
 from ..core.plan import ModelPlan
 from ..files.atomic import OutputWriteError, remove_stale_temporaries
 from ..model.distributed import full_optimizer_state
-from ..model.lora_files import lora_paths, lora_state_dict, save_lora_files
+from ..model.lora_files import LoraWeights, lora_paths, lora_state_dict, save_lora_files
 from .report import REPORT_FILE, build_report, write_report
 from .state import STATE_FILE, TrainingState, save_state
 
@@ -37,6 +37,22 @@ class TrainResult:
     """False on the ranks of a sharded run other than 0 (they wrote nothing)."""
     resumed_at: int = 0
     """The step this run started at (a resume's saved step; 0 for a fresh run)."""
+    lora: LoraWeights | None = field(default=None, repr=False)
+    """The trained LoRA without its model (:meth:`without_model`); None while ``model`` holds it."""
+
+    def without_model(self) -> TrainResult:
+        """This result with the trained LoRA as :class:`~..model.lora_files.LoraWeights` (CPU tensors)
+        instead of the trained model copy, whose frozen weights, runner and host buffers are then
+        released: what a long-lived server keeps (issue 34). Saving takes either
+        (:meth:`lora_source`)."""
+        if self.model is None:
+            return self
+        return replace(self, model=None, lora=LoraWeights.of(self.model))
+
+    @property
+    def lora_source(self) -> Any:
+        """What ``save_lora_files`` saves: the trained model, or its LoRA weights once detached."""
+        return self.model if self.model is not None else self.lora
 
     @property
     def trained_steps(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 from pathlib import Path
 
@@ -29,6 +30,11 @@ def base(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _instances(cls: type) -> list:
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is cls]
+
+
 def test_every_node_has_category_tooltips_and_function():
     for name, cls in NODES.items():
         assert cls.CATEGORY == "training/gradient checkpointing", name
@@ -51,6 +57,7 @@ def test_node_functions_return_the_declared_types(base):
     (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
     assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
     before = copy.deepcopy(model.transformer.state_dict())
+    transformers = len(_instances(type(model.transformer)))
     with torch.inference_mode():  # as ComfyUI runs nodes
         (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
                                                     lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
@@ -58,6 +65,8 @@ def test_node_functions_return_the_declared_types(base):
                                                     unique_id="5")
     after = model.transformer.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # ComfyUI caches the run: it holds the LoRA, not the trained copy of the model (issue 34)
+    assert run.model is None and len(_instances(type(model.transformer))) == transformers
     shown = NODES["SegCkptLossGraph"]().plot(run)
     (image,) = shown["result"]
     assert shown["ui"]["images"][0]["subfolder"] == "segckpt/nodes_test_00001"  # numbered: one folder a queue
@@ -76,7 +85,9 @@ def test_node_functions_return_the_declared_types(base):
     twin = load_file(base / "models" / "loras" / "node_lora_00002_diffusers.safetensors")
     assert twin and all(k.startswith("transformer.") for k in twin)
     diffusers = NODES["SegCkptSaveLoRA"]().save(run, "node_lora", "diffusers")
-    assert all(k.startswith("transformer.") for k in load_file(base / "models" / "loras" / diffusers["result"][0]))
+    saved = load_file(base / "models" / "loras" / diffusers["result"][0])
+    trained = load_file(base / "output" / "segckpt" / "nodes_test_00001" / "lora.safetensors")  # from the model
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
 
 
 @pytest.mark.parametrize("cls, inputs, text", [
