@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..engine import api
 from .environment import (
     BUILTIN_CLIP,
@@ -18,7 +16,7 @@ from .environment import (
     public_errors,
     resolve_model,
 )
-from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL
+from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, ModelSource
 from .widgets import NodeOptions, tip, widget
 
 
@@ -57,13 +55,17 @@ class LoadDiffusionModel:
 
     @public_errors
     def load(self, family, source, seed, base_model_precision="auto"):
-        # a folder or file loads straight into its storage dtype; quantizing (on the training device)
-        # and casting a preset happen in Train LoRA, on its copy
+        # the model is read by each node that uses it (ModelSource.load), not here: a server keeps
+        # node outputs, and would keep the model; its family is checked here (the config or the
+        # tensor names, no weights read), so a wrong file is refused on this node
         path = None if source == TINY_PRESET else resolve_model(current_host(), source)
         where = {} if path is None else {"model_file": str(path)} if path.is_file() else {"model_path": str(path)}
         config = api.TrainConfig.create(family=family, seed=seed, base_model_precision=base_model_precision, **where)
-        with torch.inference_mode(False):  # weights must not become inference tensors
-            return (api.load_model(config),)
+        found = api.model_family(config.model.model_path, config.model.model_file)
+        if found is not None and found != config.model.family:
+            raise ValueError(f"family={family!r} is invalid for source={source!r}: it holds a {found} model; "
+                             f"set family to {found}")
+        return (ModelSource(config),)
 
 
 class ImageCaptionDataset:

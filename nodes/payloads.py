@@ -1,6 +1,6 @@
 """What the pack's nodes pass to each other: one dataclass (or engine object) per socket type.
 
-``SEGCKPT_MODEL``: the engine's ``ModelBundle``; ``SEGCKPT_DATASET``: its ``DataConfig``;
+``SEGCKPT_MODEL``: :class:`ModelSource`; ``SEGCKPT_DATASET``: the engine's ``DataConfig``;
 ``SEGCKPT_LORA_CONFIG``: ``LoraSettings``; ``SEGCKPT_GUARDRAILS``: ``GuardrailsConfig``;
 ``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the three below.
 """
@@ -9,12 +9,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..engine import api
 
 CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
 OFFLOAD, LORA_CONFIG, RUN = "SEGCKPT_OFFLOAD", "SEGCKPT_LORA_CONFIG", "SEGCKPT_TRAINING_RUN"
 GUARDRAILS, WEIGHT_OFFLOAD = "SEGCKPT_GUARDRAILS", "SEGCKPT_WEIGHT_OFFLOAD"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Which model Load Diffusion Model names (``SEGCKPT_MODEL``): each node that trains or measures
+    on it loads its own copy (:meth:`load`) and drops it when it ends.
+
+    ComfyUI keeps every node's output in its cache for the next queue. Were this the loaded model,
+    the server would hold it after the run, and a training would hold a second copy of it while it
+    runs (the loaded model is shared with other nodes; training injects its LoRA into a copy):
+    after the Flux closed loop the pack's outputs held 4 GiB of the 8 GiB the server kept (issue 34).
+
+    Attributes:
+        config: the model's source, family, base precision and the preset's seed (``config.model``,
+            ``config.seed``).
+    """
+
+    config: api.TrainConfig
+
+    @property
+    def family(self) -> api.FamilyAdapter:
+        """The family's adapter."""
+        return api.get_family(self.config.model.family)
+
+    @property
+    def base_precision(self) -> str:
+        """The base precision chosen on the loader (``auto``, ``bf16``, ``int8-torchao``, ...)."""
+        return self.config.model.base_model_precision
+
+    def load(self) -> api.ModelBundle:
+        """A new copy of the model, outside inference mode (ComfyUI runs nodes inside it).
+
+        Raises:
+            ModelLoadError: the folder or file cannot be used (named).
+        """
+        with torch.inference_mode(False):  # weights must not become inference tensors
+            return api.load_model(self.config)
 
 
 @dataclass(frozen=True)

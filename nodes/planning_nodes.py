@@ -1,7 +1,7 @@
 """Nodes that measure and choose schedules: Checkpointing Sweep and Schedule Planner.
 
 Thin adapters over the facade's ``sweep`` and ``plan``: they build the run settings from their
-inputs, call the engine on a copy of the model, and wrap the results.
+inputs, load the model for the node (released when it returns), call the engine and wrap the results.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class CheckpointingSweep:
         config = _config(model, dataset, batch_size, lora_config, folder)
         schedules = api.sweep_schedules(attention_offload_modes)
         with _measuring(host, unique_id) as (on_step, stop):
-            cells = api.sweep(config, model, schedules, warmup_steps, measured_steps, on_step=on_step,
+            cells = api.sweep(config, model.load(), schedules, warmup_steps, measured_steps, on_step=on_step,
                               should_stop=stop)
         budget = int(budget_gib * 2**30) if budget_gib > 0 else None
         paths = api.write_sweep(cells, folder, model.family.name, budget)
@@ -165,13 +165,14 @@ class SchedulePlanner:
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         budget = api.budget("device" if budget_gib == 0 else budget_gib, config, key="budget_gib")
+        bundle = model.load()  # this node's own copy, released when it returns
         with _measuring(host, unique_id) as (on_step, stop):
-            choice = api.plan(config, model, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
+            choice = api.plan(config, bundle, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
                               on_step=on_step, should_stop=stop)
             verdict = None
             if config.data.buckets or config.data.video:  # the probe mixed shapes: judge per bucket (pre-flight)
                 on_step.next()
-                verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), model, budget,
+                verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), bundle, budget,
                                         warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
         api.write_plan(choice, folder)
         report = choice.render()

@@ -2,13 +2,13 @@
 
 Train LoRA converts its inputs to one engine config (:func:`run_config`), its data to the
 engine's (an Image+Caption Dataset, or ComfyUI's LATENT + CONDITIONING), calls the facade's
-``train`` on a copy of the model and hands the ``TrainResult`` on; what it shows while training
+``train`` on its own copy of the model (:meth:`~.payloads.ModelSource.load`) and hands the
+``TrainResult`` on, holding the LoRA but not the model; what it shows while training
 (progress, loss, previews, the guardrails' notes) goes through :class:`~.live.LiveRun`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from .payloads import (
     SCHEDULE,
     WEIGHT_OFFLOAD,
     AnyType,
+    ModelSource,
 )
 from .widgets import NodeOptions, tip, widget
 
@@ -90,7 +91,7 @@ def run_folder(run_name: str, resume: bool) -> Path:
     return output
 
 
-def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, schedule=None,
+def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedule=None,
                find_run: bool = True) -> api.TrainConfig:
     """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, offload
     options, weight-offload options, guardrails and dataset, and the model's family and base precision.
@@ -129,7 +130,7 @@ def run_config(inputs: dict[str, Any], model: api.ModelBundle | None = None, sch
 
 
 class TrainLoRA:
-    """Runs the training steps on a copy of the model (the loaded model is never changed)."""
+    """Runs the training steps on its own copy of the model (loaded for the run, released after it)."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "train", (RUN,), ("run",)
 
@@ -218,26 +219,26 @@ class TrainLoRA:
         source = data_source(inputs.get("dataset") is not None, inputs.get("latent") is not None,
                              inputs.get("conditioning") is not None, inputs.get("images") is not None)
         config = run_config(inputs, model, schedule)
+        bundle = model.load()  # this run's own copy, released when the node returns
         prepared = previews = None
         if source == "images":  # encoded here, by the graph's VAE when connected, else the model's
             with torch.inference_mode(False):
-                encode = api.batch_encoder(model.family, model.vae, inputs.get("vae"))
-                multiple = api.image_batch_multiple(model.family, model.transformer.config, model.vae, inputs.get("vae"))
-                prepared = api.prepare_image_batch(model.family, inputs["images"], inputs.get("caption") or "",
-                                                   config.data, encode, model.encode_text, multiple)
+                encode = api.batch_encoder(bundle.family, bundle.vae, inputs.get("vae"))
+                multiple = api.image_batch_multiple(bundle.family, bundle.transformer.config, bundle.vae,
+                                                    inputs.get("vae"))
+                prepared = api.prepare_image_batch(bundle.family, inputs["images"], inputs.get("caption") or "",
+                                                   config.data, encode, bundle.encode_text, multiple)
         if source == "latent":  # the engine maps them (a family without a ComfyUI latent mapping stops here)
-            prepared = api.prepare_comfy_data(model.family, model.family.text(model.transformer.config),
+            prepared = api.prepare_comfy_data(bundle.family, bundle.family.text(bundle.transformer.config),
                                               inputs["latent"], inputs["conditioning"])
             if config.validation.validation_every and inputs.get("vae") is not None:
-                previews = api.comfy_preview_source(model.family, prepared, inputs["vae"],
+                previews = api.comfy_preview_source(bundle.family, prepared, inputs["vae"],
                                                     config.validation.validation_frames,
                                                     config.data.frame_rate)
         live = LiveRun(current_host(), unique_id, config)
         unused = api.unused_keys(config.schedule) if inputs.get("offload") is not None else []
         if unused:  # e.g. unsloth over the planner's `none`: say that it does nothing
             live.note([f"Activation Offload Options: {note}" for note in unused])
-        with torch.inference_mode(False):  # our copy: the loaded model is shared with other nodes
-            bundle = dataclasses.replace(model, transformer=copy.deepcopy(model.transformer))
         # one latent cache for every run of this server: its keys are the data, the model and the
         # resolution, so queueing again (or changing a training setting) does not encode again
         result = api.train(config, bundle=bundle, on_step=live.on_step, should_stop=live.host.interrupted,

@@ -85,7 +85,8 @@ def _has(obj, name: str) -> bool:
         return True
     if not inspect.isclass(obj):
         return False
-    if any(name in vars(k).get("__annotations__", {}) for k in obj.__mro__):
+    # (a module type's __annotations__ is a descriptor, not a dict: LazyModule subclasses ModuleType)
+    if any(name in annotations for k in obj.__mro__ if isinstance(annotations := vars(k).get("__annotations__"), dict)):
         return True
     tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
     return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == name

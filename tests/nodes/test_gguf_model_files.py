@@ -74,5 +74,6 @@ def test_the_node_lists_gguf_files_of_diffusion_models_and_unet_and_loads_them(t
     assert choices == sorted(want + (["diffusion_models/wan-Q5_K_M.gguf"] if host == "comfyui" else []))
     assert NODE.VALIDATE_INPUTS(source="diffusion_models/sub/flux-Q8_0.gguf") is True
     assert "no such .safetensors file" in verdict(NODE, source="checkpoints/flux-Q8_0.gguf")
-    (bundle,) = NODE().load("flux", "diffusion_models/sub/flux-Q8_0.gguf", 0, "fp32")
+    (source,) = NODE().load("flux", "diffusion_models/sub/flux-Q8_0.gguf", 0, "fp32")
+    bundle = source.load()
     assert isinstance(bundle.transformer.transformer_blocks[0].attn.to_q, GGUFLinear)

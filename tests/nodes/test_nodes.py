@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 from pathlib import Path
@@ -19,6 +18,7 @@ from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.model.bundle import ModelBundle
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
+from segmented_checkpointing.nodes.payloads import ModelSource
 
 WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows" / "api").glob("*.api.json"))
 
@@ -46,7 +46,12 @@ def test_every_node_has_category_tooltips_and_function():
 
 def test_node_functions_return_the_declared_types(base):
     (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
-    assert isinstance(model, ModelBundle) and not any(p.is_inference() for p in model.transformer.parameters())
+    assert isinstance(model, ModelSource) and model.family.name == "flux"
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        loaded = model.load()
+    assert isinstance(loaded, ModelBundle) and not any(p.is_inference() for p in loaded.transformer.parameters())
+    transformer_class = type(loaded.transformer)
+    del loaded
     (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
     (schedule,) = NODES["SegCkptSchedule"]().build(
         family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
@@ -56,17 +61,14 @@ def test_node_functions_return_the_declared_types(base):
     assert schedule.schedule.gradient_checkpointing_segment_stride is None
     (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
     assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
-    before = copy.deepcopy(model.transformer.state_dict())
-    transformers = len(_instances(type(model.transformer)))
+    transformers = len(_instances(transformer_class))
     with torch.inference_mode():  # as ComfyUI runs nodes
         (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
                                                     lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
                                                     seed=0, run_name="nodes_test", resume=False, lora_config=lora,
                                                     unique_id="5")
-    after = model.transformer.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    # ComfyUI caches the run: it holds the LoRA, not the trained copy of the model (issue 34)
-    assert run.model is None and len(_instances(type(model.transformer))) == transformers
+    # ComfyUI caches every node's output: none holds a model after the run (issue 34)
+    assert run.model is None and len(_instances(transformer_class)) == transformers
     shown = NODES["SegCkptLossGraph"]().plot(run)
     (image,) = shown["result"]
     assert shown["ui"]["images"][0]["subfolder"] == "segckpt/nodes_test_00001"  # numbered: one folder a queue
@@ -225,7 +227,6 @@ def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
     assert report["precision"]["base_model_precision"] == "int8-torchao"
     assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0
     assert report["attention_backend"] == ["flash", "math"] and report["config"]["on_nonfinite"] == "skip"
-    assert all(type(m) is torch.nn.Linear for m in model.transformer.modules() if isinstance(m, torch.nn.Linear))
     assert "attention_backend='sage'" in verdict(NODES["SegCkptTrainLoRA"], run_name="run", attention_backend="sage")
 
 

@@ -59,9 +59,10 @@ def test_an_image_batch_of_frames_trains_as_the_clip_file_does(base):
                                                           unique_id="2", **RUN)
     (cache_file,) = (base / "output" / "segckpt" / "cache").glob("cache-*.safetensors")
     folder_latents = load_file(cache_file)["latents"]
-    encode = api.batch_encoder(model.family, model.vae)
-    prepared = api.prepare_image_batch(model.family, frames, "a camera pan over a photo", api.DataConfig(resolution=64), encode,
-                                       model.encode_text)
+    loaded = model.load()
+    encode = api.batch_encoder(loaded.family, loaded.vae)
+    prepared = api.prepare_image_batch(loaded.family, frames, "a camera pan over a photo", api.DataConfig(resolution=64),
+                                       encode, loaded.encode_text)
     assert folder_latents.shape == prepared.cache["latents"].shape == (1, 16, 2, 8, 8)
     assert (folder_latents - prepared.cache["latents"]).abs().max().item() <= 1e-6
     assert from_batch.history[0]["loss"] == pytest.approx(from_folder.history[0]["loss"], abs=1e-6)
