@@ -101,13 +101,34 @@ class Host:
     base_dir: Path | None = None
     """The host's base folder (ComfyUI's), hidden from messages too."""
 
+    def __post_init__(self) -> None:
+        # one folder reached twice (ComfyUI-GGUF's kind repeats diffusion_models' folders; a
+        # models/unet linked to models/diffusion_models) is searched and named once
+        self.diffusers_dirs = _unique(self.diffusers_dirs)
+        self.model_file_dirs = {kind: _unique(dirs) for kind, dirs in self.model_file_dirs.items()}
+
+    def folder_name(self, folder: Path) -> str:
+        """How messages name one of the host's model folders: its path under the base folder
+        (``models/unet``; ``output/diffusion_models``, which ComfyUI searches too), else
+        ``models/<its name>`` (a folder of ``extra_model_paths.yaml``)."""
+        if self.base_dir is not None:
+            for inner, base in ((Path(folder).absolute(), Path(self.base_dir).absolute()),
+                                (Path(folder).resolve(), Path(self.base_dir).resolve())):
+                if inner != base and inner.is_relative_to(base):
+                    return inner.relative_to(base).as_posix()
+        return f"models/{Path(folder).name}"
+
+    def folder_list(self, folders: list[Path]) -> str:
+        """``folders`` as a message lists them: by their public names, each name once."""
+        return ", ".join(dict.fromkeys(self.public(str(folder)) for folder in folders))
+
     def public(self, text: str) -> str:
         """``text`` with the host's absolute folders replaced by their ComfyUI names (``output/...``,
         ``input/...``, ``models/loras/...``): messages reach the browser, and a shared server must
         not reveal its layout."""
         roots = [(self.output_dir, "output"), (self.input_dir, "input"), (self.loras_dir, "models/loras")]
         roots += [(d, "models/diffusers") for d in self.diffusers_dirs]
-        roots += [(d, f"models/{d.name}") for dirs in self.model_file_dirs.values() for d in dirs]
+        roots += [(d, self.folder_name(d)) for dirs in self.model_file_dirs.values() for d in dirs]
         if self.base_dir is not None:
             roots.append((self.base_dir, "<comfyui>"))
         # where else the engine's messages may point: its temporary run folders, Python, the pack
@@ -119,6 +140,15 @@ class Host:
                 if Path(form).is_absolute():
                     text = text.replace(form, name)
         return text
+
+
+def _unique(folders: list[Path]) -> list[Path]:
+    """``folders`` in order, each folder once: later entries that resolve (through links) to an
+    earlier one are left out."""
+    kept: dict[Path, Path] = {}
+    for folder in map(Path, folders):
+        kept.setdefault(folder.resolve(), folder)
+    return list(kept.values())
 
 
 def in_comfyui() -> bool:
@@ -177,8 +207,7 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
     diffusers_dirs = [Path(p) for p in folder_paths.get_folder_paths("diffusers")]
     files = {name: [Path(p) for p in folder_paths.get_folder_paths(name)] for name in MODEL_FILE_FOLDERS}
     if GGUF_FOLDER in getattr(folder_paths, "folder_names_and_paths", {}):  # ComfyUI-GGUF is installed
-        files["diffusion_models"] += [Path(p) for p in folder_paths.get_folder_paths(GGUF_FOLDER)
-                                      if Path(p) not in files["diffusion_models"]]
+        files["diffusion_models"] += [Path(p) for p in folder_paths.get_folder_paths(GGUF_FOLDER)]  # Host: once each
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
                 Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
                 progress, comfy.model_management.processing_interrupted, send, files,
@@ -238,12 +267,12 @@ def resolve_model(host: Host, name: str) -> Path:
             if path.is_file() and path.name.endswith(_suffixes(kind)):
                 return path
         raise PathError(f"source={_shown(name)} is invalid: no such {' or '.join(_suffixes(kind))} file under "
-                        f"{', '.join(map(str, host.model_file_dirs[kind]))}")
+                        f"{host.folder_list(host.model_file_dirs[kind])}")
     for root in host.diffusers_dirs:
         path = contained(root, name, "source")
         if path.is_dir():
             return path
-    raise PathError(f"source={name!r} is invalid: no such folder under {', '.join(map(str, host.diffusers_dirs))}")
+    raise PathError(f"source={name!r} is invalid: no such folder under {host.folder_list(host.diffusers_dirs)}")
 
 
 RUN_DIGITS = 5

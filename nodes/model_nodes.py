@@ -95,8 +95,8 @@ class ImageCaptionDataset:
             cls.OPTIONS.config(inputs)
             if folder is not None and folder not in (BUILTIN_DATA, BUILTIN_CLIP):
                 path = contained(host.input_dir, folder, "folder")
-                if not path.is_dir():
-                    return f"folder={folder!r} is invalid: no such folder under the input folder"
+                if not path.is_dir():  # raised like every refusal: a returned one is listed once per input
+                    raise PathError(f"folder={folder!r} is invalid: no such folder under the input folder")
                 api.check_dataset(path)  # captions decoded, images read through: refused at /prompt
         except (PathError, ValueError) as exc:
             raise node_error(exc) from None

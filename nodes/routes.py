@@ -53,20 +53,23 @@ def register_routes(routes: web.RouteTableDef) -> None:
 
 
 _NAMED = re.compile(r"(?<![\w-])([a-z_][a-z0-9_]*)(=?)")
+_RAISED = ("exception_during_inner_validation", "exception_during_validation")
+"""ComfyUI's error types of a raised ``VALIDATE_INPUTS``: a fed node's, an output node's."""
 
 
 def name_inputs(node_errors: Mapping[str, Any], classes: Mapping[str, type]) -> bool:
     """Point each validation error of a pack node at the input its message is about.
 
-    ComfyUI validates a node that feeds another inside the consumer's validation, and when the
-    fed node's ``VALIDATE_INPUTS`` raises, it records the error under the fed node with the
-    *consumer's* input as ``extra_info.input_name`` (``execution.py`` ``validate_inputs``,
-    ``exception_during_inner_validation``): a Train LoRA error read ``run`` (Save LoRA's input), a
-    schedule error ``schedule``. The frontends label and highlight that input. The pack's messages
-    name the input they are about (``run_name='/x' is invalid``): this sets ``input_name`` to the
-    first of the node's own inputs the message names (``name=`` first), or drops it when it names
-    none, and drops the traceback (the frames of a refused value name the server's files). Other
-    nodes' errors are left as they are.
+    The pack's validators raise (a returned message is listed once per input the validator takes,
+    ``execution.py`` ``validate_inputs``), and ComfyUI names a raised error by no input of the node:
+    a node that feeds another is validated inside the consumer's validation and its error carries
+    the *consumer's* input as ``extra_info.input_name`` (``exception_during_inner_validation``: a
+    Train LoRA error read ``run``, Save LoRA's input); an output node's own error carries none
+    (``exception_during_validation``). The frontends label and highlight that input. The pack's
+    messages name the input they are about (``run_name='/x' is invalid``): this sets ``input_name``
+    to the first of the node's own inputs the message names (``name=`` first), or drops it when it
+    names none, and drops the traceback (the frames of a refused value name the server's files).
+    Other nodes' errors are left as they are.
 
     Args:
         node_errors: the ``node_errors`` of ComfyUI's ``/prompt`` answer (changed in place).
@@ -84,7 +87,7 @@ def name_inputs(node_errors: Mapping[str, Any], classes: Mapping[str, type]) -> 
         inputs = {name: spec for section in ("required", "optional") for name, spec in declared.get(section, {}).items()}
         for error in entry.get("errors", []):
             extra = error.get("extra_info")
-            if error.get("type") != "exception_during_inner_validation" or not isinstance(extra, dict):
+            if error.get("type") not in _RAISED or not isinstance(extra, dict):
                 continue
             named = [(m.group(2) != "=", m.start(), m.group(1)) for m in _NAMED.finditer(str(error.get("details", "")))
                      if m.group(1) in inputs]

@@ -281,10 +281,10 @@ class SaveLoRA:
 
     @classmethod
     def VALIDATE_INPUTS(cls, filename_prefix):
-        try:
+        try:  # raised, as every node's refusal (``routes.name_inputs`` names the input)
             contained(current_host().loras_dir, filename_prefix, "filename_prefix")
         except PathError as exc:
-            return current_host().public(str(exc))
+            raise node_error(exc) from None
         return True
 
     @public_errors

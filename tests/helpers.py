@@ -37,8 +37,8 @@ def pack_only(workflow) -> bool:
 
 
 def verdict(cls, **inputs):
-    """What ComfyUI reports for a node's VALIDATE_INPUTS: True, or the message (returned, or raised
-    by validators of several inputs so that ComfyUI lists it once)."""
+    """What ComfyUI reports for a node's VALIDATE_INPUTS: True, or the message (raised, so that
+    ComfyUI lists it once; a returned one would be listed once per input the validator takes)."""
     try:
         return cls.VALIDATE_INPUTS(**inputs)
     except ValueError as exc:

@@ -210,6 +210,31 @@ def test_a_refused_value_names_the_nodes_own_input_and_no_path(server, ws, node_
     assert _no_path(server, json.dumps(errors))
 
 
+@pytest.mark.parametrize("workflow, node_class, changes, details", [
+    ("train_segmented_lora.api.json", "SegCkptImageCaptionDataset", {"folder": "no_such_folder"},
+     "folder='no_such_folder' is invalid: no such folder under the input folder"),
+    ("train_segmented_lora.api.json", "SegCkptLoadDiffusionModel", {"source": "diffusion_models/missing.safetensors"},
+     "source='diffusion_models/missing.safetensors' is invalid: no such .safetensors or .gguf file under models/unet, "
+     "models/diffusion_models, output/diffusion_models"),
+    ("checkpointing_sweep.api.json", "SegCkptSweep", {"run_name": "../up"},  # an output node's own validator
+     "run_name='../up' is invalid: allowed a relative name inside output/segckpt, without '..' or an absolute path"),
+])
+def test_one_cause_is_one_error_on_the_input_that_holds_it(server, ws, workflow, node_class, changes, details):
+    """A missing data folder was listed once per Dataset widget (8 errors), a missing model file named
+    models/diffusion_models twice (ComfyUI searches output/diffusion_models too), and an output
+    node's refusal was named by no input."""
+    graph = _short(api_workflow(workflow), steps=1)
+    node = node_id_of(graph, node_class)
+    graph[node]["inputs"].update(changes)
+    status, body = queue(server, ws, graph)
+    assert status == 400, body
+    errors = [(node_id, error) for node_id, entry in body["node_errors"].items() for error in entry["errors"]]
+    assert len(errors) == 1, body["node_errors"]
+    (where, error), (input_name,) = errors[0], changes
+    assert where == node and error["details"] == details and error["extra_info"]["input_name"] == input_name, error
+    assert "traceback" not in error["extra_info"]
+
+
 def test_a_failed_run_reports_no_server_path_in_history(server, ws):
     broken = server.base / "models" / "diffusion_models" / "broken.safetensors"
     broken.write_bytes(b"not a model at all")

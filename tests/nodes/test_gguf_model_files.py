@@ -33,17 +33,21 @@ def _files(models: Path) -> None:
 
 def _stub_comfyui(monkeypatch, base: Path, extra: Path) -> None:
     """ComfyUI 0.3.64's ``folder_paths`` layout (diffusion_models = unet + diffusion_models, filtered
-    by ``supported_pt_extensions``) plus ComfyUI-GGUF's ``unet_gguf`` kind with one more folder."""
-    models = base / "models"
+    by ``supported_pt_extensions``, + ``output/diffusion_models``, which ``main.py``'s
+    ``apply_custom_paths`` adds) plus ComfyUI-GGUF's ``unet_gguf`` kind: diffusion_models' folders
+    and one more."""
+    models, output = base / "models", base / "output"
     pt = {".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft"}
     folder_paths = types.ModuleType("folder_paths")
     folder_paths.base_path = str(base)
     folder_paths.folder_names_and_paths = {
         "diffusers": ([str(models / "diffusers")], {"folder"}),
-        "diffusion_models": ([str(models / "unet"), str(models / "diffusion_models")], pt),
-        "checkpoints": ([str(models / "checkpoints")], pt),
+        "diffusion_models": ([str(models / "unet"), str(models / "diffusion_models"), str(output / "diffusion_models")],
+                             pt),
+        "checkpoints": ([str(models / "checkpoints"), str(output / "checkpoints")], pt),
         "loras": ([str(models / "loras")], pt),
-        "unet_gguf": ([str(models / "unet"), str(models / "diffusion_models"), str(extra)], {".gguf"}),
+        "unet_gguf": ([str(models / "unet"), str(models / "diffusion_models"), str(output / "diffusion_models"),
+                       str(extra)], {".gguf"}),
     }
     folder_paths.get_folder_paths = lambda name: list(folder_paths.folder_names_and_paths[name][0])
     folder_paths.get_input_directory = lambda: str(base / "input")
@@ -77,3 +81,23 @@ def test_the_node_lists_gguf_files_of_diffusion_models_and_unet_and_loads_them(t
     (source,) = NODE().load("flux", "diffusion_models/sub/flux-Q8_0.gguf", 0, "fp32")
     bundle = source.load()
     assert isinstance(bundle.transformer.transformer_blocks[0].attn.to_q, GGUFLinear)
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_missing_file_names_each_searched_folder_once(tmp_path, monkeypatch, linked):
+    """ComfyUI searches ``output/diffusion_models`` too, and ComfyUI-GGUF's kind repeats
+    diffusion_models' folders: the message listed ``models/diffusion_models`` twice. A folder
+    linked to another is one folder, searched and listed once."""
+    (tmp_path / "models" / "unet").mkdir(parents=True)
+    if linked:
+        (tmp_path / "models" / "diffusion_models").symlink_to("unet", target_is_directory=True)
+    _stub_comfyui(monkeypatch, tmp_path, tmp_path / "elsewhere" / "gguf")
+    host = environment.current_host()
+    assert [d.name for d in host.model_file_dirs["diffusion_models"]] == (
+        ["unet"] + ([] if linked else ["diffusion_models"]) + ["diffusion_models", "gguf"])
+    folders = "models/unet, " + ("" if linked else "models/diffusion_models, ") + "output/diffusion_models, elsewhere/gguf"
+    assert verdict(NODE, source="diffusion_models/missing.safetensors") == (
+        f"source='diffusion_models/missing.safetensors' is invalid: no such .safetensors or .gguf file under {folders}")
+    assert verdict(NODE, source="checkpoints/missing.safetensors") == (
+        "source='checkpoints/missing.safetensors' is invalid: no such .safetensors file under models/checkpoints, "
+        "output/checkpoints")

@@ -5,6 +5,7 @@ error type or message holds a server path."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -66,8 +67,71 @@ def _inner_error(kind: str, message: str) -> dict:
                                            "linked_node": ["1", 0]}}]}}
 
 
+def comfyui_errors(kind: str, inputs: dict) -> list[dict]:
+    """The errors a ComfyUI 0.3.64 server lists for a pack node at ``/prompt``, from its
+    ``VALIDATE_INPUTS`` answer (``execution.py``, ``validate_inputs``), after the pack's middleware
+    (:func:`name_inputs`).
+
+    ComfyUI gives the validator the inputs its signature names (all of them with ``**kwargs``). A
+    returned message becomes one error per input given; a raised one becomes one error: under the
+    node it feeds (``exception_during_inner_validation``, named by the consumer's input), or an
+    output node's own (``exception_during_validation``, named by no input).
+    """
+    cls = NODES[kind]
+    spec = inspect.getfullargspec(cls.VALIDATE_INPUTS)
+    given = {name: value for name, value in inputs.items() if spec.varkw or name in spec.args}
+    try:
+        answer = cls.VALIDATE_INPUTS(**given)
+    except Exception as exc:
+        extra = {"exception_message": str(exc), "exception_type": type(exc).__name__,
+                 "traceback": ["  File \"/srv/comfyui/execution.py\", line 808\n"]}
+        if getattr(cls, "OUTPUT_NODE", False):
+            errors = [{"type": "exception_during_validation", "details": str(exc), "extra_info": extra}]
+        else:
+            errors = [{"type": "exception_during_inner_validation", "details": str(exc),
+                       "extra_info": {**extra, "input_name": "consumer", "linked_node": ["1", 0]}}]
+    else:
+        if answer is True:
+            return []
+        errors = [{"type": "custom_validation_failed", "details": name if answer is False else f"{name} - {answer}",
+                   "extra_info": {"input_name": name}} for name in given]
+    name_inputs({"1": {"class_type": kind, "errors": errors}}, NODES)
+    return errors
+
+
+def _defaults(kind: str) -> dict:
+    """A node's widget values as the page sends them (every widget at its default; linked inputs None)."""
+    inputs = {name: _default(spec) for name, spec in _widgets(NODES[kind]).items()}
+    return {**inputs, **(SOCKETS if kind == "SegCkptTrainLoRA" else {})}
+
+
+@pytest.mark.parametrize("kind, changes, input_name, text", [
+    ("SegCkptImageCaptionDataset", {"folder": "missing"}, "folder",
+     "folder='missing' is invalid: no such folder under the input folder"),
+    ("SegCkptImageCaptionDataset", {"folder": "../x"}, "folder", "folder='../x' is invalid: allowed a relative name"),
+    ("SegCkptImageCaptionDataset", {"resolution": 17}, "resolution", "resolution=17 is invalid"),
+    ("SegCkptLoadDiffusionModel", {"source": "diffusion_models/missing.safetensors"}, "source",
+     "source='diffusion_models/missing.safetensors' is invalid: no such .safetensors or .gguf file under "),
+    ("SegCkptSaveLoRA", {"filename_prefix": "../../x"}, "filename_prefix", "filename_prefix='../../x' is invalid"),
+    ("SegCkptTrainLoRA", {"run_name": "../up"}, "run_name", "run_name='../up' is invalid"),
+    ("SegCkptSweep", {"run_name": "../up"}, "run_name", "run_name='../up' is invalid"),
+    ("SegCkptSchedulePlanner", {"run_name": "/abs"}, "run_name", "run_name='/abs' is invalid"),
+])
+def test_one_cause_is_one_error_on_the_input_that_holds_it(kind, changes, input_name, text, tmp_path, monkeypatch):
+    """A missing data folder was listed once per Dataset widget (8 errors); an output node's
+    refusal was named by no input."""
+    monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
+    (tmp_path / "input").mkdir()
+    assert comfyui_errors(kind, _defaults(kind)) == []
+    errors = comfyui_errors(kind, {**_defaults(kind), **changes})
+    assert len(errors) == 1, errors
+    assert errors[0]["extra_info"]["input_name"] == input_name and errors[0]["details"].startswith(text), errors
+    assert "traceback" not in errors[0]["extra_info"] and "linked_node" not in errors[0]["extra_info"]
+
+
 @pytest.mark.parametrize("kind", ["SegCkptSchedule", "SegCkptTrainLoRA", "SegCkptOffloadOptions",
-                                  "SegCkptWeightOffload", "SegCkptLoRAConfig", "SegCkptImageCaptionDataset"])
+                                  "SegCkptWeightOffload", "SegCkptLoRAConfig", "SegCkptImageCaptionDataset",
+                                  "SegCkptFitGuardrails"])
 def test_every_refused_option_names_the_nodes_own_input(kind, tmp_path, monkeypatch):
     monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
     cls, widgets = NODES[kind], _widgets(NODES[kind])
@@ -81,11 +145,9 @@ def test_every_refused_option_names_the_nodes_own_input(kind, tmp_path, monkeypa
         if name in skip:
             continue
         value = _bad(name, spec)
-        message = _refused(cls, {**defaults, **(SOCKETS if kind == "SegCkptTrainLoRA" else {}), name: value})
-        assert message.startswith(f"{name}={value!r} is invalid"), (name, message)
-        errors = _inner_error(kind, message)
-        assert name_inputs(errors, NODES)
-        extra = errors["1"]["errors"][0]["extra_info"]
+        (error,) = comfyui_errors(kind, {**defaults, **(SOCKETS if kind == "SegCkptTrainLoRA" else {}), name: value})
+        assert error["details"].startswith(f"{name}={value!r} is invalid"), (name, error)
+        extra = error["extra_info"]
         assert extra["input_name"] == name and extra["input_config"][0] == spec[0]
         assert "linked_node" not in extra and "traceback" not in extra
 
