@@ -21,20 +21,37 @@ def pan_frames(count: int, size: tuple[int, int] = (80, 64), photo: str = "astro
     return [image.crop((i * step, i * step // 2, i * step + width, i * step // 2 + height)) for i in range(count)]
 
 
-def write_mp4(path: Path, frames: list[Image.Image], fps: int = 8) -> Path:
-    """An H.264 mp4 of ``frames`` (yuv420p, every frame a keyframe: small and decodes exactly as written)."""
+def write_mp4(path: Path, frames: list[Image.Image], fps: int = 8, options: dict[str, str] | None = None,
+              intra: bool = False) -> Path:
+    """An H.264 video of ``frames`` (yuv420p; an mp4, or the container of ``path``'s suffix; ``options``:
+    the muxer's, ``{"movflags": "faststart"}`` puts an mp4's index first; ``intra``: every frame a
+    keyframe, one packet each, in display order)."""
     import av
 
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options=options or {}) as container:
         stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
+        if intra:
+            stream.codec_context.gop_size, stream.codec_context.max_b_frames = 1, 0
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_image(frame)):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def cut_clip(path: Path, out: Path, packet: int) -> Path:
+    """A copy of the video ``path`` cut in the middle of its ``packet``-th video packet (in file
+    order), as a copy or download that stopped there."""
+    import av
+
+    with av.open(str(path)) as container:
+        starts = [(p.pos, p.size) for p in container.demux(container.streams.video[0]) if p.size]
+    position, size = starts[packet]
+    out.write_bytes(path.read_bytes()[: position + size // 2])
+    return out
 
 
 def write_animated(path: Path, frames: list[Image.Image], fps: int = 8) -> Path:

@@ -4,6 +4,7 @@ the batch (read by ``engine/data/``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from .options import UNSET_WORDS, ConfigError, check_options, option
@@ -14,6 +15,29 @@ MAX_FRAMES = 1024
 FRAME_SAMPLING = ("first", "uniform", "random")
 FRAME_KEYS = ("num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames")
 """The frame options of a data source (the Dataset node's frame widgets)."""
+NTSC = Fraction(1000, 1001)
+"""The NTSC factor: 23.976, 29.97 and 59.94 fps are 24, 30 and 60 x 1000/1001 (SMPTE ST 12-1)."""
+NTSC_TOLERANCE = Fraction(1, 200)
+"""A written rate within this (0.005 fps) of ``n x 1000/1001`` means that NTSC rate."""
+
+
+def exact_rate(value: float | int | Fraction) -> Fraction:
+    """A frame rate as exact frames per second: a ``Fraction`` as it is (a container's rate); an
+    integer as it is; a decimal within :data:`NTSC_TOLERANCE` of ``n x 1000/1001`` as that NTSC rate
+    (23.976 and 23.98 -> 24000/1001, 29.97 -> 30000/1001, 59.94 -> 60000/1001, 47.952, 119.88);
+    any other decimal as the decimal written (12.5 -> 25/2, 23.5 -> 47/2).
+
+    The rule reads a rate as cameras and editors label it (24000/1001 is shown as "23.976" or
+    "23.98"): read as the decimal 2997/125, ``frame_rate=23.976`` would resample a 24000/1001 clip
+    to a rate 0.0001% off its own instead of keeping its frames.
+    """
+    if isinstance(value, Fraction):
+        return value
+    rate = Fraction(repr(float(value))) if isinstance(value, float) else Fraction(value)
+    if rate.denominator == 1:
+        return rate
+    ntsc = round(rate / NTSC) * NTSC
+    return ntsc if ntsc > 0 and abs(rate - ntsc) < NTSC_TOLERANCE else rate
 
 
 def _frame_list(value: Any) -> Any:
@@ -58,8 +82,9 @@ class DataConfig:
                              "HunyuanVideo: 4k+1; LTX-Video: 8k+1); image families take 1.", "--num-frames",
                              min=1, max=MAX_FRAMES)
     frame_rate: float | None = option(None, "Frames per second clips are resampled to before frames are taken "
-                                      "(nearest frame in time); unset: each clip's own rate.", "--frame-rate",
-                                      above=0, max=1000)
+                                      "(nearest frame in time, as ffmpeg's fps filter); 23.976, 29.97, 59.94 mean "
+                                      "the NTSC rates 24000/1001, 30000/1001, 60000/1001; unset: each clip's own "
+                                      "rate.", "--frame-rate", above=0, max=1000)
     frame_sampling: str = option("first", "Which frames of a clip train: first = the first window; uniform = "
                                  "frames spread evenly over the whole clip; random = a window drawn each epoch from "
                                  "the run's seed (resume-exact; encoded when drawn).", "--frame-sampling",
@@ -93,6 +118,11 @@ class DataConfig:
     def frame_counts(self) -> tuple[int, ...]:
         """The pixel-frame counts clips train at: ``frame_buckets``, else ``(num_frames,)``."""
         return self.frame_buckets or (self.num_frames,)
+
+    @property
+    def rate(self) -> Fraction | None:
+        """``frame_rate`` as exact frames per second (:func:`exact_rate`), or None (each clip's own)."""
+        return None if self.frame_rate is None else exact_rate(self.frame_rate)
 
     @property
     def video(self) -> bool:

@@ -4,7 +4,8 @@
 the scan (``engine/data/folder.py``: every caption decoded), then every image read through to its
 last byte by Pillow (a PNG's chunks and checksums through ``verify()``, other formats decoded,
 JPEG at 1/8 scale through ``draft``), so a text file named ``x.png`` or a PNG cut in half is
-refused in one line naming the file before the run loads anything.
+refused in one line naming the file before the run loads anything, and every clip decoded to its
+end (``engine/data/video.py``: one cut short trains on the frames that decode, counted).
 
 The size rule (:func:`fit_loss`). An image is resized to cover its training size (the
 ``resolution`` square, or its bucket) and centre-cropped (``engine/data/images.py``); ``scale`` is
@@ -44,8 +45,10 @@ ASPECT_SKIPPED = 2 * MAX_ASPECT
 
 
 def check_dataset(folder: str | Path | None) -> DatasetScan | None:
-    """The scan of the data ``folder`` with every image checked and its size known (None without
-    a folder: the built-in photos are written by the run). Runs before any model is built.
+    """The scan of the data ``folder`` with every image checked and its size known, and every clip
+    decoded to its end (its frames and rate known; one that ends early counted ``clip_truncated``:
+    ``engine/data/video.py``) (None without a folder: the built-in photos are written by the run).
+    Runs before any model is built.
 
     Raises:
         DatasetError: see :func:`~.folder.scan_dataset` and :func:`~.images.check_image`.
@@ -53,15 +56,16 @@ def check_dataset(folder: str | Path | None) -> DatasetScan | None:
     if folder is None:
         return None
     scan = scan_dataset(folder)
-    return replace(scan, samples=[_checked(s) for s in scan.samples])
-
-
-def _checked(sample):
-    """``sample`` with its size (and a clip's frame count and rate) read through its last byte."""
-    if not sample.clip:
-        return replace(sample, size=check_image(sample.image))
-    info = probe_clip(sample.image)
-    return replace(sample, size=(info.width, info.height), frames=info.frames, fps=info.fps)
+    samples, ended = [], []
+    for sample in scan.samples:
+        if not sample.clip:
+            samples.append(replace(sample, size=check_image(sample.image)))
+            continue
+        info = probe_clip(sample.image)
+        samples.append(replace(sample, size=(info.width, info.height), frames=info.frames, fps=info.fps))
+        if info.ended_early:
+            ended.append(f"{relative_name(scan, sample.image)} ({info.ended_early})")
+    return replace(scan, samples=samples, lossy={**scan.lossy, "clip_truncated": ended})
 
 
 def fit_loss(size: tuple[int, int], target: tuple[int, int]) -> tuple[str, str] | None:
@@ -117,6 +121,7 @@ _WHAT = {"caption_truncated": "captions longer than the text encoder reads were 
          "image_skipped": (f"images were skipped (upscaled more than {UPSCALE_SKIPPED:g}x, or more elongated than "
                            f"{ASPECT_SKIPPED:g}:1)"),
          "link_not_followed": "links were not followed (each real folder is read once)",
+         "clip_truncated": "clips end before the frames their file states (each trains on the frames that decode)",
          "clip_skipped": "clips were skipped (fewer frames than the smallest frame count or min_frames, or an image "
                          "family's data)"}
 

@@ -26,6 +26,7 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,8 @@ class Sample:
     """A clip (a video file, an animated GIF / WebP: ``engine/data/video.py``), not an image."""
     frames: int = 1
     """Frames the file holds, once checked (1 for an image)."""
-    fps: float | None = None
-    """A clip's frames per second, once checked."""
+    fps: Fraction | None = None
+    """A clip's frames per second (exact), once checked."""
 
 
 def write_sample_dataset(folder: str | Path) -> Path:
@@ -101,11 +102,14 @@ HIDDEN_NAMES = ("thumbs.db", "ehthumbs.db", "desktop.ini", "icon\r")
 """System files that are never data (compared case-insensitively), besides every dot-file."""
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 """kohya's sd-scripts layout: ``<repeats>_<name>`` subfolders."""
-LOSSY_KINDS = ("caption_truncated", "image_upscaled", "image_skipped", "link_not_followed", "clip_skipped")
+LOSSY_KINDS = ("caption_truncated", "image_upscaled", "image_skipped", "link_not_followed", "clip_truncated",
+               "clip_skipped")
 """What a run may lose of its data, each counted in ``report.json`` ``dataset.lossy`` and named in
 one warning: a caption longer than the text encoder reads, an image upscaled or skipped
 (``engine/data/checks.py`` states the factors), a link not followed (see the module docstring), a
-clip skipped (shorter than the smallest frame count, or in an image family's data)."""
+clip that ends before the frames its file states (it trains on the frames that decode:
+``engine/data/video.py``), a clip skipped (shorter than the smallest frame count, or in an image
+family's data)."""
 NAMED = 5
 """Entries named per kind in the warning and in ``report.json`` ``dataset.lossy_files``."""
 

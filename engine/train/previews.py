@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +33,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
+from ..config.data import exact_rate
 from ..core.memory import PeakMemory
 from ..data.buckets import sample_latent_shape
 from ..data.comfy_data import PreparedData, comfy_latent_format
@@ -77,13 +80,17 @@ def encode_png(image: torch.Tensor) -> bytes:
     return out.getvalue()
 
 
-def encode_webp(clip: torch.Tensor, fps: float = DEFAULT_FPS) -> bytes:
-    """An animated WebP of a clip ``(3, F, H, W)`` in [0, 1]: ``F`` frames of ``1000 / fps`` ms
-    each (rounded to whole ms, WebP's unit), looping (``loop=0``), quality :data:`WEBP_QUALITY`."""
+def encode_webp(clip: torch.Tensor, fps: float | Fraction = DEFAULT_FPS) -> bytes:
+    """An animated WebP of a clip ``(3, F, H, W)`` in [0, 1]: frame ``k`` starts at ``k / fps`` s
+    (exact, ``engine/config/data.py`` ``exact_rate``: 23.976 is 24000/1001) rounded to the nearest
+    whole ms (WebP's unit), so the durations alternate (41, 42 ms) rather than drift; looping
+    (``loop=0``), quality :data:`WEBP_QUALITY`."""
     frames = [Image.fromarray(_pixels(frame)) for frame in clip.unbind(1)]
+    period = 1000 / exact_rate(fps)
+    starts = [math.floor(k * period + Fraction(1, 2)) for k in range(len(frames) + 1)]
     out = io.BytesIO()
-    frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000.0 / fps),
-                   loop=0, quality=WEBP_QUALITY)
+    frames[0].save(out, format="WEBP", save_all=True, append_images=frames[1:],
+                   duration=[end - start for start, end in zip(starts, starts[1:])], loop=0, quality=WEBP_QUALITY)
     return out.getvalue()
 
 

@@ -1,16 +1,19 @@
 """Video LoRAs on clips: a folder of mp4 clips + an image trains the video families at their frame
 rule, every schedule gives the no-checkpoint gradients on multi-frame latents, frame buckets never
-mix in a batch, random windows resume exactly, and bad clips are refused before any model."""
+mix in a batch, random windows resume exactly, clips cut short train on the frames before the cut
+(counted), and bad clips are refused before any model."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
-from clips import clip_folder, pan_frames, write_animated
+from clips import clip_folder, cut_clip, pan_frames, write_animated, write_mp4
 from helpers import MODES, full_and_resumed, refuse_to_build_models
 from safetensors.torch import load_file
 
@@ -20,8 +23,8 @@ from segmented_checkpointing.engine.core.plan import count_blocks, effective_pla
 from segmented_checkpointing.engine.core.runner import SegmentRunner
 from segmented_checkpointing.engine.data.buckets import latents_for, shape_classes
 from segmented_checkpointing.engine.data.checks import check_dataset
-from segmented_checkpointing.engine.data.folder import DatasetError
-from segmented_checkpointing.engine.data.video import frame_indices, probe_clip
+from segmented_checkpointing.engine.data.folder import DatasetError, DataWarning
+from segmented_checkpointing.engine.data.video import frame_indices, load_clip, probe_clip
 from segmented_checkpointing.engine.families import TextBatch, get_family
 from segmented_checkpointing.engine.model.lora_files import add_lora
 from segmented_checkpointing.engine.train import step as step_module
@@ -208,11 +211,58 @@ def test_every_clip_too_short_is_refused_naming_min_frames(clip_data, tmp_path, 
     assert "every clip (3) is too short: min_frames=13" in message and "longest clip gives 12 frames" in message
 
 
-def test_short_clips_are_skipped_and_counted(clip_data, tmp_path):
-    result = train(_config(clip_data, tmp_path / "s", "wan", steps=1, num_frames=5, min_frames=10), **QUIET)
+@pytest.mark.parametrize(("name", "options", "intra"), [
+    ("pan.mkv", None, False),  # frames stated by its duration; B-frames: a cut can lose a frame whose successors decode
+    ("pan.mp4", {"movflags": "faststart"}, True),  # frames stated by its index; the decoder refuses the cut packet
+    ("pan.avi", None, True)])  # frames stated by its header; the demuxer flags the cut packet corrupt
+def test_a_clip_cut_short_keeps_exactly_the_frames_before_the_cut(tmp_path, name, options, intra):
+    """A 12-frame clip cut inside each of its packets in turn: the frames before the damage decode as
+    the whole clip's, and the clip says it ends early; cut inside its first packet it is refused."""
+    whole = write_mp4(tmp_path / name, pan_frames(12, (32, 32)), options=options, intra=intra)
+    reference = load_clip(whole, list(range(12)), (32, 32))
+    counts = []
+    for packet in range(12):
+        cut = cut_clip(whole, tmp_path / f"cut{packet}{whole.suffix}", packet)
+        if packet == 0:
+            with pytest.raises(DatasetError, match=f"clip '{cut}' (could not be decoded|is truncated)"):
+                probe_clip(cut)
+            continue
+        info = probe_clip(cut)
+        counts.append(info.frames)
+        assert info.ended_early.startswith(f"{info.frames} of the 12 frames its container states decode")
+        assert torch.equal(load_clip(cut, list(range(info.frames)), (32, 32)), reference[:, :info.frames])
+    assert counts == (list(range(1, 12)) if intra else sorted(counts)) and 1 <= counts[0] and counts[-1] < 12
+
+
+def test_a_gif_cut_short_keeps_exactly_the_frames_before_the_cut(tmp_path):
+    """An 8-frame GIF cut at 60% of its bytes: the frames before the cut decode as the whole GIF's."""
+    whole = write_animated(tmp_path / "pan.gif", pan_frames(8, (32, 32)))
+    cut = tmp_path / "cut.gif"
+    cut.write_bytes(whole.read_bytes()[: len(whole.read_bytes()) * 6 // 10])
+    info = probe_clip(cut)
+    assert 1 <= info.frames < 8 and info.ended_early.startswith(f"{info.frames} frames decode; decoding stopped: ")
+    assert torch.equal(load_clip(cut, list(range(info.frames)), (32, 32)),
+                       load_clip(whole, list(range(info.frames)), (32, 32)))
+
+
+def test_short_clips_are_skipped_and_a_clip_cut_short_trains_on_its_frames_counted(clip_data, tmp_path):
+    """min_frames=10: the 9-frame clip is skipped and counted; a 12-frame clip cut in its 11th packet
+    trains on its 10 frames, named in ``dataset.lossy_files.clip_truncated`` and in one warning."""
+    data = shutil.copytree(clip_data, tmp_path / "data")
+    whole = write_mp4(tmp_path / "whole.mkv", pan_frames(12, (80, 64), "rocket"), intra=True)
+    cut_clip(whole, data / "cut.mkv", 10)
+    (data / "cut.txt").write_text("a camera pan over a rocket")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(_config(data, tmp_path / "out", "wan", steps=1, num_frames=5, min_frames=10), **QUIET)
     dataset = json.loads(result.report_path.read_text())["dataset"]
-    assert dataset["lossy"]["clip_skipped"] == 1
+    assert dataset["lossy"]["clip_truncated"] == 1 and dataset["lossy"]["clip_skipped"] == 1
     assert dataset["lossy_files"]["clip_skipped"] == ["clip0.mp4 (9 frames, fewer than min_frames=10)"]
+    assert dataset["lossy_files"]["clip_truncated"] == ["cut.mkv (10 of the 12 frames its container states decode)"]
+    assert dataset["frames"]["samples_per_count"] == {"5": 3, "1": 1}  # clip1, clip2, cut.mkv at 5; the photo
+    said = [str(w.message) for w in caught if issubclass(w.category, DataWarning) and "clip_truncated" in str(w.message)]
+    assert said == ["data: 1 clips end before the frames their file states (each trains on the frames that decode) "
+                    "(clip_truncated): cut.mkv (10 of the 12 frames its container states decode)"]
 
 
 def test_a_truncated_mp4_is_refused_by_the_cli_naming_the_file(clip_data, tmp_path):

@@ -50,7 +50,7 @@ def test_links_to_the_folder_above_or_to_a_folder_read_and_loops_are_counted_not
     summary = scan.summary()
     assert summary["images_per_epoch"] == 4
     assert summary["lossy"] == {"caption_truncated": 0, "image_upscaled": 0, "image_skipped": 0,
-                                "link_not_followed": 6, "clip_skipped": 0}
+                                "link_not_followed": 6, "clip_truncated": 0, "clip_skipped": 0}
     assert summary["lossy_files"] == {"link_not_followed": scan.lossy["link_not_followed"][:5]}
 
 
@@ -90,7 +90,7 @@ def test_a_run_counts_every_loss_in_the_report_and_warns_once_per_kind(lossy_dat
     dataset = result.report["dataset"]
     assert dataset["images"] == 3 and dataset["images_per_epoch"] == 3
     assert dataset["lossy"] == {"caption_truncated": 1, "image_upscaled": 1, "image_skipped": 2,
-                                "link_not_followed": 2, "clip_skipped": 0}
+                                "link_not_followed": 2, "clip_truncated": 0, "clip_skipped": 0}
     assert dataset["lossy_files"] == {
         "caption_truncated": ["ok1.png (caption: stand-in embedder: 20 words, reads 16)"],
         "image_upscaled": ["small.png (2.67x to 32x32)"],
