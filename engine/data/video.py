@@ -133,7 +133,7 @@ def _surviving(times: list[Fraction | None], rate: Fraction, stated: Fraction | 
     count = next((k for k in range(1, decoded) if None not in times[k - 1:k + 1]
                   and (times[k] - times[k - 1]) * rate > GAP), decoded)
     what = (f"{count} of the {math.floor(stated + HALF)} frames its container states decode" if stated is not None
-            else f"{count} frames decode")
+            else f"{count} frame{'s' if count != 1 else ''} decode{'s' if count == 1 else ''}")
     if count < decoded:
         what += f" (a frame is missing after frame {count}: the {decoded - count} after it dropped)"
     return count, what + (f"; decoding stopped: {_why(stopped)}" if stopped else "")
