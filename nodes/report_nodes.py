@@ -29,7 +29,7 @@ class LossGraph:
     @public_errors
     def plot(self, run):
         result = run
-        rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.config.schedule.mode}")
+        rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.plan.mode}")
         run_dir = Path(result.config.outputs.output)
         png = io.BytesIO()
         Image.fromarray(rgb).save(png, format="PNG")

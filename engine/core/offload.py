@@ -12,7 +12,7 @@ from and returns the buffer to the pool once that copy has completed.
 
 Without CUDA (CI, this project's CPU machines) everything runs the same way with pageable host
 buffers: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
-(and that the CPU memory tracker can exclude), and pinning is skipped with one warning.
+(and that the CPU memory tracker can exclude), and pinning is skipped with one warning per process.
 """
 
 from __future__ import annotations
@@ -42,6 +42,25 @@ def resident_storages(module: torch.nn.Module) -> set[int]:
 
 class PinnedMemoryWarning(UserWarning):
     """Pinned host memory could not be used; offload falls back to pageable host memory."""
+
+
+_SAID: set[str] = set()
+"""The :class:`PinnedMemoryWarning` kinds already given in this process. Each is said once per
+process, not once per pool: a sweep, a planner or a server builds a pool per run, and the
+answer does not change between them (no CUDA stays no CUDA). Process-wide on purpose, like the
+warnings module's own registry, which cannot do this: the training loop enters
+``warnings.catch_warnings`` around its work (engine/train/loop.py ``_work``), and every change of
+the filters resets the registry that ``"default"`` and ``"once"`` consult, so such a warning came
+back with each run. It holds at most three short strings; nothing of a run."""
+
+
+def _warn_pinned(kind: str, message: str, stacklevel: int) -> None:
+    """Give ``message`` as a :class:`PinnedMemoryWarning` unless a warning of ``kind`` was given
+    in this process (see :data:`_SAID`)."""
+    if kind in _SAID:
+        return
+    _SAID.add(kind)
+    warnings.warn(message, PinnedMemoryWarning, stacklevel=stacklevel + 1)
 
 
 def _bucket_bytes(nbytes: int) -> int:
@@ -75,7 +94,7 @@ class HostPool:
     are pooled. A tensor whose key would exceed that gets a one-off pageable buffer, freed when it
     is unpacked. ``max_buckets == 0`` means ordinary pageable memory, no pool. Buffers are pinned
     when CUDA is available; when pinning fails (or without CUDA) the pool uses pageable memory
-    and warns once, naming pinned host memory.
+    and warns, once per process (not once per pool), naming pinned host memory.
 
     Args:
         max_buckets: ``gradient_checkpointing_offload_pin_memory_max_buckets``.
@@ -90,8 +109,8 @@ class HostPool:
         self.max_buckets = max_buckets
         self.pinned = bool(max_buckets > 0 and (torch.cuda.is_available() if pin is None else pin))
         if max_buckets > 0 and not self.pinned:
-            warnings.warn("pinned host memory is not available without CUDA: offloaded activations and streamed "
-                          "weights use pageable host memory", PinnedMemoryWarning, stacklevel=3)
+            _warn_pinned("no cuda", "pinned host memory is not available without CUDA: offloaded activations and "
+                         "streamed weights use pageable host memory", stacklevel=3)
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._storages: set[int] = set()
         self.pool_bytes = 0
@@ -144,8 +163,8 @@ class HostPool:
                     return buffer
                 except RuntimeError as exc:
                     self.pinned = False
-                    warnings.warn(f"pinned host memory could not be allocated ({exc}); offloaded "
-                                  "activations use pageable host memory", PinnedMemoryWarning, stacklevel=4)
+                    _warn_pinned("pool", f"pinned host memory could not be allocated ({exc}); offloaded "
+                                 "activations use pageable host memory", stacklevel=4)
             return torch.empty(numel, dtype=dtype)
         finally:
             self._allocating = False
@@ -169,8 +188,8 @@ class HostPool:
                 self.pinned_held_bytes += nbytes
             except RuntimeError as exc:
                 self._pin_held = False
-                warnings.warn(f"pinned host memory could not be allocated ({exc}); streamed weights use pageable "
-                              "host memory", PinnedMemoryWarning, stacklevel=3)
+                _warn_pinned("held", f"pinned host memory could not be allocated ({exc}); streamed weights use "
+                             "pageable host memory", stacklevel=3)
             finally:
                 self._allocating = False
         if not self._pin_held:

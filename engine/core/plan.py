@@ -44,7 +44,9 @@ class ModelPlan:
 
     Attributes:
         family: family name.
-        schedule: the schedule that was asked for.
+        schedule: the schedule as applied: the one asked for, with ``weight_offload_blocks``
+            above the blocks the runner sees lowered to the number that stream (noted), so that
+            its :attr:`mode` names how many stream.
         lists: one plan per block list, in forward order.
         notes: model-level notes (keys ignored, fallbacks).
         applied_by: :data:`RUNNER` or :data:`FSDP_WRAPPER`.
@@ -117,6 +119,37 @@ class ModelPlan:
             return {}
         return {p.name: "".join("S" if i in set(p.streamed) else "." for i in range(p.num_blocks)) for p in self.lists}
 
+    def effect(self) -> tuple:
+        """What the plan does, block by block, as a hashable value: two plans with equal effects run
+        the same way, whatever keys they came from (the sweep's "option may not have taken effect"
+        note, engine/measure/sweep.py).
+
+        Per list, per block: ``(region, scope, offload_inputs, save_attention, offload_attention,
+        streamed)``: the whole-block checkpoint segment ``(start, end)`` holding the block (None
+        when it runs plainly), what is checkpointed (``"block"``, ``"ffn"`` or None), whether the
+        region's boundary inputs wait in host memory, whether it keeps its attention outputs,
+        whether its attention activations are offloaded (a plain block's, or every block's under an
+        FFN-scope backend: engine/core/runner.py), whether its frozen weights stream; then who
+        applies the plan and the streaming prefetch (None without streaming).
+        """
+        schedule = self.schedule
+        backend = schedule.backend if schedule.gradient_checkpointing else None
+        ffn = bool(backend and backend.ffn_scope)
+        lists = []
+        for lp in self.lists:
+            region = {} if ffn else {i: (s, e) for s, e in lp.segments for i in range(s, e)}
+            checkpointed, streamed = set(lp.checkpointed), set(lp.streamed)
+            blocks = []
+            for i in range(lp.num_blocks):
+                scope = ("ffn" if ffn else "block") if i in checkpointed else None
+                blocks.append((region.get(i), scope, bool(scope and backend.offload_inputs),
+                               scope == "block" and schedule.gradient_checkpointing_save_attention,
+                               schedule.gradient_checkpointing_offload_attention and lp.routed and scope != "block",
+                               i in streamed))
+            lists.append((lp.name, tuple(blocks)))
+        prefetch = schedule.weight_offload_prefetch if self.streamed_blocks else None
+        return tuple(lists), self.applied_by, prefetch
+
     def block_maps(self) -> dict[str, str]:
         """Per list, one character per block (see :data:`LEGEND`)."""
         mark = self.schedule.backend.mark
@@ -184,7 +217,8 @@ def unused_keys(schedule: CheckpointSchedule) -> list[str]:
 
 
 def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
-                   num_blocks: Mapping[str, int], warn: bool = True, fsdp_checkpointing: bool = False) -> ModelPlan:
+                   num_blocks: Mapping[str, int], warn: bool = True, fsdp_checkpointing: bool = False,
+                   host_device: bool = False) -> ModelPlan:
     """The plan the engine will actually apply to a model of ``family``.
 
     Args:
@@ -194,9 +228,12 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
         warn: emit a :class:`ScheduleWarning` for every key that is ignored.
         fsdp_checkpointing: FSDP-style activation checkpointing applies instead
             (:func:`fsdp_plan`).
+        host_device: the model trains on a device that is host memory (the CPU: no CUDA); a
+            streaming plan then notes :data:`HOST_STREAMING_NOTE` (not warned: it changes no key).
 
     Returns:
-        The :class:`ModelPlan`; every ignored key is named in its notes.
+        The :class:`ModelPlan`; every ignored key is named in its notes, and its schedule's
+        ``weight_offload_blocks`` is the number of blocks that stream when more were asked for.
 
     Raises:
         KeyError: ``num_blocks`` lacks one of the family's lists.
@@ -236,10 +273,22 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
                      "are not kept at all, so there is nothing to offload")
     lists, stream_notes = choose_streamed(lists, schedule)
     notes += stream_notes
+    streamed = sum(len(lp.streamed) for lp in lists)
+    if schedule.weight_offload_blocks is not None and schedule.weight_offload_blocks > streamed:
+        schedule = schedule.replace(weight_offload_blocks=streamed or None)  # the mode names how many stream
     if warn:
         for note in notes:
             warnings.warn(note, ScheduleWarning, stacklevel=2)
+    if host_device and streamed:
+        notes.append(HOST_STREAMING_NOTE)
     return ModelPlan(family.name, schedule, tuple(lists), plan_notes + tuple(notes))
+
+
+HOST_STREAMING_NOTE = ("weight_offload=stream saves no memory on the CPU: the device is host memory, so the streamed "
+                       "weights stay where they were and only gain copies (the step peaks leave their host copies out "
+                       "and read lower than the memory used); on a CUDA device they leave the device")
+"""The plan's note when a streaming run's device is the host (said once per run: the plan is
+rendered once in the log and written once to ``report.json``)."""
 
 
 def choose_streamed(lists: list["ListPlan"], schedule: CheckpointSchedule) -> tuple[list["ListPlan"], list[str]]:
@@ -261,8 +310,8 @@ def choose_streamed(lists: list["ListPlan"], schedule: CheckpointSchedule) -> tu
     want = schedule.weight_offload_blocks
     if want is None or want >= len(routed):
         if want is not None and want > len(routed):
-            notes.append(f"weight_offload_blocks={want} is more than the {len(routed)} blocks the runner sees: all of "
-                         "them stream")
+            notes.append(f"weight_offload_blocks={want} is more than the {len(routed)} blocks the runner sees: "
+                         f"all {len(routed)} stream")
         chosen = set(routed)
     else:
         chosen = {routed[int((k + 0.5) * len(routed) / want)] for k in range(want)}

@@ -292,7 +292,7 @@ MARGIN = 0.05
 
 
 def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule] | None = None,
-           margin: float = MARGIN, host_budget_bytes: int | None = None) -> PlanChoice:
+           margin: float = MARGIN, host_budget_bytes: int | None = None, stream: bool = False) -> PlanChoice:
     """The fastest schedule whose predicted peak fits ``budget_bytes`` with ``margin`` headroom,
     and whose host memory (streamed weights, offloaded activations) fits ``host_budget_bytes``.
 
@@ -301,10 +301,13 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
     tried streaming the fewest blocks that make it fit (:func:`fewest_streamed`), so the fraction
     is chosen, not asked for. (Its copy cost is predicted from a memcpy rate, not measured in
     lockstep like the offloader's, so it does not compete with recompute while weights fit.)
+    On a device that is host memory (the CPU) streaming saves nothing, so it is tried there only
+    when ``stream`` (the user asked for ``weight_offload=stream``).
 
     Raises:
         PlannerError: no supported candidate is predicted to fit (the message gives the
-            smallest predicted peak, or the host memory the smallest device fit needs).
+            smallest predicted peak, or the host memory the smallest device fit needs, and says
+            when streaming was not tried on the CPU).
     """
     family = get_family(probe_.family)
     supported = []
@@ -319,7 +322,7 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
     if not any(p.peak_bytes <= limit for p in predictions if not p.schedule.streams):
         # nothing fits with the weights on the device: stream the fewest blocks that make each fit
         predictions += [q for p in predictions if not p.schedule.streams
-                        for q in fewest_streamed(probe_, p.schedule, limit)]
+                        for q in fewest_streamed(probe_, p.schedule, limit, stream)]
     for prediction in predictions:
         prediction.fits = prediction.peak_bytes <= limit and (host_budget_bytes is None
                                                              or prediction.host_bytes <= host_budget_bytes)
@@ -333,19 +336,34 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
                                f"({least.schedule.mode})")
         smallest = min(predictions, key=lambda p: p.peak_bytes)
         raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB is too small: the smallest predicted peak is "
-                           f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})")
+                           f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})"
+                           + ("" if stream or streaming_helps(probe_) else f"; {NOT_STREAMED}"))
     fastest = min(p.sec_per_step for p in fitting)
     tied = [p for p in fitting if p.sec_per_step <= fastest * (1 + TIE)]
     chosen = min(tied, key=lambda p: preference(p.schedule))
     return PlanChoice(budget_bytes, chosen, predictions, probe_, host_budget_bytes=host_budget_bytes)
 
 
-def fewest_streamed(probe_: Probe, schedule: CheckpointSchedule, limit: float) -> list[Prediction]:
+NOT_STREAMED = ("weight streaming was not tried: on the CPU the device is host memory, so streaming saves no "
+                "memory (ask for it with weight_offload=stream)")
+"""What the planner says when nothing fits on the CPU and streaming was not asked for."""
+
+
+def streaming_helps(probe_: Probe) -> bool:
+    """Whether streaming frozen weights to host memory can lower the device's memory: not when
+    the device is the host (the CPU), where the weights stay in the same memory."""
+    return probe_.device != "cpu"
+
+
+def fewest_streamed(probe_: Probe, schedule: CheckpointSchedule, limit: float,
+                    asked: bool = False) -> list[Prediction]:
     """``schedule`` streaming the fewest blocks whose predicted peak is at most ``limit`` bytes
     (a bisection over the block count: the peak falls as blocks stream), or nothing when even
-    streaming every block does not fit or streaming cannot help."""
+    streaming every block does not fit or streaming cannot help: a model without frozen block
+    weights, or a device that is host memory (:func:`streaming_helps`) unless ``asked`` (the user
+    set ``weight_offload=stream``)."""
     total = sum(len(costs) for costs in probe_.blocks.values())
-    if not total or not probe_.frozen_block_bytes:
+    if not total or not probe_.frozen_block_bytes or not (asked or streaming_helps(probe_)):
         return []
     every = predict(probe_, schedule.replace(weight_offload="stream"))
     if every.peak_bytes > limit:
@@ -484,7 +502,8 @@ def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: 
             choice.by_frames[n] = choice
             continue
         try:
-            choice.by_frames[n] = choose(probes[n], budget_bytes, host_budget_bytes=host_budget_bytes)
+            choice.by_frames[n] = choose(probes[n], budget_bytes, host_budget_bytes=host_budget_bytes,
+                                         stream=config.schedule.streams)
         except PlannerError as exc:  # cannot happen when the largest count fits; said, not raised
             choice.notes.append(f"{n} frames: {exc}")
             continue
@@ -502,7 +521,8 @@ def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, wa
     notes: list[str] = []
     for _ in range(max_tries):
         candidates = [s for s in sweep_schedules() if s.mode not in excluded]
-        choice = choose(measured_probe, budget_bytes, candidates, host_budget_bytes=host_budget_bytes)
+        choice = choose(measured_probe, budget_bytes, candidates, host_budget_bytes=host_budget_bytes,
+                        stream=config.schedule.streams)
         choice.candidates = [p for p in choice.candidates if p.schedule.mode not in excluded]
         choice.notes = notes
         if measure_steps <= 0:

@@ -37,38 +37,99 @@ def loss_curve_rgb(history: list[dict[str, Any]], title: str = "", width_px: int
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def sweep_plot_png(cells, family: str, budget_bytes: int | None = None, width_px: int = 800,
-                   height_px: int = 520) -> bytes:
-    """Peak memory (GiB) against sec/step, one labelled point per measured sweep cell, with the
-    memory budget as a horizontal line: PNG bytes.
+LABEL_POINTS = 6
+"""Font size of a sweep point's label, points."""
+MARGINS_PX = {"left": 72, "bottom": 48, "top": 36, "gap": 14}
+"""The sweep plot's margins around the axes, pixels (at 100 dpi); ``gap``: between the axes and
+the column of labels on their right."""
+
+
+def sweep_figure(cells, family: str, budget_bytes: int | None = None, width_px: int = 800,
+                 height_px: int = 520):
+    """Peak memory (GiB) against sec/step, one point per measured sweep cell, each named by a label
+    in a column right of the axes with a leader line to its point, and the memory budget as a
+    horizontal line: a matplotlib ``Figure`` (Agg canvas attached, 100 dpi).
+
+    Labels never overlap, however close the points (at tiny sizes many modes measure within noise
+    of each other): each label sits at its point's height, pushed apart just enough to keep one
+    text line between neighbours (:func:`spread`), and the figure grows taller when the column
+    needs it.
 
     Args:
         cells: :class:`~.sweep.SweepCell` list; only ``ok`` cells are plotted.
         family: shown in the title.
         budget_bytes: the budget line, when given.
+        width_px, height_px: figure size in pixels (the height is the least: it grows with the labels).
     """
     with lazy_imports():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(width_px / 100, height_px / 100), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
     measured = [c for c in cells if c.status == "ok"]
+    figure = Figure(dpi=100)
+    canvas = FigureCanvasAgg(figure)
+    sizes = [_text_size(figure, canvas.get_renderer(), c.mode) for c in measured]
+    line = max((h for _, h in sizes), default=0.0) + 2  # one label's height and a 2 px gap
+    m = MARGINS_PX
+    height = max(height_px, m["top"] + m["bottom"] + line * len(measured))
+    figure.set_size_inches(width_px / 100, height / 100)
+    right = width_px - max((w for w, _ in sizes), default=0.0) - m["gap"] - 6
+    axes = figure.add_axes((m["left"] / width_px, m["bottom"] / height, (right - m["left"]) / width_px,
+                            (height - m["top"] - m["bottom"]) / height))
     xs = [c.sec_per_step for c in measured]
     ys = [c.peak_bytes / 2**30 for c in measured]
-    points = axes.scatter(xs, ys, s=24, zorder=3)
-    for cell, x, y in zip(measured, xs, ys):
-        axes.annotate(cell.mode, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes.scatter(xs, ys, s=24, zorder=3)
     if budget_bytes:
         axes.axhline(budget_bytes / 2**30, color="tab:red", linestyle="--", linewidth=1, label="budget")
         axes.legend(loc="upper right", fontsize=8)
+    axes.set_xlim(axes.get_xlim())  # fixed from here: the labels are placed against these limits
+    axes.set_ylim(axes.get_ylim())
+    heights = [axes.transData.transform((x, y))[1] for x, y in zip(xs, ys)]
+    for cell, x, y, at in zip(measured, xs, ys, spread(heights, line, m["bottom"], height - m["top"])):
+        axes.annotate(cell.mode, (x, y), xytext=(right + m["gap"], at), textcoords="figure pixels",
+                      fontsize=LABEL_POINTS, ha="left", va="center", annotation_clip=False,
+                      arrowprops={"arrowstyle": "-", "color": "0.6", "linewidth": 0.5, "shrinkA": 0, "shrinkB": 3})
     axes.set_xlabel("sec/step")
     axes.set_ylabel("peak GiB")
     axes.set_title(f"checkpointing sweep: {family} ({len(measured)} measured modes)")
     axes.grid(alpha=0.3)
-    figure.tight_layout()
+    return figure
+
+
+def spread(targets: list[float], gap: float, low: float, high: float) -> list[float]:
+    """Positions on one axis, each as near its target as the others allow, at least ``gap`` apart
+    and within ``[low + gap/2, high - gap/2]`` (two passes over the sorted targets: push up from
+    below, then down from the top). Needs ``len(targets) * gap <= high - low``.
+
+    Args:
+        targets: wanted centres (pixels). gap: the least distance between two centres (pixels).
+        low, high: the span the items must stay in (pixels).
+    """
+    order = sorted(range(len(targets)), key=targets.__getitem__)
+    at = list(targets)
+    edge = low - gap / 2
+    for i in order:
+        at[i] = edge = max(targets[i], edge + gap)
+    edge = high + gap / 2
+    for i in reversed(order):
+        at[i] = edge = min(at[i], edge - gap)
+    return at
+
+
+def _text_size(figure, renderer, text: str) -> tuple[float, float]:
+    """(width, height) in pixels of ``text`` drawn as a sweep label."""
+    artist = figure.text(0, 0, text, fontsize=LABEL_POINTS)
+    box = artist.get_window_extent(renderer)
+    artist.remove()
+    return box.width, box.height
+
+
+def sweep_plot_png(cells, family: str, budget_bytes: int | None = None, width_px: int = 800,
+                   height_px: int = 520) -> bytes:
+    """:func:`sweep_figure` as PNG bytes; its tEXt chunk ``segckpt:points`` holds the number of
+    points drawn (for tools and tests)."""
+    figure = sweep_figure(cells, family, budget_bytes, width_px, height_px)
+    points = figure.axes[0].collections[0].get_offsets()  # the scatter: the points actually drawn
     out = io.BytesIO()
-    # the number of points actually drawn, readable by tools and tests (PNG tEXt chunk)
-    figure.savefig(out, format="png", metadata={"segckpt:points": str(len(points.get_offsets()))})
+    figure.savefig(out, format="png", metadata={"segckpt:points": str(len(points))})
     return out.getvalue()

@@ -28,7 +28,7 @@ from ..data.comfy_data import PreparedData
 from ..families import get_family
 from ..families.limits import token_count
 from .frames import use_frames
-from .planner import MARGIN, TIE, Prediction, fewest_streamed, predict, preference
+from .planner import MARGIN, NOT_STREAMED, TIE, Prediction, fewest_streamed, predict, preference, streaming_helps
 from .probe import Probe, probe, probe_steps
 from .runs import RunWorkspace, StartRun
 from .sweep import sweep_schedules
@@ -180,10 +180,13 @@ def shape_size(bundle, shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: int,
-            candidates: list[CheckpointSchedule] | None = None) -> tuple[CheckpointSchedule | None, str | None]:
+            candidates: list[CheckpointSchedule] | None = None,
+            stream: bool = False) -> tuple[CheckpointSchedule | None, str | None]:
     """The schedule predicted to fit every shape that is fastest over the shapes' mix (predicted
     sec/step weighted by each shape's share; ties within the planner's ``TIE`` follow the
-    documents' rule), or ``(None, why)`` when none fits."""
+    documents' rule), or ``(None, why)`` when none fits. Streaming is suggested as the planner
+    chooses it (:func:`~.planner.choose`: on the CPU only when ``stream``, the user's schedule
+    streams)."""
     family = get_family(next(iter(probes.values())).family)
     scored: list[tuple[float, CheckpointSchedule]] = []
     smallest: Prediction | None = None
@@ -201,23 +204,24 @@ def suggest(probes: dict[str, Probe], shares: dict[str, float], budget_bytes: in
     if not scored and candidates is None:  # nothing fits with the weights on the device: stream them
         largest = max(probes.values(), key=lambda p: p.peak_bytes)
         streamed = [q.schedule for s in sweep_schedules()
-                    for q in _fewest(largest, family, s, budget_bytes * (1 - MARGIN))]
+                    for q in _fewest(largest, family, s, budget_bytes * (1 - MARGIN), stream)]
         if streamed:
-            return suggest(probes, shares, budget_bytes, streamed)
+            return suggest(probes, shares, budget_bytes, streamed, stream)
     if not scored:
         return None, (f"no schedule is predicted to fit every shape: the smallest predicted peak is "
-                      f"{_gib(smallest.peak_bytes)} ({smallest.schedule.mode}); lower the resolution or batch size")
+                      f"{_gib(smallest.peak_bytes)} ({smallest.schedule.mode}); lower the resolution or batch size"
+                      + ("" if stream or streaming_helps(next(iter(probes.values()))) else f"; {NOT_STREAMED}"))
     fastest = min(t for t, _ in scored)
     return min((s for t, s in scored if t <= fastest * (1 + TIE)), key=preference), None
 
 
-def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float) -> list[Prediction]:
+def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float, asked: bool) -> list[Prediction]:
     """:func:`~.planner.fewest_streamed` of a schedule the family can run (else nothing)."""
     try:
         check_supported(family, schedule)
     except ScheduleError:
         return []
-    return fewest_streamed(probe_, schedule, limit)
+    return fewest_streamed(probe_, schedule, limit, asked)
 
 
 def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
@@ -281,7 +285,7 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
             verdict.notes.append("the preview phase alone does not fit (it runs without gradients: no schedule "
                                  "changes it): fewer validation prompts, or validation_every 0")
     if not all(p.fits for p in phases if p.kind == "train"):
-        verdict.suggestion, why = suggest(probes, shares, budget_bytes)
+        verdict.suggestion, why = suggest(probes, shares, budget_bytes, stream=config.schedule.streams)
         if verdict.suggestion is not None:
             verdict.suggested = training_phases(probes, shares, verdict.suggestion, budget_bytes, sizes)
         else:

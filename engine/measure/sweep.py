@@ -14,9 +14,13 @@ Each cell is written in the documents' format (docs/SCHEDULES.md "Benchmark prot
 * ``unsupported``: the family has no boundary for that backend/option (not wired);
 * ``not run``: excluded by the caller.
 
-Cells whose numbers equal another mode's within noise while their plans differ are flagged
-"option may not have taken effect". Outputs: markdown, CSV, JSON and a PNG plot (peak memory
-against sec/step, one point per measured mode, the budget as a line).
+A mode whose effective per-block plan equals an earlier mode's (:meth:`~..core.plan.ModelPlan.effect`
+of the plan the run applied, fallbacks included; for a mode not measured, the plan it would apply)
+is flagged "option may not have taken effect", naming the modes it equals; measured numbers never
+decide it (at tiny sizes unrelated modes measure within noise of each other). Each plan note is
+said once per sweep (log and table), not once per mode. Outputs: markdown, CSV, JSON and a PNG plot
+(peak memory against sec/step, one point per measured mode, labels that never overlap, the budget
+as a line).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from ..config import TrainConfig
 from ..config.backends import BACKENDS, DEFAULT
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
+from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..train.recovery import OutOfMemoryStop, is_out_of_memory
@@ -52,8 +57,7 @@ BASE_MODES = {
 }
 """The documents' four schedules (docs/SCHEDULES.md "Benchmark protocol")."""
 STATUSES = ("ok", "OOM", "failed", "unsupported", "not run")
-NOISE = 0.05
-"""Relative difference under which two cells' sec/step count as equal (same-process noise)."""
+NO_EFFECT = "option may not have taken effect"
 
 
 def sweep_schedules(offload_attention: bool = True, streaming: bool = False,
@@ -95,7 +99,9 @@ class SweepCell:
             those copies.
         block_map: the plan the run applied (per list, see ``plan.LEGEND``).
         error: the error message of ``OOM`` / ``failed`` / ``unsupported`` cells.
-        flags: notes such as "option may not have taken effect".
+        flags: notes such as "option may not have taken effect" (:func:`flag_ineffective`).
+        notes: the notes of the plan the run applied (``ok`` cells; said once per sweep in the
+            log and under the table).
     """
 
     mode: str
@@ -108,6 +114,7 @@ class SweepCell:
     block_map: dict[str, str] = field(default_factory=dict)
     error: str = ""
     flags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         """The documents' cell format: ``sec/step / peak GiB`` or the status."""
@@ -165,15 +172,18 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
             (:func:`~.frames.check_measure_frames`). None: the run's own data.
 
     Returns:
-        One :class:`SweepCell` per schedule, in order, with flags set.
+        One :class:`SweepCell` per schedule, in order, with flags set (:func:`flag_ineffective`).
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
     family = get_family(bundle.family.name)
     cells: list[SweepCell] = []
+    plans: list[tuple | None] = []  # per cell: what its plan does, and its other settings
+    said: set[str] = set()
     schedules = schedules or sweep_schedules()
     runs = [(s, {}) for s in schedules] + ([(s, {"compile_blocks": True}) for s in schedules] if compile_modes else [])
+    counts = count_blocks(family, bundle.transformer)
 
     def mode(schedule: CheckpointSchedule, changes: dict) -> str:
         return schedule.mode + ("+compile" if changes else "")
@@ -191,18 +201,25 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
                     check_supported(family, schedule)
                 except ScheduleError as exc:
                     cell.status, cell.error = "unsupported", str(exc)
-            if cell.status == "ok":
-                _measure(cell, workspace, schedule, warmup_steps, measured_steps, changes)
+            plan = _measure(cell, workspace, schedule, warmup_steps, measured_steps, changes) \
+                if cell.status == "ok" else None
+            if plan is None and cell.status != "unsupported":  # the plan it would apply
+                plan = effective_plan(family, schedule, counts, warn=False)
             log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
+            for note in (n for n in cell.notes if n not in said):  # a plan's note once per sweep
+                said.add(note)
+                log(f"sweep note: {note}")
             cells.append(cell)
+            plans.append(None if plan is None else (plan.effect(), tuple(sorted(changes.items()))))
+            flag_ineffective(cells, plans)
             if on_cell is not None:
                 on_cell(cells + [SweepCell(mode(s, c), s.to_dict(), "not run") for s, c in runs[len(cells):]])
-    flag_ineffective(cells)
     return cells
 
 
 def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSchedule, warmup_steps: int,
-             measured_steps: int, changes: dict | None = None) -> None:
+             measured_steps: int, changes: dict | None = None) -> ModelPlan | None:
+    """Run one cell and fill in its figures; the plan the run applied (None when it did not finish)."""
     try:
         result = workspace.run(schedule, warmup_steps, measured_steps, **(changes or {}))
     except MeasurementInterrupted:  # Cancel stops the sweep; nothing else does
@@ -210,13 +227,13 @@ def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSched
     except Exception as exc:  # a cell never stops the sweep
         cell.status = "OOM" if _is_oom(exc) else "failed"
         cell.error = f"{type(exc).__name__}: {exc}"
-        return
+        return None
     finally:
         _free_memory()
     totals = result.report["totals"]
     if totals["steps"] < warmup_steps + measured_steps or totals["sec_per_step"] is None:
         cell.status, cell.error = "failed", f"reached {totals['steps']} of {warmup_steps + measured_steps} steps"
-        return
+        return None
     # post-warm-up figures: step 1 also allocates the optimizer state once
     cell.sec_per_step = totals["sec_per_step"]
     cell.peak_bytes = peak_after_warmup(result, warmup_steps)
@@ -224,27 +241,37 @@ def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSched
     cell.weight_h2d_bytes = int(statistics.median(h.get("weight_h2d_bytes", 0) for h in after))
     cell.stall_share = round(statistics.median(h.get("weight_stall_s", 0.0) / h["seconds"] for h in after), 4)
     cell.block_map = result.plan.block_maps()
+    cell.notes = list(result.plan.notes)
+    return result.plan
 
 
-def flag_ineffective(cells: list[SweepCell], noise: float = NOISE) -> None:
-    """Flag cells whose sec/step and peak equal another cell's within noise while the applied
-    plans differ: the option may not have taken effect."""
-    measured = [c for c in cells if c.status == "ok"]
-    for a in measured:
-        for b in measured:
-            if a is b or a.block_map == b.block_map and a.schedule == b.schedule and a.mode == b.mode:
-                continue
-            same_time = abs(a.sec_per_step - b.sec_per_step) <= noise * max(a.sec_per_step, b.sec_per_step)
-            same_peak = a.peak_bytes == b.peak_bytes or abs(a.peak_bytes - b.peak_bytes) <= 0.005 * max(a.peak_bytes, b.peak_bytes)
-            if same_time and same_peak:
-                flag = f"option may not have taken effect (same as {b.mode})"
-                if not any(f.startswith("option may not") for f in a.flags):
-                    a.flags.append(flag)
+def flag_ineffective(cells: list[SweepCell], plans: list[Any]) -> None:
+    """Flag every cell whose plan equals an earlier cell's: its options may not have taken effect.
+
+    Args:
+        cells: the sweep's cells, in order (simpler modes first: :func:`sweep_schedules`).
+        plans: per cell, a hashable value of what it runs (:meth:`~..core.plan.ModelPlan.effect`
+            and its other settings, e.g. ``compile_blocks``), or None (an unsupported mode: no plan).
+
+    The first cell of a group of equal plans is the reference and gets no flag; each later one
+    gets ``option may not have taken effect (same per-block plan as <the others>)``. Measured
+    numbers play no part.
+    """
+    groups: dict[Any, list[SweepCell]] = {}
+    for cell, plan in zip(cells, plans):
+        if plan is not None:
+            groups.setdefault(plan, []).append(cell)
+    for group in groups.values():
+        for cell in group[1:]:
+            others = ", ".join(c.mode for c in group if c is not cell)
+            cell.flags = [f for f in cell.flags if not f.startswith(NO_EFFECT)]
+            cell.flags.append(f"{NO_EFFECT} (same per-block plan as {others})")
 
 
 def to_markdown(cells: list[SweepCell], family: str, measured_at: str = "") -> str:
-    """The sweep as a markdown table in the documents' cell format; ``measured_at``: what the
-    cells trained on, added to the title (``5 frames (2 latent frames, 128 tokens per sample)``)."""
+    """The sweep as a markdown table in the documents' cell format, then each plan note once with
+    the modes it holds for; ``measured_at``: what the cells trained on, added to the title
+    (``5 frames (2 latent frames, 128 tokens per sample)``)."""
     title = f"# Checkpointing sweep: {family}" + (f", {measured_at}" if measured_at else "")
     lines = [title, "", "Cells: `sec/step / peak GiB`, or OOM / failed / "
              "unsupported / not run. Weights: `weight H2D GiB/step, stall %` of the streaming modes.", "",
@@ -256,6 +283,12 @@ def to_markdown(cells: list[SweepCell], family: str, measured_at: str = "") -> s
         lines.append(f"| {c.mode} | {c.schedule['gradient_checkpointing_backend']} | "
                      f"{'yes' if c.schedule['gradient_checkpointing_offload_attention'] else 'no'} | {c.text()} | "
                      f"{weights} | {notes} |")
+    said: dict[str, list[str]] = {}  # each plan note once, with the modes it holds for
+    for c in cells:
+        for note in c.notes:
+            said.setdefault(note, []).append(c.mode)
+    if said:
+        lines += ["", "Plan notes:"] + [f"- {note} ({', '.join(modes)})" for note, modes in said.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -55,8 +55,8 @@ def streamed_modules(family: FamilyAdapter, model: torch.nn.Module, schedule: Ch
 
 def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule: CheckpointSchedule,
                         sharding: ShardingConfig | None = None, dist: Distributed | None = None) -> SegmentRunner:
-    """Install ``schedule`` on ``model``: its effective plan (the family's rules applied), the
-    segment runner as the model's checkpoint function, then, under FSDP, ``fully_shard`` on every
+    """Install ``schedule`` on ``model``: its effective plan (the family's rules applied; a
+    streaming plan on the CPU notes that it saves no memory there), the segment runner as the model's checkpoint function, then, under FSDP, ``fully_shard`` on every
     block and the root (after the runner: FSDP's hooks sit on the blocks the runner calls).
 
     Args:
@@ -68,7 +68,9 @@ def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule:
         The installed runner (its ``plan`` is the plan every entry point reports).
     """
     fsdp_checkpointing = sharding is not None and sharding.fsdp_activation_checkpointing
-    plan = effective_plan(family, schedule, count_blocks(family, model), fsdp_checkpointing=fsdp_checkpointing)
+    device = next((p.device for p in model.parameters() if p.requires_grad), None)  # the LoRA's: the device's
+    plan = effective_plan(family, schedule, count_blocks(family, model), fsdp_checkpointing=fsdp_checkpointing,
+                          host_device=device is not None and device.type == "cpu")
     runner = SegmentRunner(model, family, plan).install()
     if dist is not None:
         blocks = [block for bl in family.block_lists for block in family.blocks(model, bl)]

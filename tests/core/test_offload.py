@@ -12,6 +12,7 @@ from helpers import MODES, one_step, random_batch, tiny_model
 
 from segmented_checkpointing.engine.config.backends import BACKENDS
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
+from segmented_checkpointing.engine.core import offload
 from segmented_checkpointing.engine.core.memory import PeakMemory
 from segmented_checkpointing.engine.core.offload import PinnedMemoryWarning
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
@@ -142,14 +143,22 @@ def test_pool_bucket_limit_and_pageable_mode():
     assert all(h == (0, 0, 0) for h in unpooled)  # no pool, nothing pinned
 
 
-def test_pinning_is_skipped_with_one_warning_without_cuda():
+def test_pinning_is_skipped_with_one_warning_per_process_without_cuda(monkeypatch):
+    """Each run builds its pool inside the training loop's own warning filters (engine/train/loop.py
+    ``_work``: a ``catch_warnings`` that resets the warnings registry), so the registry cannot
+    say it once: the pool does, once per process, not once per run (a sweep's cells; issue 34)."""
     if torch.cuda.is_available():
         pytest.skip("this machine can pin")
+    monkeypatch.setattr(offload, "_SAID", set(), raising=False)  # as in a fresh process
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter("default")  # Python's own: once per place in the code
         _pool_run(12, steps=2)
+        for _ in range(3):  # three more runs, each inside its own filters, as the loop enters them
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+                offload.HostPool(12)
     pinned = [w for w in caught if issubclass(w.category, PinnedMemoryWarning)]
-    assert len(pinned) == 1 and "pinned host memory" in str(pinned[0].message)
+    assert len(pinned) == 1 and "pinned host memory is not available without CUDA" in str(pinned[0].message)
 
 
 def test_missing_boundaries_fail_before_training_naming_family_and_list():

@@ -65,10 +65,29 @@ def test_the_plan_spreads_n_streamed_blocks_and_shows_them():
     assert resident.streamed_blocks == 0 and resident.stream_maps() == {} and "weights:" not in resident.render()
 
 
-def test_more_blocks_than_the_model_has_stream_all_with_a_note():
-    plan = effective_plan(FLUX, CheckpointSchedule(weight_offload="stream", weight_offload_blocks=99),
-                          {"double": 2, "single": 2}, warn=False)
-    assert plan.streamed_blocks == 4 and any("weight_offload_blocks=99" in n for n in plan.notes)
+def test_more_blocks_than_the_model_has_stream_all_and_every_label_says_how_many():
+    """weight_offload_blocks=99 on 4 blocks: the plan, its rendering, report.json's plan, the receipt
+    and the node strip's label (the plan route) say 4 stream, and a note names 99 and 4 (issue 34)."""
+    from types import SimpleNamespace
+
+    from segmented_checkpointing.engine.measure.receipt import build_receipt, render_receipt
+
+    asked = CheckpointSchedule(weight_offload="stream", weight_offload_blocks=99)
+    plan = effective_plan(FLUX, asked, {"double": 2, "single": 2}, warn=False)
+    assert plan.streamed_blocks == 4 and plan.mode == "layer-stream4"
+    assert "weight_offload_blocks=99 is more than the 4 blocks the runner sees: all 4 stream" in plan.notes
+    assert plan.render().splitlines()[0] == "plan (flux, layer-stream4):"
+    data = plan.to_dict()
+    assert data["mode"] == "layer-stream4" and data["schedule"]["weight_offload_blocks"] == 4
+    result = SimpleNamespace(plan=plan, history=[], config=SimpleNamespace(timing_warmup_steps=1),
+                             report={"totals": {"sec_per_step": 0.5}, "memory": {}})
+    receipt = build_receipt(result, None)
+    assert receipt["schedule"] == "layer-stream4"
+    assert render_receipt(receipt).startswith("receipt: layer-stream4, 0.500 sec/step")
+    answer = plan_for_query({"family": "flux", "size": "tiny", "weight_offload": "stream", "weight_offload_blocks": "99"})
+    assert answer["mode"] == "layer-stream16" and answer["streamed_blocks"] == 16
+    exact = effective_plan(FLUX, asked.replace(weight_offload_blocks=4), {"double": 2, "single": 2}, warn=False)
+    assert exact.mode == "layer-stream4" and not any("more than" in n for n in exact.notes)
 
 
 def test_the_plan_route_takes_the_stream_keys():

@@ -11,7 +11,7 @@ from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.measure.host import HostBudgetError, host_budget_bytes
 from segmented_checkpointing.engine.measure.planner import PlannerError, choose
-from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.probe import BlockCost, Probe, probe
 from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.model.bundle import build_preset
 
@@ -25,7 +25,7 @@ def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
         measured = probe(config, bundle, workspace=workspace)
         frozen = sum(sum(per_block) for per_block in measured.frozen_block_bytes.values())
         budget = int(0.97 * frozen)  # below the blocks' frozen weights alone: no resident schedule can fit
-        choice = choose(measured, budget)
+        choice = choose(measured, budget, stream=True)  # asked for: on the CPU it saves nothing
         chosen = choice.chosen
         assert chosen.schedule.streams and chosen.streamed_bytes > 0.2 * frozen
         assert all(not p.fits for p in choice.candidates if not p.schedule.streams)
@@ -35,7 +35,27 @@ def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
         # the host copies count against a host budget: below them, only schedules that stream less fit
         with pytest.raises(PlannerError, match=r"--host-budget=.* is too small: the schedules that fit the device "
                                                r"need at least"):
-            choose(measured, budget, host_budget_bytes=int(0.1 * frozen))
+            choose(measured, budget, host_budget_bytes=int(0.1 * frozen), stream=True)
+
+
+def _probe(device):
+    """A probe of 2 + 2 flux blocks, each with 1000 bytes of activations and 4000 of frozen weights."""
+    blocks = {name: [BlockCost(name, i, act=1000, carried=100, fwd_s=0.01) for i in range(2)]
+              for name in ("double", "single")}
+    return Probe("flux", device, blocks, peak_bytes=30_000, sec_per_step=0.1, offload_s_per_tensor=0.0,
+                 offload_s_per_byte=0.0, frozen_block_bytes={"double": [4000] * 2, "single": [4000] * 2},
+                 h2d_s_per_byte=1e-9, held_bytes=20_000)
+
+
+def test_on_the_cpu_the_planner_streams_only_when_asked():
+    """Where the device is the host, streaming saves no memory: a budget below the weights is
+    refused with that said, unless the user asked for weight_offload=stream (issue 34)."""
+    budget = 20_000  # below the held weights: nothing fits resident
+    with pytest.raises(PlannerError, match=r"weight streaming was not tried: on the CPU the device is host memory"):
+        choose(_probe("cpu"), budget)
+    assert choose(_probe("cpu"), budget, stream=True).chosen.schedule.streams
+    assert choose(_probe("cuda"), budget).chosen.schedule.streams  # a CUDA device: the planner's own answer
+    assert not choose(_probe("cpu"), 10**6).chosen.schedule.streams  # what fits resident never streams
 
 
 def test_a_host_budget_below_the_streamed_bytes_is_refused_before_any_model_is_built(monkeypatch, capsys, tmp_path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from PIL import Image
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.core.plan import effective_plan
+from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.measure.sweep import (
     SweepCell,
     flag_ineffective,
@@ -68,16 +72,51 @@ def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path
         assert text in table
 
 
-def test_cells_with_equal_numbers_but_different_plans_are_flagged():
-    def cell(mode, sec, peak, block_map):
-        return SweepCell(mode, {"gradient_checkpointing_backend": "torch", "m": mode}, "ok", sec, peak, block_map)
+def test_the_no_effect_note_comes_from_equal_plans_never_from_numbers():
+    """Every mode measures within noise of the others (tiny sizes); only the modes whose per-block
+    plans equal an earlier mode's are flagged, naming it (issue 34)."""
+    schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule(),
+                 CheckpointSchedule(gradient_checkpointing_offload_attention=True),
+                 CheckpointSchedule(gradient_checkpointing_interval=2),
+                 CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4),
+                 CheckpointSchedule(gradient_checkpointing_backend="torch-ffn"),
+                 CheckpointSchedule(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_interval=2),
+                 CheckpointSchedule(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_offload_attention=True)]
+    counts = {"double": 2, "single": 2}  # 2 blocks per list: a stride of 4 leaves no block plain
+    cells = [SweepCell(s.mode, s.to_dict(), "ok", 1.0 + i / 1000, 1000) for i, s in enumerate(schedules)]
+    cells.append(SweepCell("interval2-offload-attn", {}, "OOM"))  # not measured: its plan still counts
+    plans = [(effective_plan(get_family("flux"), s, counts, warn=False).effect(), ()) for s in schedules]
+    plans.append((effective_plan(get_family("flux"), schedules[3].replace(gradient_checkpointing_offload_attention=True),
+                                 counts, warn=False).effect(), ()))
+    flag_ineffective(cells, plans)
+    flagged = {c.mode: c.flags for c in cells if c.flags}
+    assert flagged == {
+        # inside whole-block regions no attention activation is kept: nothing to offload
+        "layer-offload-attn": ["option may not have taken effect (same per-block plan as layer)"],
+        "interval2-stride4": ["option may not have taken effect (same per-block plan as interval2, "
+                              "interval2-offload-attn)"],
+        "interval2-offload-attn": ["option may not have taken effect (same per-block plan as interval2, "
+                                   "interval2-stride4)"],
+        # an FFN-scope backend checkpoints each block's FFN on its own: the interval changes nothing
+        "interval2-torch-ffn": ["option may not have taken effect (same per-block plan as layer-torch-ffn)"]}
+    far = [dataclasses.replace(c, sec_per_step=10.0 * (i + 1), peak_bytes=1000 * (i + 1), flags=[])
+           for i, c in enumerate(cells)]
+    flag_ineffective(far, plans)
+    assert {c.mode: c.flags for c in far if c.flags} == flagged  # the numbers play no part
+    compiled = [dataclasses.replace(cells[1], mode="layer+compile", flags=[])]
+    flag_ineffective(cells[:2] + compiled, plans[:2] + [(plans[1][0], (("compile_blocks", True),))])
+    assert compiled[0].flags == []  # compile_blocks is a setting of its own
 
-    cells = [cell("none", 1.0, 1000, {"a": "...."}), cell("layer", 1.01, 1001, {"a": "CCCC"}),
-             cell("interval2", 1.5, 500, {"a": "CCCC"}), SweepCell("x", {}, "OOM")]
-    flag_ineffective(cells)
-    assert cells[0].flags == ["option may not have taken effect (same as layer)"]
-    assert cells[1].flags == ["option may not have taken effect (same as none)"]
-    assert cells[2].flags == [] and cells[3].flags == []
+
+def test_plan_notes_are_said_once_under_the_sweep_table():
+    from segmented_checkpointing.engine.core.plan import HOST_STREAMING_NOTE
+
+    cells = [SweepCell(mode, {"gradient_checkpointing_backend": "torch", "gradient_checkpointing_offload_attention": False,
+                              "weight_offload": "stream"}, "ok", 1.0, 1000, notes=[HOST_STREAMING_NOTE])
+             for mode in ("none-stream", "layer-stream")]
+    table = to_markdown(cells, "flux")
+    assert table.count(HOST_STREAMING_NOTE) == 1
+    assert table.endswith(f"Plan notes:\n- {HOST_STREAMING_NOTE} (none-stream, layer-stream)\n")
 
 
 def test_sweep_modes_cover_the_documents_schedules():
@@ -86,12 +125,23 @@ def test_sweep_modes_cover_the_documents_schedules():
     assert {"layer", "interval2", "interval2-stride4", "interval2-stride4-unsloth-ffn-offload-attn"} <= set(modes)
 
 
-def test_segckpt_sweep_writes_markdown_csv_json_and_a_png_with_one_point_per_measured_mode(tmp_path, capsys):
+def test_segckpt_sweep_writes_markdown_csv_json_and_a_png_with_one_point_per_measured_mode(tmp_path, capsys,
+                                                                                            monkeypatch):
+    from segmented_checkpointing.engine.core import offload
+
     out = tmp_path / "sweep"
-    assert cli.main(["sweep", "--resolution", "32", "--warmup", "1", "--measure", "1", "--no-attention-offload",
-                     "--rank", "4", "--budget-gib", "0.001", "--output", str(out)]) == 0
+    monkeypatch.setattr(offload, "_SAID", set(), raising=False)  # as in a fresh process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        assert cli.main(["sweep", "--resolution", "32", "--warmup", "1", "--measure", "1", "--no-attention-offload",
+                         "--rank", "4", "--budget-gib", "0.001", "--output", str(out)]) == 0
+    # six modes offload to host memory, each with a pool of its own: said once (issue 34)
+    assert sum(issubclass(w.category, offload.PinnedMemoryWarning) for w in caught) == 1
     printed = capsys.readouterr().out
     assert "| interval2-stride4 | torch | no |" in printed
+    # an FFN-scope backend checkpoints each block's FFN alone: interval 2 runs the plan of interval 1
+    assert "| interval2-torch-ffn | torch-ffn | no |" in printed and printed.count("option may not have taken") == 2
+    assert "option may not have taken effect (same per-block plan as layer-unsloth-ffn) |" in printed
     rows = list(csv.DictReader((out / "sweep.csv").open()))
     data = json.loads((out / "sweep.json").read_text())
     assert len(rows) == len(data["cells"]) == 1 + 3 * 4 and data["family"] == "flux"
@@ -102,6 +152,28 @@ def test_segckpt_sweep_writes_markdown_csv_json_and_a_png_with_one_point_per_mea
     assert image.format == "PNG" and image.size[0] > 400
     assert image.text["segckpt:points"] == str(len(measured))
     assert (out / "sweep.md").read_text().startswith("# Checkpointing sweep: flux")
+
+
+def test_the_sweep_plot_labels_never_overlap():
+    """36 modes measured within noise of each other (tiny sizes) and one far off: every label is drawn,
+    inside the figure, and no two labels' boxes meet (issue 34)."""
+    from matplotlib.text import Text
+
+    from segmented_checkpointing.engine.measure.plots import sweep_figure
+
+    modes = [s.mode for s in sweep_schedules(save_attention=True, streaming=True)]
+    cells = [SweepCell(m, {}, "ok", 0.05 + i * 1e-4, 10 * 2**20 + i * 1000) for i, m in enumerate(modes)]
+    cells[5] = dataclasses.replace(cells[5], sec_per_step=0.2, peak_bytes=2**29)
+    figure = sweep_figure(cells + [SweepCell("layer+compile", {}, "failed")], "flux", budget_bytes=2**28)
+    renderer = figure.canvas.get_renderer()
+    figure.canvas.draw()
+    labels = figure.axes[0].texts
+    assert [t.get_text() for t in labels] == modes
+    boxes = [Text.get_window_extent(t, renderer) for t in labels]  # the text, not its leader line
+    page = figure.bbox
+    for i, box in enumerate(boxes):
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, modes[i]
+        assert not [modes[k] for k, other in enumerate(boxes) if k != i and box.overlaps(other)], modes[i]
 
 
 def test_write_outputs_of_failed_sweep_still_plots(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.core.plan import HOST_STREAMING_NOTE
 from segmented_checkpointing.engine.core.streaming import predicted_copies
 from segmented_checkpointing.engine.measure import host
 
@@ -35,6 +36,9 @@ def _run(root, name, steps=3, **changes):
 def test_losses_equal_and_the_report_counts_the_copies(data_dir):
     resident, _ = _run(data_dir, "resident")
     streamed, log = _run(data_dir, "streamed", weight_offload="stream")
+    # on the CPU streaming saves nothing: said once in the log and once in report.json (issue 34)
+    assert log.count(HOST_STREAMING_NOTE) == 1 and streamed["plan"]["notes"].count(HOST_STREAMING_NOTE) == 1
+    assert HOST_STREAMING_NOTE not in resident["plan"]["notes"]
     assert [s["loss"] for s in streamed["steps"]] == [s["loss"] for s in resident["steps"]]
     assert "SSSSSSSS  weights streamed: 8 of 8" in log and "weights in" in log
     units = 12  # the demo schedule (interval 2 stride 4): segments 0-1 and 4-5 are one unit each
