@@ -19,8 +19,8 @@ from typing import Any, Iterator
 
 _IMPORTS = threading.RLock()
 """Held while a lazy import runs. Import state (``sys.modules``) is process-wide, so this lock is
-too: the only module-level state of the engine that is not a declaration. Re-entrant: a guarded
-import may run code that imports lazily again (a facade function's implementation)."""
+too (module-level on purpose; it holds nothing of a run). Re-entrant: a guarded import may run
+code that imports lazily again (a facade function's implementation)."""
 
 
 @contextlib.contextmanager
