@@ -1,16 +1,14 @@
 // Run Report, Schedule Planner, Save LoRA, Checkpointing Sweep: the text the node returned in
 // `ui.text` is drawn on the node after it ran, whole: a widget after the node's own widgets (so an
 // image the node shows, the sweep's plot, comes below it, not over it), each line wrapped to the
-// node's width and the node as tall as the text. Works on the bundled frontend (1.27) and newer
-// ones (1.58): a LiteGraph custom widget (draw, computeSize) and setSize only.
+// node's width and the node as tall as the text: a results widget (segckpt_canvas.js).
 import { app } from "../../scripts/app.js";
-import { textWidth } from "./segckpt_canvas.js";
+import { PAD, resultsWidget, textWidth } from "./segckpt_canvas.js";
 import { TEXT_NODES, textLines, wrapLines } from "./segckpt_common.js";
 
 const NAME = "segckpt_result_text";
 const FONT = "11px monospace";
 const LINE = 14;
-const PAD = 8;
 const MIN_WIDTH = 420;  // a node narrower than this (Run Report's default, 140 px) is widened to it
 
 const measure = (text) => textWidth(text, FONT);
@@ -24,41 +22,26 @@ function wrapped(node) {
   return node.segckptWrapped.lines;
 }
 
-function textWidget(node) {
-  const found = node.widgets?.find((w) => w.name === NAME);
-  if (found) return found;
-  const widget = {
-    name: NAME,
-    type: "segckpt_text",
-    value: "",
-    serialize: false,
-    options: { serialize: false },  // not a prompt input, not in the saved workflow
-    computeSize() {
-      return [node.size[0], wrapped(node).length * LINE + PAD];
-    },
-    draw(ctx, drawn, widgetWidth, y) {
-      const lines = wrapped(node);
-      ctx.save();
-      ctx.font = FONT;
-      ctx.textBaseline = "top";
-      ctx.textAlign = "left";
-      ctx.fillStyle = "#d4d4d8";
-      lines.forEach((line, i) => ctx.fillText(line, PAD, y + PAD / 2 + i * LINE));
-      ctx.restore();
-      // what was drawn, in node coordinates (the browser test checks it fits the node)
-      node.segckptDrawn = { lines, x: PAD, y: y + PAD / 2, line: LINE, font: FONT };
-    },
-  };
-  if (node.addCustomWidget) node.addCustomWidget(widget);
-  else (node.widgets ??= []).push(widget);
-  return widget;
+const height = (node) => wrapped(node).length * LINE + PAD;
+
+function draw(node, ctx, area) {
+  const lines = wrapped(node);
+  ctx.save();
+  ctx.font = FONT;
+  ctx.textBaseline = "top";
+  ctx.textAlign = "left";
+  ctx.fillStyle = "#d4d4d8";
+  lines.forEach((line, i) => ctx.fillText(line, area.x, area.y + PAD / 2 + i * LINE));
+  ctx.restore();
+  // what was drawn, in node coordinates (the browser test checks it fits the node)
+  node.segckptDrawn = { lines, x: area.x, y: area.y + PAD / 2, line: LINE, font: FONT };
 }
 
 /** Show `lines` on the node: widen a narrow node, grow it to the text's height. */
 function showText(node, lines) {
   node.segckptText = lines;
   node.segckptWrapped = null;
-  const widget = textWidget(node);
+  const widget = resultsWidget(node, NAME, height, draw);
   const images = node.widgets.filter((w) => w !== widget && w.name?.includes("image-preview"));
   if (images.length) {  // the image (the sweep's plot) goes under the text
     node.widgets = [...node.widgets.filter((w) => !images.includes(w)), ...images];

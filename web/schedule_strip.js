@@ -1,10 +1,10 @@
 // Gradient Checkpointing Schedule node: draws its effective per-block plan as a strip of cells
 // per block list, from GET /segckpt/plan (the engine's plan; one source of truth), refreshed when
-// a widget changes. Blocks whose frozen weights stream from host memory get a band in the stream
-// colour along their top.
+// a widget changes, in a results widget below the node's widgets (segckpt_canvas.js). Blocks whose
+// frozen weights stream from host memory get a band in the stream colour along their top.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { addBottomPanel, fillText, fitHeight } from "./segckpt_canvas.js";
+import { addResultsWidget, fillText, fitHeight } from "./segckpt_canvas.js";
 import {
   linkedTrainInput, MARKS, markStyle, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, STREAM_KEYS, STREAM_MARK, STREAM_STYLE,
   stripLayout, TINY_PRESET, widgetValue,
@@ -114,6 +114,6 @@ app.registerExtension({
   name: "segckpt.ScheduleStrip",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "SegCkptSchedule") return;
-    addBottomPanel(nodeType, panelHeight, draw);
+    addResultsWidget(nodeType, "segckpt_plan_strip", panelHeight, draw);
   },
 });

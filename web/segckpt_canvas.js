@@ -1,30 +1,51 @@
-// Canvas helpers shared by the pack's node extensions: reserve space under a node's widgets and
-// draw into it. Works on the bundled ComfyUI frontend (1.27) and newer ones (1.58): it only uses
-// LiteGraph's computeSize / onDrawForeground / setSize / setDirtyCanvas.
+// Canvas helpers shared by the pack's node extensions: a results widget that reserves space below
+// a node's widgets and draws into it. A widget, not a drawing over the node's bottom edge: the
+// frontend lays widgets out one under the other (LGraphNode.arrange sets each widget's y; a
+// multiline text box takes whatever height is left), so only a widget of its own keeps the
+// results off the other widgets' rows, at any node size. Works on the bundled ComfyUI frontend
+// (1.27) and newer ones (1.58): a LiteGraph custom widget (draw, computeSize) and setSize only.
+
+/** The results' left and right margin inside the node (pixels). */
+export const PAD = 8;
 
 /**
- * Reserve `height(node)` pixels at the bottom of every node of `nodeType` and call
- * `draw(node, ctx, area)` there after the node is drawn.
+ * The results widget `name` of `node`, added after its widgets when it has none yet: `height(node)`
+ * pixels tall, drawn by `draw(node, ctx, area)` with `area` = {x, y, w, h} in node coordinates.
+ * Not a prompt input and not saved in the workflow (serialize false).
  */
-export function addBottomPanel(nodeType, height, draw) {
-  const computeSize = nodeType.prototype.computeSize;
-  nodeType.prototype.computeSize = function (out) {
-    const size = computeSize.apply(this, arguments);
-    size[1] += height(this);
-    return size;
+export function resultsWidget(node, name, height, draw) {
+  const found = node.widgets?.find((w) => w.name === name);
+  if (found) return found;
+  const widget = {
+    name,
+    type: "segckpt_results",
+    value: "",
+    serialize: false,
+    options: { serialize: false },
+    computeSize(width) {
+      return [width ?? node.size[0], height(node)];
+    },
+    draw(ctx, _node, width, y) {
+      draw(node, ctx, { x: PAD, y, w: (width ?? node.size[0]) - 2 * PAD, h: height(node) });
+    },
   };
-  const onDrawForeground = nodeType.prototype.onDrawForeground;
-  nodeType.prototype.onDrawForeground = function (ctx) {
-    const result = onDrawForeground?.apply(this, arguments);
-    if (!this.flags?.collapsed) {
-      const h = height(this);
-      draw(this, ctx, { x: 8, y: this.size[1] - h, w: this.size[0] - 16, h: h - 6 });
-    }
+  if (node.addCustomWidget) node.addCustomWidget(widget);
+  else (node.widgets ??= []).push(widget);
+  return node.widgets.find((w) => w.name === name) ?? widget;  // 1.58 keeps a wrapped copy
+}
+
+/** Give every new node of `nodeType` the results widget (see resultsWidget) at its creation. */
+export function addResultsWidget(nodeType, name, height, draw) {
+  const onNodeCreated = nodeType.prototype.onNodeCreated;
+  nodeType.prototype.onNodeCreated = function () {
+    const result = onNodeCreated?.apply(this, arguments);
+    resultsWidget(this, name, height, draw);
+    fitHeight(this);
     return result;
   };
 }
 
-/** Grow the node when its panel got taller (never shrink what the user sized). */
+/** Grow the node when its results got taller (never shrink what the user sized). */
 export function fitHeight(node) {
   const wanted = node.computeSize();
   if (node.size[1] < wanted[1]) node.setSize([Math.max(node.size[0], wanted[0]), wanted[1]]);

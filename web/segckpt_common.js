@@ -141,6 +141,46 @@ export function lossPoints(history, box, total) {
   return { points, min, max };
 }
 
+/** @typedef {{x: number, y: number, w: number, h: number}} Box a rectangle in pixels (y grows downwards) */
+
+/** Heights (pixels) of the parts of Train LoRA's results (web/train_loss_curve.js). */
+export const TRAIN_PANEL = { label: 16, curve: 72, gap: 6, note: 14, previewLabel: 16, preview: 92, spacing: 4 };
+
+/**
+ * Where Train LoRA draws its results, one part under the other in the space its results widget
+ * reserves below the node's last widget: the step label, the loss curve's box, the notes (one
+ * row per wrapped line), the previews' label and the previews (square, in rows that wrap at the
+ * width).
+ * @param {number} width pixels available
+ * @param {number} notes lines of notes
+ * @param {number} previews images
+ * @returns {{label: Box, curve: Box, notes: Box[], previewLabel: Box|null, images: Box[], height: number}}
+ *     boxes {x, y, w, h} relative to the results' top left corner, all inside width x height;
+ *     height = what the widget reserves
+ */
+export function trainPanelLayout(width, notes, previews) {
+  const P = TRAIN_PANEL;
+  const label = { x: 0, y: 0, w: width, h: P.label };
+  const curve = { x: 0, y: P.label, w: width, h: P.curve };
+  let y = P.label + P.curve + P.gap;
+  const rows = Array.from({ length: notes }, (_, i) => ({ x: 0, y: y + i * P.note, w: width, h: P.note }));
+  y += notes * P.note;
+  let previewLabel = null;
+  const images = [];
+  if (previews > 0) {
+    previewLabel = { x: 0, y, w: width, h: P.previewLabel };
+    y += P.previewLabel;
+    const side = Math.max(1, Math.min(P.preview, width));
+    const columns = Math.max(1, Math.floor((width + P.spacing) / (side + P.spacing)));
+    for (let i = 0; i < previews; i++) {
+      const row = Math.floor(i / columns), column = i % columns;
+      images.push({ x: column * (side + P.spacing), y: y + row * (side + P.spacing), w: side, h: side });
+    }
+    y += Math.ceil(previews / columns) * (side + P.spacing) - P.spacing + P.gap;
+  }
+  return { label, curve, notes: rows, previewLabel, images, height: y };
+}
+
 /**
  * The node wired into input `name` of the Train node that this schedule node feeds, if any:
  * "model" gives the Load Diffusion Model node, "offload" the Activation Offload Options node,

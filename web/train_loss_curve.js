@@ -2,45 +2,47 @@
 // per optimizer step ({node, step, total, loss}), the validation previews from `segckpt.preview`
 // events ({node, step, images: [{filename, subfolder, type}]}) under it, and the guardrails' lines
 // (the pre-flight verdict, schedule switches, watchdog reports) from `segckpt.notes` ({node, lines}).
+// All of it in a results widget below the node's last widget (segckpt_canvas.js), laid out by
+// trainPanelLayout (segckpt_common.js): the node grows to fit, never draws on a widget's row.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { addBottomPanel, fillText, fitHeight, textWidth } from "./segckpt_canvas.js";
-import { frameAt, lossPoints, previewUrl, recordLoss, textLines, wrapLines } from "./segckpt_common.js";
+import { addResultsWidget, fillText, fitHeight, PAD, textWidth } from "./segckpt_canvas.js";
+import { frameAt, lossPoints, previewUrl, recordLoss, textLines, trainPanelLayout, wrapLines } from "./segckpt_common.js";
 
-const HEIGHT = 96;
-const PREVIEW = 112;
-const NOTE = 14;
-
-const NOTE_FONT = "11px sans-serif";
+const RESULTS = "segckpt_train_results";
+const FONT = "11px sans-serif";
 
 /** The notes as drawn: wrapped to the node's width (none cut), cached per width. */
 function notes(node) {
-  const width = node.size[0] - 16;
+  const width = node.size[0] - 2 * PAD;
   if (node.segckptNotesWrapped?.width !== width || node.segckptNotesWrapped.of !== node.segckptNotes) {
-    const lines = wrapLines(node.segckptNotes ?? [], width, (text) => textWidth(text, NOTE_FONT));
+    const lines = wrapLines(node.segckptNotes ?? [], width, (text) => textWidth(text, FONT));
     node.segckptNotesWrapped = { width, of: node.segckptNotes, lines };
   }
   return node.segckptNotesWrapped.lines;
 }
 
-function panelHeight(node) {
-  return HEIGHT + (node.segckptPreviews?.images.length ? PREVIEW : 0) + notes(node).length * NOTE;
+function layout(node, width = node.size[0] - 2 * PAD) {
+  return trainPanelLayout(width, notes(node).length, node.segckptPreviews?.images.length ?? 0);
 }
 
 function draw(node, ctx, area) {
   const state = node.segckptLoss;
+  const parts = layout(node, area.w);
+  const at = (box) => ({ x: area.x + box.x, y: area.y + box.y, w: box.w, h: box.h });
+  const label = at(parts.label), curve = at(parts.curve);
   ctx.save();
-  ctx.font = "11px sans-serif";
+  ctx.font = FONT;
   ctx.textBaseline = "middle";
   ctx.strokeStyle = "#3f3f46";
-  ctx.strokeRect(area.x, area.y + 14, area.w, HEIGHT - 20);
+  ctx.strokeRect(curve.x, curve.y, curve.w, curve.h);
   ctx.fillStyle = "#a1a1aa";
   if (!state?.history.length) {
-    fillText(ctx, "loss: waiting for the first step", area.x, area.y + 6, area.w);
+    fillText(ctx, "loss: waiting for the first step", label.x, label.y + label.h / 2, label.w);
   } else {
     const last = state.history[state.history.length - 1];
-    fillText(ctx, `step ${last.step}/${state.total}  loss ${last.loss.toFixed(4)}`, area.x, area.y + 6, area.w);
-    const box = { x: area.x + 4, y: area.y + 18, w: area.w - 8, h: HEIGHT - 28 };
+    fillText(ctx, `step ${last.step}/${state.total}  loss ${last.loss.toFixed(4)}`, label.x, label.y + label.h / 2, label.w);
+    const box = { x: curve.x + 4, y: curve.y + 4, w: curve.w - 8, h: curve.h - 8 };
     const { points } = lossPoints(state.history, box, state.total);
     ctx.strokeStyle = "#60a5fa";
     ctx.lineWidth = 1.5;
@@ -50,19 +52,20 @@ function draw(node, ctx, area) {
   }
   const lines = notes(node);
   ctx.fillStyle = "#fbbf24";
-  ctx.font = NOTE_FONT;
-  lines.forEach((line, i) => ctx.fillText(line, area.x, area.y + HEIGHT + 4 + i * NOTE));
-  node.segckptNotesDrawn = { lines, x: area.x, y: area.y + HEIGHT + 4, line: NOTE, font: NOTE_FONT, middle: true };
+  parts.notes.map(at).forEach((row, i) => ctx.fillText(lines[i], row.x, row.y + row.h / 2));
+  if (parts.notes.length) {
+    const first = at(parts.notes[0]);
+    node.segckptNotesDrawn = { lines, x: first.x, y: first.y + first.h / 2, line: parts.notes[0].h, font: FONT, middle: true };
+  }
   const previews = node.segckptPreviews;
-  if (previews?.images.length) {
-    const y = area.y + HEIGHT + lines.length * NOTE;
+  if (parts.previewLabel) {
+    const top = at(parts.previewLabel);
     ctx.fillStyle = "#a1a1aa";
-    fillText(ctx, `previews after step ${previews.step}`, area.x, y + 6, area.w);
-    const side = PREVIEW - 20;
-    previews.images.forEach((image, i) => {
-      const clip = previews.clips?.[i];
+    fillText(ctx, `previews after step ${previews.step}`, top.x, top.y + top.h / 2, top.w);
+    parts.images.map(at).forEach((box, i) => {
+      const image = previews.images[i], clip = previews.clips?.[i];
       const shown = clip ? clip.bitmaps[frameAt(clip.durations, performance.now() - clip.start)] : image;
-      if (clip || (image.complete && image.naturalWidth)) ctx.drawImage(shown, area.x + i * (side + 4), y + 14, side, side);
+      if (clip || (image.complete && image.naturalWidth)) ctx.drawImage(shown, box.x, box.y, box.w, box.h);
     });
     if (previews.clips?.some(Boolean)) setTimeout(() => redraw(node), 60);  // the clip moves
   }
@@ -142,12 +145,6 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "SegCkptTrainLoRA") return;
-    addBottomPanel(nodeType, panelHeight, draw);
-    const onNodeCreated = nodeType.prototype.onNodeCreated;
-    nodeType.prototype.onNodeCreated = function () {
-      const result = onNodeCreated?.apply(this, arguments);
-      fitHeight(this);
-      return result;
-    };
+    addResultsWidget(nodeType, RESULTS, (node) => layout(node).height, draw);
   },
 });

@@ -1,9 +1,11 @@
 """Write the UI-format (drag-and-drop) workflows from their API-format twins.
 
 ``workflows/api/<name>.api.json`` holds the values (the source of truth), ``workflows/layout/<name>.json``
-the layout (node positions and sizes, titles, groups, the view, the workflow's id). For each pair this
-writes ``workflows/<name>.json`` and rewrites the API file in one formatting, its nodes' inputs in
-declared order and a declared widget that the file lacks at the widget's default.
+the layout (which nodes stand in which column, the groups, sizes asked for, titles, the view, the
+workflow's id). For each pair this writes ``workflows/<name>.json`` and rewrites the API file in one
+formatting, its nodes' inputs in declared order and a declared widget that the file lacks at the
+widget's default. Node positions come from node sizes measured on the real frontends
+(``workflows/measured/node_sizes.json``, see :func:`lay_out`), so no node covers another.
 
     python workflows/make_ui.py            # rewrite the files that differ
     python workflows/make_ui.py --check    # list them and exit 1 (nothing written)
@@ -24,6 +26,18 @@ FOLDER = Path(__file__).resolve().parent
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "BOOLEAN", "STRING")
 TYPE_DEFAULTS = {"INT": 0, "FLOAT": 0.0, "BOOLEAN": False, "STRING": ""}  # the frontend's, when none is declared
 OPTIONAL_SHAPE = 7  # litegraph's RenderShape.HOLLOW: how the frontend draws an optional input
+SIZES = FOLDER / "measured" / "node_sizes.json"
+TITLE = 30  # litegraph's NODE_TITLE_HEIGHT: a node's title bar, drawn above its pos
+GAP = (40, 30)  # pixels between two columns; between a node's reserved bottom and the next node's title bar (and its badge)
+GROUP_PAD, GROUP_HEADER = 10, 56  # a group's margin around its nodes; its title band above them
+ORIGIN = (20, 20)  # the top left corner of the first column (or group)
+# What a run adds below a node (pixels; its results, web/*.js), reserved under it in its column:
+# the schedule strip of a family with more block lists than the measured ones, the result text
+# past the size the sidecar asks for, the loss image.
+RUN_RESERVE = {"SegCkptSchedule": 40, "SegCkptRunReport": 60, "SegCkptSchedulePlanner": 40, "SegCkptSaveLoRA": 40,
+               "SegCkptSweep": 60, "SegCkptLossGraph": 200}
+TRAIN_PREVIEWS = 16 + 92 + 6  # Train LoRA's previews: label, a row of squares, gap (TRAIN_PANEL, web/segckpt_common.js)
+TRAIN_NOTES = 6 * 14  # its guardrail lines with Fit Guardrails (a verdict of two buckets, a switch)
 UPLOAD = {"localized_name": "choose file to upload", "name": "upload", "type": "IMAGEUPLOAD",
           "widget": {"name": "upload"}, "link": None}  # the frontend-only button after an image_upload combo
 
@@ -187,21 +201,93 @@ def _execution_order(ids: list[int], links: list[list]) -> dict[int, int]:
     return {node: index for index, node in enumerate(order)}
 
 
-def make_ui(api: dict, layout: dict) -> dict:
-    """The UI-format workflow of a normalised API graph, laid out by its layout sidecar.
+def node_sizes(path: Path = SIZES) -> dict[str, list[float]]:
+    """Each node type's smallest size ``[width, height]`` in pixels (its ``computeSize`` on ComfyUI
+    frontends 1.27 and 1.58, the larger of the two), as ``tests/live/test_comfyui_browser.py``
+    measured it with ``SEGCKPT_MEASURE_NODE_SIZES=1``."""
+    return json.loads(path.read_text(encoding="utf-8"))["sizes"]
+
+
+def run_reserve(kind: str, inputs: dict, guarded: bool) -> float:
+    """Pixels a run adds below a node of type ``kind`` (its results) with API ``inputs``;
+    ``guarded``: the workflow has Fit Guardrails (Train LoRA then shows its lines)."""
+    if kind == "SegCkptTrainLoRA":
+        return (TRAIN_PREVIEWS if inputs.get("preview_every") else 0) + (TRAIN_NOTES if guarded else 0)
+    return RUN_RESERVE.get(kind, 0)
+
+
+def _node_size(kind: str, asked: list | None, sizes: dict) -> list[float]:
+    if kind not in sizes:
+        raise ValueError(f"no measured size for node type {kind}: run tests/live/test_comfyui_browser.py with "
+                         f"SEGCKPT_MEASURE_NODE_SIZES=1 on both frontends (it writes {SIZES.name})")
+    return [max(a, m) for a, m in zip(asked or (0, 0), sizes[kind])]
+
+
+def lay_out(api: dict, layout: dict, sizes: dict) -> tuple[dict[str, dict], list[dict]]:
+    """Node positions and sizes, and group boxes, from the sidecar's columns.
+
+    The sidecar's ``rows`` (or ``columns``: one row of one block) are laid out top to bottom; a row's
+    blocks (a group when it has a ``title`` and ``color``) left to right; a block's ``columns`` left to
+    right, each as wide as its widest node; a column's nodes (API ids) top to bottom, each at the larger
+    of the size its sidecar entry asks for and its type's measured size (:func:`node_sizes`), with
+    :func:`run_reserve` pixels free below it. No two nodes' boxes (title bar and reserve included) overlap.
+
+    Returns:
+        ``({node_id: {"pos", "size"}}, [{"title", "color", "bounding"}])``, pixels.
+
+    Raises:
+        ValueError: a node in no column or in two, a column naming no node, a type without measured size.
+    """
+    rows = layout.get("rows") or [[{"columns": layout["columns"]}]]
+    listed = [node_id for row in rows for block in row for column in block["columns"] for node_id in column]
+    if sorted(listed) != sorted(api):
+        raise ValueError(f"nodes in no column: {sorted(set(api) - set(listed))}; in two: "
+                         f"{sorted({n for n in listed if listed.count(n) > 1})}; not nodes: {sorted(set(listed) - set(api))}")
+    guarded = any(node["class_type"] == "SegCkptFitGuardrails" for node in api.values())
+    asked = layout.get("nodes", {})
+    placed, groups, top = {}, [], ORIGIN[1]
+    for row in rows:
+        left, bottom = ORIGIN[0], top
+        for block in row:
+            pad = (GROUP_PAD, GROUP_HEADER) if "title" in block else (0, 0)
+            x = right = left + pad[0]
+            lowest = top
+            for column in block["columns"]:
+                y, width = top + pad[1], 0
+                for node_id in column:
+                    kind = api[node_id]["class_type"]
+                    size = _node_size(kind, asked.get(node_id, {}).get("size"), sizes)
+                    placed[node_id] = {"pos": [x, y + TITLE], "size": size}
+                    y += TITLE + size[1] + run_reserve(kind, api[node_id]["inputs"], guarded)
+                    lowest, width = max(lowest, y), max(width, size[0])
+                    y += GAP[1]
+                right = x + width
+                x = right + GAP[0]
+            if "title" in block:
+                right, lowest = right + pad[0], lowest + pad[0]
+                groups.append({"title": block["title"], "color": block["color"],
+                               "bounding": [left, top, right - left, lowest - top]})
+            left, bottom = right + GAP[0], max(bottom, lowest)
+        top = bottom + GAP[1]
+    return placed, groups
+
+
+def make_ui(api: dict, layout: dict, sizes: dict | None = None) -> dict:
+    """The UI-format workflow of a normalised API graph, laid out by its layout sidecar (:func:`lay_out`)
+    with ``sizes`` (default: :func:`node_sizes`).
 
     Link ids count the linked input slots in node-id, then slot order.
 
     Raises:
         ValueError: a node without layout (or layout without node), a link to a missing output, a cycle.
     """
-    placed = layout.get("nodes", {})
-    if set(placed) != set(api):
-        raise ValueError(f"nodes without layout: {sorted(set(api) - set(placed))}; "
-                         f"layout without node: {sorted(set(placed) - set(api))}")
+    extra = sorted(set(layout.get("nodes", {})) - set(api))
+    if extra:
+        raise ValueError(f"layout without node: {extra}")
+    placed, group_boxes = lay_out(api, layout, node_sizes() if sizes is None else sizes)
     ids, nodes, links, outputs = sorted(int(k) for k in api), {}, [], {}
     for node_id in ids:
-        node, where = api[str(node_id)], placed[str(node_id)]
+        node, where = api[str(node_id)], {**layout.get("nodes", {}).get(str(node_id), {}), **placed[str(node_id)]}
         inputs, outputs[node_id] = declared(node["class_type"])
         slots = _slots(inputs)
         for index, slot in enumerate(slots):
@@ -227,7 +313,7 @@ def make_ui(api: dict, layout: dict) -> dict:
                            for slot, (name, type_) in enumerate(outputs[node_id])]
     groups = [{"id": index, "title": g["title"], "bounding": g["bounding"], "color": g["color"],
                "font_size": g.get("font_size", 24), "flags": g.get("flags", {})}
-              for index, g in enumerate(layout.get("groups", []), 1)]
+              for index, g in enumerate(group_boxes, 1)]
     return {**({"id": layout["id"]} if "id" in layout else {}), "revision": 0, "last_node_id": max(ids, default=0),
             "last_link_id": len(links), "nodes": list(nodes.values()), "links": links, "groups": groups, "config": {},
             "extra": {"ds": layout.get("ds", {"scale": 1, "offset": [0, 0]})}, "version": 0.4}

@@ -2,7 +2,9 @@
 
 Needs Python's ``playwright`` package and a Chromium (``CHROMIUM_PATH``, default
 ``/usr/bin/chromium``; nothing is downloaded). The canvas screenshot is written to
-``SEGCKPT_ARTIFACTS`` (default: the test's temporary folder) and its path printed.
+``SEGCKPT_ARTIFACTS`` (default: the test's temporary folder) and its path printed. Each workflow's
+canvas is checked as a user sees it (``canvas_geometry.py``): no node over another, nothing the pack
+draws on a widget's row, after the drop and after the run.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+from canvas_geometry import drawn_over_widgets, measured_sizes, overlapping_nodes
 from comfy_models import write_closed_loop_files
 from live_comfyui import ROOT, Server, comfyui_path
 
 from segmented_checkpointing.engine.core.plan_query import reference_block_counts
 
 UI_FILES = sorted((ROOT / "workflows").glob("*.json"))
+SIZES = ROOT / "workflows" / "measured" / "node_sizes.json"
+MEASURE = "SEGCKPT_MEASURE_NODE_SIZES"
 
 DROP = """([name, text]) => {
   const data = new DataTransfer();
@@ -80,6 +85,40 @@ def _check_results_are_whole(page, history: dict, types: set) -> None:
         for panel in result["panels"]:
             assert _words(panel["drawn"]) == _words(panel["text"]), result  # no line cut, none elided
             assert panel["right"] <= result["size"][0] and panel["bottom"] <= result["size"][1], result
+
+
+def _check_canvas_geometry(page, when: str) -> list[dict]:
+    """No two node boxes overlap; on every pack node nothing drawn lies on a widget's row or outside
+    the node, at its size and resized to its smallest. Returns the pack nodes' drawings."""
+    problems = [f"nodes overlap: {a} and {b}" for a, b in overlapping_nodes(page)]
+    for shrink in (True, False):
+        nodes, drawn = drawn_over_widgets(page, shrink)
+        problems += [f"{'resized to its smallest: ' if shrink else ''}{line}" for line in drawn]
+    assert not problems, f"{when}:\n" + "\n".join(problems)
+    return nodes
+
+
+def _check_node_sizes(page) -> bool:
+    """The node sizes the workflows are laid out with (``workflows/measured/node_sizes.json``, read
+    by ``workflows/make_ui.py``) hold every node on this frontend. With ``SEGCKPT_MEASURE_NODE_SIZES=1``
+    this frontend's sizes are merged into that file instead (the larger of each), and True returned."""
+    measured, stored = measured_sizes(page), json.loads(SIZES.read_text())
+    if os.environ.get(MEASURE):
+        for kind, size in measured.items():
+            stored["sizes"][kind] = [max(a, b) for a, b in zip(stored["sizes"].get(kind, [0, 0]), size)]
+        version = page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__")
+        stored["frontends"] = sorted(set(stored["frontends"]) | {version})
+        lines = ",\n".join(f"    {json.dumps(kind)}: {json.dumps(size)}" for kind, size in sorted(stored["sizes"].items()))
+        SIZES.write_text(f'{{\n  "frontends": {json.dumps(stored["frontends"])},\n  "sizes": {{\n{lines}\n  }}\n}}\n')
+        return True
+    small = {kind: {"stored": stored["sizes"].get(kind), "measured": size} for kind, size in measured.items()
+             if any(m > s for m, s in zip(size, stored["sizes"].get(kind, [0, 0])))}
+    assert not small, f"node sizes grew: measure them again ({MEASURE}=1, both frontends) and run make_ui.py: {small}"
+    return False
+
+
+def _texts(nodes: list[dict], kind: str) -> list[str]:
+    return [box["text"] for node in nodes if node["type"] == kind for box in node["drawn"] if box["kind"] == "text"]
 
 
 NOT_RUN_HERE = {"closed_loop_flux": "T5-XXL", "closed_loop_wan": "UMT5-XXL"}
@@ -155,6 +194,12 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
         if offload:  # the strip shows what Train LoRA runs: the offload node's backend over the schedule's
             assert plan["plan"]["mode"].endswith(f"-{offload['widgets_values'][0]}-offload-attn"), plan["plan"]["mode"]
 
+    if _check_node_sizes(page):  # measured into the file: nothing else checked
+        page.close()
+        return
+    nodes = _check_canvas_geometry(page, f"{ui_file.name} after the drop")
+    if "SegCkptTrainLoRA" in types:
+        assert "loss: waiting for the first step" in _texts(nodes, "SegCkptTrainLoRA")
     if ui_file.stem in NOT_RUN_HERE:  # dropped and drawn above; run through /prompt by the live tests
         assert not errors, errors
         page.close()
@@ -176,6 +221,12 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
     if previews:  # the validation preview of step 3, loaded from the server and drawn on the node
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
             && n.segckptPreviews?.step === 3 && n.segckptPreviews.images[0]?.naturalWidth === 64)""", timeout=30_000)
+
+    nodes = _check_canvas_geometry(page, f"{ui_file.name} after the run")
+    if "SegCkptTrainLoRA" in types:  # what the checks above saw drawn: the results themselves
+        assert any(text.startswith("step 3/3") for text in _texts(nodes, "SegCkptTrainLoRA")), nodes
+    if previews:
+        assert any(box["kind"] == "image" for node in nodes for box in node["drawn"]), nodes
 
     version = page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__ ?? 'unknown'")
     shot = Path(os.environ.get("SEGCKPT_ARTIFACTS", tmp_path)) / f"canvas-{ui_file.stem}-frontend-{version}.png"

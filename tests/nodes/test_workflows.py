@@ -121,55 +121,77 @@ def test_links_join_the_slots_that_name_them_in_execution_order(ui_file):
     assert sorted(n["order"] for n in ui["nodes"]) == list(range(len(nodes)))
     assert (ui["last_node_id"], ui["last_link_id"]) == (max(nodes), max((link[0] for link in ui["links"]), default=0))
 
-# What the pack's frontend adds under a node's widgets once it runs (pixels): the schedule strip,
-# the live loss curve, the loss image; the result nodes (report, planner, sweep, save) ship at the
-# size of their text (web/node_text.js wraps it to the node's width; the browser test checks the
-# drawn text fits), plus a margin for a longer one.
-RUNTIME_EXTRA = {"SegCkptSchedule": 140, "SegCkptTrainLoRA": 110, "SegCkptRunReport": 60,
-                 "SegCkptSchedulePlanner": 40, "SegCkptSaveLoRA": 20, "SegCkptSweep": 60, "SegCkptLossGraph": 200}
-TITLE = 30
+TITLE = make_ui.TITLE
 VIEW = (1280, 720)  # the smallest common screen's canvas; the frontends open a workflow at its extra.ds
 CHROME = (60, 60)  # the canvas under frontend 1.58's sidebar and graph breadcrumb
+SIZES = make_ui.node_sizes()  # each node type's smallest size on the real frontends (measured)
 
 
-PREVIEWS = 112  # Train LoRA's preview row (web/train_loss_curve.js), when previews are on
-
-
-NOTES = 6 * 14  # Train LoRA's guardrail lines (a verdict of two buckets, a switch), with Fit Guardrails
-
-
-def _extra(node: dict, guarded: bool) -> float:
-    extra = RUNTIME_EXTRA.get(node["type"], 0)
-    if node["type"] == "SegCkptTrainLoRA":
-        extra += PREVIEWS if node["widgets_values"][-1] else 0  # preview_every, its last widget
-        extra += NOTES if guarded else 0
-    return extra
-
-
-def _boxes(ui: dict) -> list[tuple[str, float, float, float, float]]:
+def _boxes(ui: dict, api: dict) -> list[tuple[str, float, float, float, float]]:
+    """Each node's box as the frontend shows it: its title bar, its size (at least its type's measured
+    size: the frontend grows a smaller node) and what a run adds below it (make_ui.run_reserve)."""
     guarded = any(n["type"] == "SegCkptFitGuardrails" for n in ui["nodes"])
-    return [(n["type"], n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0],
-             n["pos"][1] + n["size"][1] + _extra(n, guarded)) for n in ui["nodes"]]
+    boxes = []
+    for n in ui["nodes"]:
+        (x, y), size = n["pos"], [max(a, b) for a, b in zip(n["size"], SIZES[n["type"]])]
+        reserve = make_ui.run_reserve(n["type"], api[str(n["id"])]["inputs"], guarded)
+        boxes.append((f"{n['id']} {n['type']}", x, y - TITLE, x + size[0], y + size[1] + reserve))
+    return boxes
+
+
+def _overlap(a, b) -> bool:
+    return a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]
 
 
 @pytest.mark.parametrize("ui_file", UI_FILES, ids=lambda p: p.name)
-def test_no_node_covers_another_and_the_strip_is_in_view(ui_file):
+def test_no_node_covers_another_at_its_measured_size_and_the_strip_is_in_view(ui_file):
+    """Every node ships at least at its type's measured size (the frontend grows a smaller one when it
+    loads the workflow, over whatever lies below), and no node's box, with room for its results,
+    overlaps another's."""
     ui = json.loads(ui_file.read_text())
-    boxes = _boxes(ui)
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (ui_file.name, a[0], b[0])
+    api = json.loads((FOLDER / "api" / f"{ui_file.stem}.api.json").read_text())
+    small = [(n["id"], n["type"], n["size"], SIZES[n["type"]]) for n in ui["nodes"]
+             if any(have < need for have, need in zip(n["size"], SIZES[n["type"]]))]
+    boxes = _boxes(ui, api)
+    overlaps = [(a[0], b[0]) for i, a in enumerate(boxes) for b in boxes[i + 1:] if _overlap(a, b)]
+    assert overlaps == [], ui_file.name
+    assert small == [], f"{ui_file.name}: nodes smaller than the frontend makes them: {small}"
     groups = [(g["title"], g["bounding"][0], g["bounding"][1], g["bounding"][0] + g["bounding"][2],
                g["bounding"][1] + g["bounding"][3]) for g in ui.get("groups", [])]
     for i, a in enumerate(groups):
         for b in groups[i + 1:]:
-            assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (ui_file.name, a[0], b[0])
+            assert not _overlap(a, b), (ui_file.name, a[0], b[0])
     ds = ui["extra"]["ds"]
-    for kind, x0, y0, x1, y1 in boxes:
+    for name, x0, y0, x1, y1 in boxes:
+        kind = name.split()[1]
         if kind in ("SegCkptSchedule", "SegCkptTrainLoRA", "SegCkptSchedulePlanner"):
             screen = [(v + ds["offset"][i % 2]) * ds["scale"] for i, v in enumerate((x0, y0, x1, y1))]
             assert CHROME[0] <= screen[0] and CHROME[1] <= screen[1], (kind, screen)  # not under the frontend's bars
             assert screen[2] <= VIEW[0] and screen[3] <= VIEW[1], (kind, screen)
+
+
+def test_lay_out_stacks_columns_from_the_measured_sizes():
+    """Positions follow from the sizes: a column's next node starts below the last one's reserve, the
+    next column right of the widest node; a group encloses its nodes below its title band."""
+    api = {"1": {"class_type": "SegCkptSchedule", "inputs": {}}, "2": {"class_type": "SegCkptLoRAConfig", "inputs": {}},
+           "3": {"class_type": "SegCkptTrainLoRA", "inputs": {"preview_every": 5}}}
+    sizes = {"SegCkptSchedule": [438, 298], "SegCkptLoRAConfig": [210, 130], "SegCkptTrainLoRA": [309, 698]}
+    gap_x, gap_y = make_ui.GAP
+    placed, groups = make_ui.lay_out(api, {"columns": [["1", "2"], ["3"]], "nodes": {"2": {"size": [270, 100]}}}, sizes)
+    assert placed == {"1": {"pos": [20, 20 + TITLE], "size": [438, 298]},
+                      "2": {"pos": [20, 20 + TITLE + 298 + 40 + gap_y + TITLE], "size": [270, 130]},  # reserve: 40
+                      "3": {"pos": [20 + 438 + gap_x, 20 + TITLE], "size": [309, 698]}}
+    assert groups == []
+    layout = {"rows": [[{"title": "T", "color": "#fff", "columns": [["3"]]}], [{"columns": [["1"]]}]]}
+    placed, groups = make_ui.lay_out({k: api[k] for k in ("1", "3")}, layout, sizes)
+    pad, header = make_ui.GROUP_PAD, make_ui.GROUP_HEADER
+    bottom = 20 + header + TITLE + 698 + make_ui.TRAIN_PREVIEWS + pad
+    assert groups == [{"title": "T", "color": "#fff", "bounding": [20, 20, pad + 309 + pad, bottom - 20]}]
+    assert placed["3"]["pos"] == [20 + pad, 20 + header + TITLE] and placed["1"]["pos"] == [20, bottom + gap_y + TITLE]
+    with pytest.raises(ValueError, match=r"in no column: \['3'\]"):
+        make_ui.lay_out(api, {"columns": [["1", "2"]]}, sizes)
+    with pytest.raises(ValueError, match="no measured size for node type SegCkptLoRAConfig"):
+        make_ui.lay_out(api, {"columns": [["1", "2", "3"]]}, {k: v for k, v in sizes.items() if "LoRAConfig" not in k})
 
 
 def test_every_committed_workflow_is_what_the_generator_writes():
