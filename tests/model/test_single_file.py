@@ -203,8 +203,8 @@ def test_node_lists_and_loads_files_from_the_model_folders(tmp_path, monkeypatch
     assert {"diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"} <= set(choices)
     for source in ("diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"):
         assert node.VALIDATE_INPUTS(source=source) is True
-        (bundle,) = node().load("sd3", source, 0, "fp32")
-        _assert_same_forward("sd3", original, bundle.transformer)
+        (model,) = node().load("sd3", source, 0, "fp32")
+        _assert_same_forward("sd3", original, model.load().transformer)
     for bad in ("diffusion_models/../../x.safetensors", "diffusion_models/missing.safetensors", "checkpoints/"):
         assert "source=" in verdict(node, source=bad)
 
