@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..files.atomic import atomic_save_file
 from ..files.checks import DamagedFileError, check_safetensors
+from ..files.tensors import atomic_save_file
 
 STATE_FILE = "training_state.safetensors"
 
