@@ -120,5 +120,5 @@ def describe_batch_over_data(over: dict[str, Any]) -> str:
     if over["repeats_per_step"] == 1.0:
         return (f"{head}: batches never mix buckets, so each holds at most {over['largest_batch']} images, each "
                 "once")
-    return (f"{head}: each image appears {over['repeats_per_step']:g} times in every batch (the same images' "
+    return (f"{head}: each image appears {over['repeats_per_step']:g} times in every batch on average (the same images' "
             "gradients averaged again; fewer images per batch train the same in less time)")
