@@ -48,6 +48,9 @@ DISK_REFUSALS = [
     (["train", "--data", "{empty}", "--output", "{empty}/out"], 2, "output='{empty}/out' is invalid with "
                                                                    "data='{empty}': allowed a folder outside"),
     (["train", "--family", "wan", "--num-frames", "10"], 2, "num_frames=10 is invalid for wan: allowed 4k+1 (9, 13"),
+    (["train", "--output", "{finished}"], 2, "output='{finished}' is invalid: allowed a folder without a training "
+                                             "run: it holds one; pass --resume"),
+    (["train", "--resume", "--output", "{empty}"], 2, "resume=True is invalid: allowed only when {empty}/training_state"),
     (["train", "--resume", "--output", "{held}"], 2, "output='{held}' is in use by process {pid} (running segckpt "
                                                      "train since "),
 ]
@@ -79,10 +82,13 @@ def test_help_options_families_and_refused_options_import_no_heavy_library(tmp_p
     (tmp_path / "twice.json").write_text('{"lora_rank": 8, "steps": 3, "lora_rank": 16}')
     (tmp_path / "empty").mkdir()
     (tmp_path / "blocker").write_text("a file where a folder should be")
+    (tmp_path / "finished").mkdir()
+    (tmp_path / "finished" / "training_state.safetensors").write_bytes(b"a run's state")  # only its presence counts
     files = {"bad_value": str(tmp_path / "value.json"), "bad_file": str(tmp_path / "file.json"),
              "typo": str(tmp_path / "typo.json"), "twice": str(tmp_path / "twice.json"),
              "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"),
-             "blocker": str(tmp_path / "blocker"), "held": str(tmp_path / "held"), "pid": os.getpid()}
+             "blocker": str(tmp_path / "blocker"), "held": str(tmp_path / "held"), "pid": os.getpid(),
+             "finished": str(tmp_path / "finished")}
     cuda = [(["train", "--device", "cuda"], 2, "device='cuda' is invalid")] if api.cuda_absent() else []
     commands = [([a.format(**files) for a in argv], status, line.format(**files))
                 for argv, status, line in COMMANDS + DISK_REFUSALS + cuda]

@@ -6,7 +6,8 @@ diffusers or any model library is imported (issue 34: each used to wait 5 s on a
 the command imports anything heavy. It refuses: a folder or file the options name that does not
 exist (a ``.safetensors`` model file's header too: complete, not a LoRA); an output folder that is a
 file, the data folder or inside it, that another live run holds (its lock, ``engine/files/lock.py``,
-answers before the resume checks), or that cannot be written; a data folder with no image or clip
+answers before the resume checks), that cannot be written, or that holds a run without ``--resume``
+or ``--overwrite`` (or none to resume); a data folder with no image or clip
 (``engine/data/folder.py``'s scan, captions decoded; the images are read through by the run's own
 checks, ``engine/data/checks.py``); a frame count the family's frame rule does not take
 (``engine/families/frames.py``; the model's own bound on frames needs its config and is checked in
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..config.outputs import STATE_FILE
 from ..families import FamilyAdapter, family_names, get_family
 from ..files.atomic import check_writable
 from ..files.checks import is_gguf, safetensors_header
@@ -108,11 +110,12 @@ def check_output_place(config: TrainConfig) -> None:
     (the LoRA, state, previews and cache written there would be read as training data by the next
     scan); one another live run holds (``engine/files/lock.py``: answered before any resume check,
     naming the holder; asked by torchrun's rank 0 alone under fsdp, the rank that takes the lock,
-    which the other ranks may otherwise find held); one this process cannot write.
+    which the other ranks may otherwise find held); one this process cannot write; one that holds
+    a run, or none to resume (:func:`check_saved_run`).
 
     Raises:
-        ConfigError: a file, or inside the data folder. FolderInUseError: held by a live run.
-        OutputWriteError: not writable (``engine/files/atomic.py`` ``check_writable``).
+        ConfigError: a file, inside the data folder, a run there or none to resume. FolderInUseError:
+            held by a live run. OutputWriteError: not writable (``engine/files/atomic.py`` ``check_writable``).
     """
     output, data = config.outputs.output, config.data.folder
     _need(not Path(output).exists() or Path(output).is_dir(), "output", output, "a folder")
@@ -122,6 +125,25 @@ def check_output_place(config: TrainConfig) -> None:
     if not config.sharding.fsdp or os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 takes the lock
         check_free(output)
     check_writable(output, "output")
+    check_saved_run(config)
+
+
+def check_saved_run(config: TrainConfig) -> None:
+    """Refuse an output folder that holds a run (its training state) without ``resume`` or
+    ``overwrite``, and ``resume`` where it holds none. ``engine/train/checks.py`` ``check_output``
+    checks it again holding the folder's lock, then compares a resumed run with its saved state.
+
+    Raises:
+        ConfigError: naming the folder (or ``resume``) and what to pass.
+    """
+    outputs = config.outputs
+    state = Path(outputs.output) / STATE_FILE
+    if not outputs.resume:
+        _need(outputs.overwrite or not state.is_file(), "output", outputs.output,
+              "a folder without a training run: it holds one; pass --resume to continue it or "
+              "--overwrite to replace it")
+    else:
+        _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
 
 
 def inside(path: str | Path, folder: str | Path) -> bool:

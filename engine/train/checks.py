@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import torch
 
@@ -14,7 +13,7 @@ from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.folder import DatasetScan
 from ..data.limits import check_resolution
-from ..data.precheck import check_paths, precheck
+from ..data.precheck import check_paths, check_saved_run, precheck
 from ..data.windows import check_clip_frames
 from ..families import get_family
 from ..families.comfyui import LAYOUT_MODULES
@@ -22,7 +21,7 @@ from ..files.checks import is_gguf
 from ..model.bundle import ModelBundle
 from ..model.quantized.gguf_file import check_transformer, open_gguf
 from ..model.single_file import transformer_keys
-from .state import STATE_FILE, read_state_header
+from .state import read_state_header
 
 
 def _need(ok: bool, key: str, value, allowed: str) -> None:
@@ -132,13 +131,9 @@ def check_output(config: TrainConfig) -> None:
         ConfigError: see :func:`check_run`.
     """
     outputs = config.outputs
-    state = Path(outputs.output) / STATE_FILE
+    check_saved_run(config)
     if not outputs.resume:
-        _need(outputs.overwrite or not state.is_file(), "output", outputs.output,
-              "a folder without a training run: it holds one; pass --resume to continue it or "
-              "--overwrite to replace it")
         return
-    _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
     header = read_state_header(outputs.output)
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
     defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default

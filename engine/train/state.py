@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..config.outputs import STATE_FILE
 from ..files.checks import DamagedFileError, check_safetensors
 from ..files.tensors import atomic_save_file
-
-STATE_FILE = "training_state.safetensors"
 
 
 @dataclass
