@@ -43,6 +43,24 @@ class _Parser(argparse.ArgumentParser):
         print(f"segckpt: error: {message} (segckpt {command}--help lists the options)", file=sys.stderr)
         raise SystemExit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """A subcommand (``segckpt plan``) refuses what it does not know itself, first, so that its
+        own help is named: ``plan --steps 2`` reads ``unrecognized arguments: --steps 2 (segckpt plan
+        --help lists the options)``, not the top-level help nor a missing ``--budget``."""
+        if " " not in self.prog:  # the top level: the subcommand's parser answers for its arguments
+            return super().parse_known_args(args, namespace)
+        required = [action for action in self._actions if action.required]
+        for action in required:  # unknown arguments first: argparse would name a missing one before them
+            action.required = False
+        try:
+            extras = super().parse_known_args(list(args or ()), None)[1]
+        finally:
+            for action in required:
+                action.required = True
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return super().parse_known_args(args, namespace)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="segckpt", description="Segmented gradient checkpointing for "
@@ -158,13 +176,19 @@ def _help(opt: api.Option) -> str:
     return text
 
 
-def config_from_args(args: argparse.Namespace) -> api.TrainConfig:
+def config_from_args(args: argparse.Namespace, precheck: bool = False) -> api.TrainConfig:
     """The :class:`~.engine.config.TrainConfig` of parsed arguments (defaults < config file <
     options); without a family, that of the ``model_path`` folder or the ``model_file`` file.
+
+    Args:
+        precheck: refuse what the options and the disk alone show is wrong (``api.precheck``:
+            paths, the output folder, an empty data folder, the frame rule, ``--device cuda``
+            without CUDA) before the family is read from a model (which imports diffusers).
 
     Raises:
         ConfigError, ScheduleError, LoraConfigError: an invalid value, named with its key.
         ModelLoadError: the model's family cannot be read from it.
+        ValueError: with ``precheck``, see ``engine/data/precheck.py``.
     """
     config, from_file = api.TrainConfig(), {}
     if args.config_file:  # the keys it ignores are named in one warning
@@ -172,7 +196,10 @@ def config_from_args(args: argparse.Namespace) -> api.TrainConfig:
     given = {k: v for k, v in vars(args).items()
              if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
     config = api.TrainConfig.from_dict(given, config)[0]
-    if "family" not in set(given) | set(from_file):
+    detect = "family" not in set(given) | set(from_file)
+    if precheck:  # the family is the run's unless a model it is read from is given
+        api.precheck(config, family_known=not (detect and (config.model.model_path or config.model.model_file)))
+    if detect:
         # a folder that does not exist is named by the run's checks
         family = api.model_family(config.model.model_path, config.model.model_file)
         if family is not None:
@@ -213,11 +240,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     _console_messages()
     if args.command == "train":
         try:
-            config = config_from_args(args)
-            api.check_run(config)
+            config = config_from_args(args, precheck=True)  # the disk's refusals before any heavy import
             _check_vae(config)
-        except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError
+            api.check_run(config)
+        except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError, FolderInUseError, ...
             return _error(exc)
+        cpu_threads(config)
         stop = _StopOnSignal()
         try:
             with stop:
@@ -269,6 +297,7 @@ def _sweep(args: argparse.Namespace) -> int:
         api.check_resolution(config)
         _check_vae(config)
         api.check_writable(config.outputs.output, "output")
+        cpu_threads(config)
         bundle = api.load_model(config)
     except ValueError as exc:
         print(f"segckpt: error: {exc}", file=sys.stderr)
@@ -340,6 +369,7 @@ def _plan(args: argparse.Namespace) -> int:
         api.check_resolution(config)
         _check_vae(config)
         api.check_writable(config.outputs.output, "output")
+        cpu_threads(config)
         bundle = api.load_model(config)
         if args.plan_check:
             return _preflight(config, bundle, budget, host_budget, counts)
@@ -378,6 +408,35 @@ def _preflight(config: api.TrainConfig, bundle, budget: int, host_budget: int | 
         print(f"the schedule that would fit: {verdict.suggestion.mode}; its keys are in {paths['schedule']} "
               f"(segckpt train --config {paths['schedule']})")
     return 0 if verdict.fits else 1
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Where a user sets the CPU threads of torch's operations (torch reads them when it starts)."""
+
+
+def cpu_threads(config: api.TrainConfig, log=print) -> int | None:
+    """Choose the CPU threads of torch's operations for a CPU run whose user set none (neither of
+    :data:`THREAD_VARIABLES`): every usable core but one (``api.usable_cores``), at least 1, at
+    most torch's default; said in one line. Each operation's threads wait for the slowest, so one
+    core taken by another process stalls them all (bench/README.md "CPU threads"). The engine
+    sets no thread count (a ComfyUI server's are its own): this is the command line's choice.
+
+    Returns:
+        The threads chosen, or None (a CUDA run, or the user's own setting kept).
+    """
+    if any(os.environ.get(name) for name in THREAD_VARIABLES):
+        return None
+    with api.lazy_imports():
+        import torch
+
+    if config.model.device == "cuda" or config.model.device == "auto" and torch.cuda.is_available():
+        return None
+    default, cores = torch.get_num_threads(), api.usable_cores()
+    threads = max(1, min(default, cores - 1))
+    torch.set_num_threads(threads)
+    log(f"cpu: {threads} thread{'s' if threads > 1 else ''} for torch's operations ({cores} usable cores, one left "
+        f"for the rest; torch's default {default}); set OMP_NUM_THREADS to choose")
+    return threads
 
 
 def _console_messages() -> None:

@@ -7,7 +7,12 @@ with ``--before CHECKOUT``, another one ("before", e.g. the main branch):
 
 * ``import torch`` alone (the reference: the least any command that imports torch costs);
 * ``segckpt --help``, ``segckpt families`` and a refused config (``train --config`` of a file with
-  ``lora_rank: 0``, refused with exit status 2 before any model is built).
+  ``lora_rank: 0``, refused with exit status 2 before any model is built);
+* the refusals of ``segckpt train`` that look at the disk (issue 34): a missing data folder, an
+  empty one, an output folder that cannot be written (a file stands where it should be), an output
+  folder inside the data, a family's frame rule (``--family wan --num-frames 10``), a ``--resume``
+  into a folder whose lock this process holds (as a live run would), and ``--device cuda`` where
+  torch sees no CUDA.
 
 Each side's package is imported from its checkout (a temporary folder holding a
 ``segmented_checkpointing`` link to it is put first on ``PYTHONPATH``), whatever is installed.
@@ -23,6 +28,7 @@ Run: ``python bench/startup.py [--rounds 5] [--before /path/to/main] [--comfyui 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -42,6 +48,15 @@ COMMANDS = {
     "segckpt --help": (["-m", "segmented_checkpointing.cli", "--help"], 0),
     "segckpt families": (["-m", "segmented_checkpointing.cli", "families"], 0),
     "refused config": (["-m", "segmented_checkpointing.cli", "train", "--config", "{config}"], 2),
+    "refused: missing data folder": (["-m", "segmented_checkpointing.cli", "train", "--data", "{missing}"], 2),
+    "refused: empty data folder": (["-m", "segmented_checkpointing.cli", "train", "--data", "{empty}"], 2),
+    "refused: output not writable": (["-m", "segmented_checkpointing.cli", "train", "--output", "{blocker}/out"], 2),
+    "refused: output inside data": (["-m", "segmented_checkpointing.cli", "train", "--data", "{empty}", "--output",
+                                     "{empty}/out"], 2),
+    "refused: frame rule": (["-m", "segmented_checkpointing.cli", "train", "--family", "wan", "--num-frames", "10"], 2),
+    "refused: resume into a held folder": (["-m", "segmented_checkpointing.cli", "train", "--resume", "--output",
+                                            "{held}"], 2),
+    "refused: --device cuda": (["-m", "segmented_checkpointing.cli", "train", "--device", "cuda"], 2),
 }
 """Name: interpreter arguments and the exit status they must end with."""
 IMPORT_LINE = re.compile(r"^\s*([\d.]+) seconds(?: \(IMPORT FAILED\))?: (.+)$")
@@ -64,10 +79,32 @@ def _run(args: list[str], env: dict, status: int, cwd: Path) -> float:
     return seconds
 
 
+def _hold(folder: Path) -> int:
+    """Hold ``folder``'s run lock (``engine/files/lock.py``'s file) as a live run does; the open file."""
+    folder.mkdir()
+    fd = os.open(folder / ".segckpt.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": "bench/startup.py",
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+    return fd
+
+
+def _commands() -> dict[str, tuple[list[str], int]]:
+    """:data:`COMMANDS`, without ``--device cuda`` where torch sees a CUDA device (it would train)."""
+    cuda = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True, check=True).stdout.strip() == "True"
+    return {k: v for k, v in COMMANDS.items() if not (cuda and k == "refused: --device cuda")}
+
+
 def measure_commands(sides: dict[str, Path], rounds: int, work: Path) -> dict[str, dict[str, list[float]]]:
     """Seconds per command and side, ``rounds`` interleaved runs each."""
     config = work / "refused.json"
     config.write_text(json.dumps({"lora_rank": 0}))
+    (work / "empty").mkdir()
+    (work / "blocker").write_text("a file where a folder should be")
+    names = {"config": config, "missing": work / "missing", "empty": work / "empty", "blocker": work / "blocker",
+             "held": work / "held"}
+    held, commands = _hold(work / "held"), _commands()
     envs = {}
     for name, checkout in sides.items():
         path = _link(checkout, work / f"path-{name}")
@@ -75,14 +112,15 @@ def measure_commands(sides: dict[str, Path], rounds: int, work: Path) -> dict[st
         shown = subprocess.run([sys.executable, "-c", "import segmented_checkpointing as s; print(s.__file__)"],
                                env=envs[name], capture_output=True, text=True, check=True).stdout.strip()
         print(f"{name}: {shown} ({_commit(checkout)})", file=sys.stderr)
-    times = {command: {name: [] for name in sides} for command in COMMANDS}
+    times = {command: {name: [] for name in sides} for command in commands}
     order = list(sides)
     for r in range(rounds):
-        for command, (args, status) in COMMANDS.items():
+        for command, (args, status) in commands.items():
             for name in order if r % 2 == 0 else order[::-1]:
-                args_ = [a.format(config=config) for a in args]
+                args_ = [a.format(**names) for a in args]
                 times[command][name].append(_run(args_, envs[name], status, work))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+    os.close(held)
     return times
 
 

@@ -51,6 +51,7 @@ _ON_FIRST_USE = {
     ".core.plan_query": ("PlanQueryError", "plan_for_query"),
     ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
+    ".data.precheck": ("precheck", "cuda_absent"),
     ".data.comfy_frames": ("batch_encoder", "prepare_image_batch", "image_batch_multiple"),
     ".data.folder": ("write_sample_dataset",),
     ".data.video": ("write_sample_clip",),
@@ -59,7 +60,7 @@ _ON_FIRST_USE = {
     ".files.checks": ("same_safetensors",),
     ".files.lock": ("FolderInUseError",),
     ".measure.frames": ("check_measure_frames", "frames_label"),
-    ".measure.host": ("HostBudgetError",),
+    ".measure.host": ("HostBudgetError", "usable_cores"),
     ".measure.planner": ("PlanChoice", "PlannerError"),
     ".measure.plots": ("loss_curve_rgb",),
     ".measure.preflight": ("PreflightRefused", "Verdict"),
@@ -100,7 +101,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FRAME_KEYS",
-    "HostBudgetError", "host_budget", "OutputWriteError", "check_writable", "FolderInUseError",
+    "HostBudgetError", "host_budget", "usable_cores", "precheck", "cuda_absent", "OutputWriteError", "check_writable", "FolderInUseError",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
     "GuardrailsConfig", "LoraSettings", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",

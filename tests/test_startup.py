@@ -1,4 +1,5 @@
-"""Start-up: the commands that build no model import no heavy library (docs/ARCHITECTURE.md "Start-up").
+"""Start-up: the commands that build no model import no heavy library (docs/ARCHITECTURE.md "Start-up"),
+and neither do the refusals that look at the disk (issue 34: each imported torch and diffusers first).
 
 Not timed: each test asserts which modules a fresh interpreter holds after the command, the
 property that makes ``segckpt --help`` instant; bench/startup.py measures the seconds.
@@ -7,13 +8,16 @@ property that makes ``segckpt --help`` instant; bench/startup.py measures the se
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.families.lazy import LazyModule
+from segmented_checkpointing.engine.files.lock import FolderLock
 
 HEAVY = ("torch", "diffusers", "peft", "torchao", "transformers", "accelerate", "safetensors")
 """What a command that builds no model must not import (the family model classes are diffusers')."""
@@ -28,9 +32,30 @@ COMMANDS = [
     (["train", "--family", "dalle"], 2, "family='dalle' is invalid"),
     (["train", "--config", "{bad_value}"], 2, "lora_rank=0 is invalid"),
     (["train", "--config", "{bad_file}"], 2, "could not be read as JSON"),
+    (["train", "--config", "{typo}"], 2, "lora_rnak=8 is invalid: not a key of this pack; did you mean lora_rank?"),
+    (["train", "--config", "{twice}"], 2, "key 'lora_rank' appears twice in one object (8, then 16)"),
+    (["plan", "--budget", "1", "--steps", "2"], 2, "unrecognized arguments: --steps 2 (segckpt plan --help lists"),
 ]
-"""``segckpt`` arguments, the exit status and a line of what it prints; ``{bad_value}`` and
-``{bad_file}`` are config files written by the test."""
+"""``segckpt`` arguments, the exit status and a line of what it prints; ``{bad_value}`` and the
+other names in braces are config files and folders written by the test."""
+
+DISK_REFUSALS = [
+    (["train", "--data", "{missing}"], 2, "data='{missing}' is invalid: allowed an existing folder"),
+    (["train", "--model-file", "{missing}.safetensors"], 2, "model_file='{missing}.safetensors' is invalid"),
+    (["train", "--data", "{empty}"], 2, "data='{empty}' holds no image"),
+    (["train", "--output", "{blocker}/out"], 2, "output='{blocker}/out' is invalid: allowed a folder this process "
+                                                 "can write ('{blocker}' is a file, not a folder"),
+    (["train", "--data", "{empty}", "--output", "{empty}/out"], 2, "output='{empty}/out' is invalid with "
+                                                                   "data='{empty}': allowed a folder outside"),
+    (["train", "--family", "wan", "--num-frames", "10"], 2, "num_frames=10 is invalid for wan: allowed 4k+1 (9, 13"),
+    (["train", "--output", "{finished}"], 2, "output='{finished}' is invalid: allowed a folder without a training "
+                                             "run: it holds one; pass --resume"),
+    (["train", "--resume", "--output", "{empty}"], 2, "resume=True is invalid: allowed only when {empty}/training_state"),
+    (["train", "--resume", "--output", "{held}"], 2, "output='{held}' is in use by process {pid} (running segckpt "
+                                                     "train since "),
+]
+"""Refusals that look at the disk (issue 34, item 6): answered before torch, diffusers or any other
+heavy library is imported; ``{held}`` is a folder whose lock the test process holds."""
 
 RUN = """
 import contextlib, io, json, sys
@@ -49,16 +74,37 @@ print(json.dumps(answers))
 
 
 def test_help_options_families_and_refused_options_import_no_heavy_library(tmp_path):
+    """Also every refusal that looks at the disk (:data:`DISK_REFUSALS`, ``--device cuda`` where this
+    machine has no GPU device): one fresh interpreter answers them all, and holds no heavy module after."""
     (tmp_path / "value.json").write_text(json.dumps({"lora_rank": 0}))
     (tmp_path / "file.json").write_text("{not json")
-    files = {"bad_value": str(tmp_path / "value.json"), "bad_file": str(tmp_path / "file.json")}
-    argvs = [[a.format(**files) for a in argv] for argv, _, _ in COMMANDS]
-    done = subprocess.run([sys.executable, "-c", RUN.format(heavy=HEAVY), json.dumps(argvs)],
-                          capture_output=True, text=True, cwd=tmp_path)
+    (tmp_path / "typo.json").write_text(json.dumps({"lora_rnak": 8, "steps": 3}))
+    (tmp_path / "twice.json").write_text('{"lora_rank": 8, "steps": 3, "lora_rank": 16}')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    (tmp_path / "finished").mkdir()
+    (tmp_path / "finished" / "training_state.safetensors").write_bytes(b"a run's state")  # only its presence counts
+    files = {"bad_value": str(tmp_path / "value.json"), "bad_file": str(tmp_path / "file.json"),
+             "typo": str(tmp_path / "typo.json"), "twice": str(tmp_path / "twice.json"),
+             "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"),
+             "blocker": str(tmp_path / "blocker"), "held": str(tmp_path / "held"), "pid": os.getpid(),
+             "finished": str(tmp_path / "finished")}
+    cuda = [(["train", "--device", "cuda"], 2, "device='cuda' is invalid")] if api.cuda_absent() else []
+    commands = [([a.format(**files) for a in argv], status, line.format(**files))
+                for argv, status, line in COMMANDS + DISK_REFUSALS + cuda]
+    holder = FolderLock(tmp_path / "held", "segckpt train")  # a live run of another process holds it
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN.format(heavy=HEAVY), json.dumps([c[0] for c in commands])],
+                              capture_output=True, text=True, cwd=tmp_path)
+    finally:
+        holder.release()
     assert done.returncode == 0, done.stderr
-    for (argv, status, line), (got, printed, loaded) in zip(COMMANDS, json.loads(done.stdout), strict=True):
+    for (argv, status, line), (got, printed, loaded) in zip(commands, json.loads(done.stdout), strict=True):
         assert (got, loaded) == (status, []), (argv, printed)
         assert line in printed, (argv, printed)
+    held = json.loads(done.stdout)[-1 - len(cuda)][1]
+    mine = " ".join(Path(f"/proc/{os.getpid()}/cmdline").read_bytes().decode().replace("\0", " ").split())
+    assert f"; command line: {mine[:200]}" in held  # the holder's command line, as /proc shows it
 
 
 def test_the_facade_serves_every_name_it_exports_from_its_module():

@@ -10,6 +10,9 @@ LORA_FORMATS = ("both", "comfyui", "diffusers")
 """Which LoRA files a run writes (``engine/model/comfy_lora.py``, ``engine/model/lora_files.py``)."""
 ON_DATA_CHANGE = ("refuse", "new_epoch")
 """What a resume does when the data differ from the saved run's (``engine/data/fingerprint.py``)."""
+STATE_FILE = "training_state.safetensors"
+"""The resumable training state in ``output`` (``engine/train/state.py``): a run there to continue
+(``resume``) or to keep (refused without ``overwrite``)."""
 
 
 @dataclass(frozen=True)

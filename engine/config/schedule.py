@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..families.base import FamilyAdapter
-from ..files.text import read_text
+from ..files.text import read_text, unique_keys
 from .backends import BACKENDS, DEFAULT, TABLE, Backend
 from .options import UNSET_WORDS, check_options, option
 
@@ -252,10 +252,10 @@ class CheckpointSchedule:
         """Read the keys from a JSON config file (see :meth:`from_config`).
 
         Raises:
-            ScheduleError: the file is not a JSON object, or a value is invalid.
+            ScheduleError: the file is not a JSON object, gives a key twice, or a value is invalid.
         """
         try:
-            data = json.loads(read_text(path, "config file"))
+            data = json.loads(read_text(path, "config file"), object_pairs_hook=unique_keys)
         except (OSError, ValueError) as exc:  # JSONDecodeError and TextFileError are ValueErrors
             raise ScheduleError(f"config file {str(path)!r} could not be read as JSON: {exc}") from exc
         if not isinstance(data, dict):

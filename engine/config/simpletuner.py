@@ -5,15 +5,17 @@ A SimpleTuner ``config.json`` holds its command-line options by name, with or wi
 :func:`flat_keys` unwraps such a file and strips the dashes; :func:`read_keys` then turns the keys
 into ours: :data:`ALIASES` (a SimpleTuner key with a meaning here, and how its value reads),
 :data:`SAME_KEYS` (keys both projects spell alike, with the same meaning), :data:`IGNORED` (keys
-with no meaning here, and why); any other key is not one of ours and is ignored too. Every
-ignored key is returned by name, so the caller warns once and records them
-(:meth:`~.train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
+with no meaning here, and why); any other key is not one of ours and is ignored too, unless it is
+a near miss of one of ours (:func:`near_miss`: ``lora_rnak``, ``Lora-Rank``, the flag name ``rank``),
+which is refused with the key it meant. Every ignored key is returned by name, so the caller warns
+once and records them (:meth:`~.train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
 options documentation; README's table of them is generated from these tables
 (:func:`~.table.simpletuner_table`).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -153,6 +155,7 @@ IGNORED = {
     "checkpoints_total_limit": "one resumable state is kept",
     "report_to": "no trackers", "logging_dir": "no trackers", "tracker_project_name": "no trackers",
     "push_to_hub": "nothing is uploaded", "hub_model_id": "nothing is uploaded",
+    "framerate": "the frame rate of its validation videos; clips are resampled with frame_rate",
 }
 """SimpleTuner keys with no meaning here (ignored with a warning), and why."""
 
@@ -180,17 +183,47 @@ def flat_keys(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_keys(values: Mapping[str, Any], ours: set[str]) -> tuple[dict[str, Any], list[str]]:
+NEAR_MISS_RATIO = 0.8
+"""The least ``difflib`` similarity ratio of a near miss (2 x matching characters / all of them)."""
+NEAR_MISS_EDITS = 2
+"""The most characters of a near miss and the key it misses that do not match: one letter wrong,
+two swapped, or one or two missing or extra."""
+
+
+def near_miss(key: str, spellings: Mapping[str, str]) -> str | None:
+    """The key of ours that ``key`` almost spells, else None: the same in lower case with ``-`` as
+    ``_``, or a close ``difflib`` match (:data:`NEAR_MISS_RATIO`) that differs in at most
+    :data:`NEAR_MISS_EDITS` characters. Chosen so that no SimpleTuner option (its OPTIONS.md and
+    configuration registry) is a near miss of ours but those :data:`IGNORED` names.
+
+    Args:
+        spellings: ``{a spelling: the key it stands for}``: our keys, the aliases, the flags' names.
+    """
+    plain = key.lower().replace("-", "_")
+    if plain in spellings:
+        return spellings[plain]
+    for close in difflib.get_close_matches(plain, spellings, n=3, cutoff=NEAR_MISS_RATIO):
+        same = sum(block.size for block in difflib.SequenceMatcher(None, plain, close).get_matching_blocks())
+        if len(plain) + len(close) - 2 * same <= NEAR_MISS_EDITS:
+            return spellings[close]
+    return None
+
+
+def read_keys(values: Mapping[str, Any], ours: set[str],
+              spellings: Mapping[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
     """Our keys of a config mapping: ``(values by our key, ignored keys)``.
 
     Args:
         values: flat keys (:func:`flat_keys` first); a key in ``ours`` is kept as it is, a
-            SimpleTuner alias is read by its :class:`Alias`, any other key is ignored.
+            SimpleTuner alias is read by its :class:`Alias`, a near miss of ours is refused, any
+            other key is ignored.
         ours: our flat keys and component names.
+        spellings: other names that stand for a key of ours (a flag's name: ``{"rank": "lora_rank"}``).
 
     Raises:
-        ConfigError: an alias's value is refused, two aliases set the same key, or an ignored
-            key of :data:`NEEDS` without the key it needs (all named with their values).
+        ConfigError: an alias's value is refused, two aliases set the same key, an ignored key of
+            :data:`NEEDS` without the key it needs, or a near miss of one of our keys (all named
+            with their values; a near miss with the key it meant).
     """
     read = {k: v for k, v in values.items() if k in ours}
     from_alias: dict[str, str] = {}
@@ -199,6 +232,7 @@ def read_keys(values: Mapping[str, Any], ours: set[str]) -> tuple[dict[str, Any]
         if key in ours:
             continue
         if key not in ALIASES:
+            _refuse_near_miss(key, value, ours, spellings or {})
             ignored.append(key)
             continue
         mapped = ALIASES[key].read(value)
@@ -215,6 +249,23 @@ def read_keys(values: Mapping[str, Any], ours: set[str]) -> tuple[dict[str, Any]
             raise ConfigError(f"{key}={values[key]!r} is not read here ({IGNORED[key]}): allowed together with "
                               f"{needed}, or leave it out")
     return read, ignored
+
+
+def _refuse_near_miss(key: str, value: Any, ours: set[str], spellings: Mapping[str, str]) -> None:
+    """Refuse ``key`` when it almost spells one of ours (:func:`near_miss`); SimpleTuner's keys
+    with no meaning here (:data:`IGNORED`) are not ours to correct.
+
+    Raises:
+        ConfigError: ``lora_rnak=8 is invalid: not a key of this pack; did you mean lora_rank?``.
+    """
+    if not isinstance(key, str) or key in IGNORED:
+        return
+    meant = near_miss(key, {**{k: k for k in (*ours, *ALIASES)}, **spellings})
+    if meant is not None:
+        via = next((f" (the key of --{s.replace('_', '-')})" for s, k in spellings.items()
+                    if k == meant and s == key.lower().replace("-", "_")), "")
+        raise ConfigError(f"{key}={value!r} is invalid: not a key of this pack; did you mean {meant}{via}? (allowed "
+                          "the keys of segckpt options and the SimpleTuner keys README lists)")
 
 
 def describe_ignored(keys: list[str]) -> str:

@@ -53,7 +53,8 @@ def simpletuner_table() -> str:
     same = [f"`{k}`" + (f" ({v})" if v else "") for k, v in SAME_KEYS.items()]
     ignored = [f"`{k}` ({why}{'; refused without ' + NEEDS[k] if k in NEEDS else ''})" for k, why in IGNORED.items()]
     lines += ["", "Spelled alike, same meaning: " + ", ".join(same) + ".", "",
-              "Ignored (no meaning here), like every other key that is not ours: " + ", ".join(ignored) + ".", "",
+              "Ignored (no meaning here), like every other key that is not ours but a near miss of one (`lora_rnak`, "
+              "`Lora-Rank`, a flag's name such as `rank`: refused, naming the key it meant): " + ", ".join(ignored) + ".", "",
               ST_END]
     return "\n".join(lines) + "\n"
 

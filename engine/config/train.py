@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..families import get_family
-from ..files.text import TextFileError, read_text
+from ..files.text import TextFileError, read_text, unique_keys
 from .data import DataConfig
 from .guardrails import GuardrailsConfig
 from .lora import LoraSettings
@@ -176,7 +176,8 @@ class TrainConfig:
             ``(config, ignored_keys)``.
 
         Raises:
-            ConfigError, ScheduleError, LoraConfigError: an invalid value.
+            ConfigError, ScheduleError, LoraConfigError: an invalid value; a key that is a near miss
+                of one of ours (``lora_rnak``: "did you mean lora_rank?", ``engine/config/simpletuner.py``).
         """
         base = base or cls()
         by_key = {opt.key: opt for opt in options_for(cls)}
@@ -188,7 +189,9 @@ class TrainConfig:
             if key in components and (is_dataclass(value) or key == "guardrails" and value is None):
                 whole[key] = value
         # SimpleTuner's "optimizer" is a name, our component an OptimizerConfig: only a component counts as one
-        values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key))
+        flags = {opt.cli.lstrip("-").replace("-", "_"): opt.key for opt in by_key.values()
+                 if opt.cli is not None and opt.type is not bool}  # a bool's flag may say the opposite
+        values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key), flags)
         for key, value in values.items():
             opt = by_key[key]
             value = _number(opt, value)
@@ -277,10 +280,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
     Raises:
         ConfigError: the file cannot be read, is not UTF-8 (or UTF-16 with a byte-order mark) JSON
-            (``engine/files/text.py``), or is not an object.
+            (``engine/files/text.py``), gives a key twice in one object (named), or is not an object.
     """
     try:  # decoded as a caption is: UTF-8 with or without a byte-order mark, UTF-16 with one
-        data = json.loads(read_text(path, "config"))
+        data = json.loads(read_text(path, "config"), object_pairs_hook=unique_keys)
     except TextFileError as exc:  # names the file and the byte
         raise ConfigError(str(exc)) from exc
     except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError

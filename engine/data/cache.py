@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..families.base import TextBatch
-from ..files.atomic import atomic_save_file
+from ..files.tensors import atomic_save_file
 from .buckets import Bucket, make_buckets, nearest_bucket, stack_latents
 from .folder import DataWarning, Sample
 from .images import image_size, load_image

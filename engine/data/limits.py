@@ -23,12 +23,13 @@ import diffusers
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..families import FamilyAdapter, family_names, get_family
+from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae
 from ..model.folders import transformer_folder, vae_folder
 from ..model.single_file import identify_file
 from .buckets import vae_downscale
+from .precheck import check_frame_counts
 
 
 @dataclass(frozen=True)
@@ -141,31 +142,10 @@ def frame_limit(family: FamilyAdapter, config: Mapping[str, Any]) -> int | None:
     return rule.pixel_frames(frames) if rule is not None and frames is not None else None
 
 
-def check_frame_count(family: FamilyAdapter, key: str, frames: int, most: int | None = None) -> None:
-    """Refuse a pixel-frame count the family's VAE rule does not take (``engine/families/frames.py``).
-
-    Raises:
-        ConfigError: ``num_frames=16 is invalid for wan: allowed 4k+1 (13, 17, ...)``; an image
-            family: ``allowed 1 (wan ... take clips)``; past ``most``: ``allowed at most 129``.
-    """
-    rule = family.frames
-    if rule is None:
-        if frames != 1:
-            video = ", ".join(n for n in family_names() if get_family(n).frames is not None)
-            raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed 1 ({family.name} is an image "
-                              f"family; the video families take clips: {video})")
-        return
-    if not rule.allows(frames):
-        near = ", ".join(str(n) for n in rule.nearest(frames, most))
-        raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed {rule.formula} ({near}, ...)")
-    if most is not None and frames > most:
-        raise ConfigError(f"{key}={frames} is invalid for {family.name}: allowed at most {most} pixel frames "
-                          f"({rule.latent_frames(most)} latent frames, the model's limit)")
-
-
 def check_frames(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
     """Refuse frame counts (``num_frames``, ``frame_buckets``, ``validation_frames``) the family
-    does not take, before any model is built (:func:`check_frame_count`; the bound is the model's
+    does not take, before any model is built (``engine/data/precheck.py`` ``check_frame_counts``, which
+    ``precheck`` runs before any heavy import without the bound; the bound is the model's
     latent-frame limit when its config can be read).
 
     Raises:
@@ -173,12 +153,4 @@ def check_frames(config: TrainConfig, bundle: ModelBundle | None = None) -> None
     """
     family = get_family(config.model.family)
     shape = model_shape(config, bundle)
-    most = frame_limit(family, shape.config) if shape is not None else None
-    data = config.data
-    if data.frame_buckets:
-        for count in data.frame_buckets:
-            check_frame_count(family, "frame_buckets", count, most)
-    else:
-        check_frame_count(family, "num_frames", data.num_frames, most)
-    if config.validation.validation_frames is not None and family.frames is not None:
-        check_frame_count(family, "validation_frames", config.validation.validation_frames, most)
+    check_frame_counts(config, family, frame_limit(family, shape.config) if shape is not None else None)

@@ -4,7 +4,7 @@ that never mix buckets); both resumable from their position.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -90,3 +90,35 @@ def bucket_groups(cache: Mapping[str, torch.Tensor], epoch: list[int]) -> list[l
     """The epoch positions of each shape of :func:`shape_classes`, in its order."""
     classes = [set(rows) for _, rows in shape_classes(cache)]
     return [[p for p, row in enumerate(epoch) if row in rows] for rows in classes]
+
+
+def batch_over_data(cache: Mapping[str, torch.Tensor], epoch: list[int], batch_size: int) -> dict[str, Any] | None:
+    """What a batch larger than the data does (``report.json`` ``dataset.batch_over_data``), or
+    None when ``batch_size`` is at most the images of an epoch. With one latent shape
+    (:class:`EpochSampler`) a batch runs on into the next epochs, so every image appears
+    ``batch_size / images`` times in each batch (``repeats_per_step``; a whole number of times or one
+    more); with buckets (:class:`BucketSampler`) a batch holds at most one bucket, each image once,
+    so batches stay smaller (``largest_batch``).
+
+    Args:
+        cache: the run's cache (its latent shapes choose the sampler). epoch: the cache row of each
+            position of an epoch (a kohya ``<repeats>_<name>`` folder's images repeated).
+        batch_size: the images each step draws (over all processes).
+    """
+    images = len(epoch)
+    if batch_size <= images:
+        return None
+    one_shape = len(shape_classes(cache)) == 1
+    largest = batch_size if one_shape else max(len(group) for group in bucket_groups(cache, epoch))
+    return {"batch_size": batch_size, "images_per_epoch": images,
+            "repeats_per_step": round(batch_size / images, 3) if one_shape else 1.0, "largest_batch": largest}
+
+
+def describe_batch_over_data(over: dict[str, Any]) -> str:
+    """The log line of :func:`batch_over_data`."""
+    head = f"data: batch_size={over['batch_size']} is larger than the {over['images_per_epoch']} images of an epoch"
+    if over["repeats_per_step"] == 1.0:
+        return (f"{head}: batches never mix buckets, so each holds at most {over['largest_batch']} images, each "
+                "once")
+    return (f"{head}: each image appears {over['repeats_per_step']:g} times in every batch on average (the same images' "
+            "gradients averaged again; fewer images per batch train the same in less time)")

@@ -6,10 +6,12 @@ file (``.<name>.<random>.tmp``) behind; :func:`remove_stale_temporaries` clears 
 starts in that folder.
 
 Every file a run writes (the LoRA, the state, ``report.json``, the latent cache, previews, plots,
-sweep and plan tables) goes through :func:`_atomic`, so a write that the file system refuses (no
+sweep and plan tables) goes through :func:`atomic_write`, so a write that the file system refuses (no
 permission, no space, file too large, read-only file system) ends in one
 :class:`OutputWriteError` naming the file, with nothing replaced. :func:`check_writable` finds a
-folder that cannot be written before any model is built.
+folder that cannot be written before any model is built. This module imports no heavy library, so
+the refusals that look at the output folder answer before torch is imported (``.safetensors``
+files are written by ``engine/files/tensors.py`` through :func:`atomic_write`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Mapping
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
+from typing import Callable
 
 
 class OutputWriteError(OSError, ValueError):
@@ -42,7 +40,18 @@ def _reason(exc: BaseException, path: Path | None = None) -> str:
     return str(exc).strip() or type(exc).__name__  # SafetensorError: "... File too large (os error 27)"
 
 
-def _atomic(path: str | Path, write: Callable[[str], None]) -> Path:
+def atomic_write(path: str | Path, write: Callable[[str], None],
+                 errors: tuple[type[BaseException], ...] = (OSError,)) -> Path:
+    """Write ``path`` atomically: ``write(temporary path)`` fills a temporary file in the same
+    folder, which is fsynced and renamed over ``path``.
+
+    Args:
+        errors: what ``write`` raises when the file system refuses (besides ``OSError``, a
+            library's own I/O error, e.g. safetensors' ``SafetensorError``).
+
+    Raises:
+        OutputWriteError: one of ``errors``, naming the file and the reason; nothing was replaced.
+    """
     path = Path(path)
     tmp = None
     try:
@@ -56,7 +65,7 @@ def _atomic(path: str | Path, write: Callable[[str], None]) -> Path:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:  # safetensors reports its own I/O errors as SafetensorError
+    except errors as exc:
         raise OutputWriteError(f"cannot write {str(path)!r}: {_reason(exc, path)}; nothing there was replaced") from exc
     finally:
         if tmp is not None and os.path.exists(tmp):
@@ -89,20 +98,14 @@ def check_writable(folder: str | Path, key: str) -> None:
                                f"({_reason(exc)} in {str(probe)!r})") from exc
 
 
-def atomic_save_file(tensors: Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, str] | None = None) -> Path:
-    """Write a ``.safetensors`` file atomically; ``metadata`` goes to its header (str -> str)."""
-    return _atomic(path, lambda tmp: save_file(dict(tensors), tmp, metadata=dict(metadata or {})))
-
-
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write a UTF-8 text file atomically."""
-    return _atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write a binary file (e.g. a PNG) atomically."""
-    return _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def remove_stale_temporaries(folder: str | Path) -> int:

@@ -15,6 +15,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of a GGUF file (the magic of the format's specification, in the ggml repository)."""
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -114,13 +116,25 @@ def same_safetensors(a: str | Path, b: str | Path) -> bool:
                 return True
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file: a ``.gguf`` name, or a file that begins with :data:`GGUF_MAGIC`."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def _kind(start: bytes) -> str:
     """What a file that begins with ``start`` looks like: `` (a text file)``, `` (a pickle ...)``."""
     if start.startswith(b"PK\x03\x04") or start.startswith(b"\x80"):
         return " (a pickle or zip checkpoint: convert it to safetensors)"
     if start.startswith((b"\x89PNG", b"\xff\xd8", b"GIF8", b"RIFF")):
         return " (an image)"
-    if start.startswith(b"GGUF"):
+    if start.startswith(GGUF_MAGIC):
         return " (a GGUF file)"
     try:
         start.decode("utf-8")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 _BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 """Byte-order marks read, and the codec that decodes (and drops) each; UTF-32 ones are not written
@@ -78,3 +79,19 @@ def read_text(path: str | Path, what: str) -> str:
         TextFileError: see :func:`decode_text`; OSError: the file cannot be read.
     """
     return decode_text(Path(path).read_bytes(), f"{what} {str(path)!r}")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` that refuses a key given twice in one object (JSON
+    itself keeps the last silently: ``{"lora_rank": 8, ..., "lora_rank": 16}`` would train at 16).
+
+    Raises:
+        ValueError: naming the key and both values.
+    """
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object ({out[key]!r}, then {value!r}); allowed each "
+                             "key once")
+        out[key] = value
+    return out

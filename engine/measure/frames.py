@@ -20,7 +20,8 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..data.buckets import shape_classes, vae_downscale
 from ..data.comfy_data import PreparedData
-from ..data.limits import check_frame_count, frame_limit, model_shape
+from ..data.limits import frame_limit, model_shape
+from ..data.precheck import check_frame_count
 from ..families import get_family
 from ..families.limits import token_count
 from .runs import RunWorkspace
@@ -35,7 +36,7 @@ def check_measure_frames(config: TrainConfig, counts: Sequence[int], key: str = 
 
     Raises:
         ConfigError: an empty list, or the first count the family refuses
-            (:func:`~..data.limits.check_frame_count`): ``--frames=4 is invalid for wan: allowed
+            (:func:`~..data.precheck.check_frame_count`): ``--frames=4 is invalid for wan: allowed
             4k+1 (1, 5, ...)``; ``--frames=5 is invalid for flux: allowed 1 (flux is an image family; ...)``.
     """
     if not counts:

@@ -10,7 +10,9 @@ device: no memory is allocated, no file but ``config.json`` or a single file's h
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,19 @@ from ..model.single_file import identify_file, quantized_weight_bytes
 HOST_MARGIN = 0.10
 """The default host budget leaves this share of the available host memory free (the OS, the
 data loader, the pinned-memory bookkeeping)."""
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (``taskset``, a container's
+    cpuset), bounded by a cgroup v2 CPU quota (``docker --cpus``, ``/sys/fs/cgroup/cpu.max``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class HostBudgetError(ValueError):

@@ -38,8 +38,8 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from ..config.lora import LoraConfigError, LoraSettings
-from ..files.atomic import atomic_save_file
 from ..files.checks import check_safetensors
+from ..files.tensors import atomic_save_file
 from .comfy_lora import base_shapes, from_comfy_keys, to_comfy_keys
 from .distributed import full_tensor, plain_name
 from .layouts import LayoutError, get_layout

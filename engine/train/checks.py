@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
+from ..data.folder import DatasetScan
 from ..data.limits import check_resolution
+from ..data.precheck import check_paths, check_saved_run, precheck
 from ..data.windows import check_clip_frames
 from ..families import get_family
 from ..families.comfyui import LAYOUT_MODULES
-from ..files.checks import safetensors_header
+from ..files.checks import is_gguf
 from ..model.bundle import ModelBundle
-from ..model.lora_header import check_init_lora, check_not_a_lora
-from ..model.quantized.gguf_file import check_transformer, is_gguf, open_gguf
+from ..model.quantized.gguf_file import check_transformer, open_gguf
 from ..model.single_file import transformer_keys
-from .state import STATE_FILE, read_state_header
+from .state import read_state_header
 
 
 def _need(ok: bool, key: str, value, allowed: str) -> None:
@@ -29,10 +29,14 @@ def _need(ok: bool, key: str, value, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: allowed {allowed}.")
 
 
-def check_input_paths(config: TrainConfig) -> None:
+def check_input_paths(config: TrainConfig) -> DatasetScan | None:
     """Check the paths the run reads (model, VAE, text encoder, data, init LoRA) before any
-    model is built; the data folder's captions are decoded and its images read through
+    model is built: :func:`~..data.precheck.check_paths`, then a GGUF ``model_file`` (with the
+    ``gguf`` library) and the data folder's captions decoded and images read through
     (``engine/data/checks.py`` ``check_dataset``).
+
+    Returns:
+        The checked scan of the data folder (None without one).
 
     Raises:
         ConfigError: a folder does not exist; ``model_file`` is not a ``.safetensors`` or ``.gguf``
@@ -43,24 +47,18 @@ def check_input_paths(config: TrainConfig) -> None:
             not loaded (one line naming the file).
         DatasetError: a caption cannot be decoded, an image is not one or is truncated (named).
     """
-    model = config.model
-    for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
-        _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
-    for value in model.text_encoder_path or ():
-        _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
-    if model.model_file is not None:
-        _need(model.model_file.endswith((".safetensors", ".gguf")) and Path(model.model_file).is_file(),
-              "model_file", model.model_file, "an existing .safetensors or .gguf file (pickle checkpoints are "
-              "refused: loading one can run arbitrary code)")
-        if is_gguf(model.model_file):  # complete, of a diffusion architecture and of loaded types
-            opened = open_gguf(model.model_file)
-            check_transformer(opened, transformer_keys(opened.tensors))
-        else:
-            header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
-            check_not_a_lora(model.model_file, header)
-    if model.init_lora is not None and not config.outputs.resume:  # a resumed run continues from its state
-        check_init_lora(model.init_lora, model.family, config.lora.rank)
-    check_dataset(config.data.folder)
+    check_paths(config)
+    return _check_read_inputs(config)
+
+
+def _check_read_inputs(config: TrainConfig) -> DatasetScan | None:
+    """What :func:`check_input_paths` adds to :func:`~..data.precheck.check_paths`: a GGUF
+    ``model_file`` read, the data's images read through."""
+    model_file = config.model.model_file
+    if model_file is not None and is_gguf(model_file):  # complete, of a diffusion architecture and of loaded types
+        opened = open_gguf(model_file)
+        check_transformer(opened, transformer_keys(opened.tensors))
+    return check_dataset(config.data.folder)
 
 
 def check_lora_format(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
@@ -78,7 +76,9 @@ def check_lora_format(config: TrainConfig, bundle: ModelBundle | None = None) ->
 
 
 def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle | None = None) -> None:
-    """Check paths (:func:`check_input_paths`), the resolution against the model's limits
+    """Check what :func:`~..data.precheck.precheck` checks before any heavy import (paths, the
+    output folder, the frame rule, a machine without CUDA), then the inputs' contents
+    (:func:`check_input_paths`), the resolution against the model's limits
     (:func:`~..data.limits.check_resolution`), device and saved state before any heavy work.
 
     Args:
@@ -86,26 +86,23 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
         bundle: the model, when the caller already loaded it (its config is read instead).
 
     Raises:
-        ConfigError: see :func:`check_input_paths`; ``device=cuda`` without CUDA; ``resume``
+        ConfigError: see :func:`~..data.precheck.precheck` and :func:`check_input_paths`;
+            ``device=cuda`` without CUDA; ``resume``
             without a saved state or with options that differ from it (:data:`~..config.RESUME_KEYS`),
             or fewer steps than already done; a run already in ``output`` without ``resume``
             or ``overwrite`` (nothing a user made is replaced silently).
         ConfigError: ``prepared`` with a data folder or with buckets; a ``resolution`` past the
             model's position tables (the option and the largest allowed value named).
         DamagedFileError, DatasetError: see :func:`check_input_paths`.
+        FolderInUseError, OutputWriteError: see :func:`~..data.precheck.check_output_place`.
     """
-    if prepared and config.data.folder is not None:
-        raise ConfigError(f"data={config.data.folder!r} is invalid with prepared data: allowed unset (one data "
-                          "source)")
-    if prepared and config.data.buckets:  # ComfyUI's LATENT is one batch of one shape
-        raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
-                          "one latent shape): allowed false; bucketing needs an image folder")
-    check_input_paths(config)
+    precheck(config, prepared)  # what the options and the disk alone refuse, before any heavy import
+    scan = _check_read_inputs(config)
     check_lora_format(config, bundle)
     if not prepared:
         check_resolution(config, bundle)
         family = bundle.family if bundle is not None else get_family(config.model.family)
-        check_clip_frames(check_dataset(config.data.folder), config.data, family)  # every clip too short: refused
+        check_clip_frames(scan, config.data, family)  # every clip too short: refused
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,
           "auto or cpu (CUDA is not available here)")
     check_output(config)
@@ -134,14 +131,9 @@ def check_output(config: TrainConfig) -> None:
         ConfigError: see :func:`check_run`.
     """
     outputs = config.outputs
-    _need(not Path(outputs.output).exists() or Path(outputs.output).is_dir(), "output", outputs.output, "a folder")
-    state = Path(outputs.output) / STATE_FILE
+    check_saved_run(config)
     if not outputs.resume:
-        _need(outputs.overwrite or not state.is_file(), "output", outputs.output,
-              "a folder without a training run: it holds one; pass --resume to continue it or "
-              "--overwrite to replace it")
         return
-    _need(state.is_file(), "resume", True, f"only when {state} exists (run without --resume first)")
     header = read_state_header(outputs.output)
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
     defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default

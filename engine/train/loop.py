@@ -29,6 +29,7 @@ from ..data.buckets import sample_latent_shape
 from ..data.comfy_data import PreparedData
 from ..data.fingerprint import input_changes, input_fingerprint
 from ..data.prepare import prepare_run_data
+from ..data.samplers import batch_over_data, describe_batch_over_data
 from ..files.atomic import check_writable
 from ..files.lock import FolderLock
 from ..model.attention_kernels import check_attention_backend
@@ -304,8 +305,9 @@ class TrainingRun:
     def prepare_data(self) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Stage 2: the run's cache (latents, text; encoded once, or read from the latent cache)
         and the cache row of each position of an epoch (``engine/data/prepare.py``); keeps the
-        data summary and text encoder description for the report. Loads the model when the run
-        was given none (its VAE and text encoders encode the data).
+        data summary and text encoder description for the report (with what a batch larger than
+        the data does, ``engine/data/samplers.py``, logged). Loads the model when the run was given
+        none (its VAE and text encoders encode the data).
 
         Raises:
             ModelLoadError, DatasetError, ComfyDataError: see the class.
@@ -316,6 +318,10 @@ class TrainingRun:
                                 self.output, self.log, self.announce)
         self.data_summary, self.text_encoder, self.dataset = data.summary, data.text_encoder, data.dataset
         self.random_windows = data.random_windows
+        over = batch_over_data(data.cache, data.epoch, config.data.batch_rows(self.dist.world_size if self.dist else 1)[1])
+        if over is not None:  # said, and counted in report.json dataset.batch_over_data
+            self.data_summary = {**self.data_summary, "batch_over_data": over}
+            self.log(describe_batch_over_data(over))
         return data.cache, data.epoch
 
     def _after_step(self, step: int) -> bool:

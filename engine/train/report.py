@@ -32,7 +32,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     and how many are quantized), ``attention_backend`` (SDPA kernels), ``memory`` (bytes of the
     frozen weights, of the LoRA and of the optimizer state; the activation peak is added here)
     ``stopped`` (the non-finite guard's message, or None), ``dataset`` (the image folder's counts,
-    or for prepared data its source, count, shapes and latent format) and ``text_encoder`` (what
+    or for prepared data its source, count, shapes and latent format; ``batch_over_data`` when the
+    batch is larger than an epoch's images: how many times each image repeats per step) and ``text_encoder`` (what
     encoded the captions: ``stand-in`` with its warning, ``transformers`` with the folders, or
     ``comfyui conditioning``), ``schedule_switches`` (out-of-memory recoveries: step, schedule
     before and after, the error), ``watchdog`` (slowdown and memory-growth reports) and ``resume``

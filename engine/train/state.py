@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..files.atomic import atomic_save_file
+from ..config.outputs import STATE_FILE
 from ..files.checks import DamagedFileError, check_safetensors
-
-STATE_FILE = "training_state.safetensors"
+from ..files.tensors import atomic_save_file
 
 
 @dataclass

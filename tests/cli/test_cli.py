@@ -202,11 +202,44 @@ def test_only_our_warnings_are_printed_as_ours():
                                   "lists the options)"),
     (["sweep", "--warmup", "x"], "segckpt: error: argument --warmup: invalid int value: 'x' (segckpt sweep --help "
                                  "lists the options)"),
+    # issue 34: a train option given to plan named the top-level help, or first the missing --budget
+    (["plan", "--budget", "1", "--steps", "2"], "segckpt: error: unrecognized arguments: --steps 2 (segckpt plan "
+                                                "--help lists the options)"),
+    (["plan", "--steps", "2"], "segckpt: error: unrecognized arguments: --steps 2 (segckpt plan --help lists the "
+                               "options)"),
+    (["plan", "--lr", "1"], "segckpt: error: the following arguments are required: --budget (segckpt plan --help "
+                            "lists the options)"),
 ])
 def test_a_value_argparse_refuses_is_one_line(capsys, argv, line):
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     assert exit_.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+def test_a_cpu_run_whose_user_set_no_threads_gets_every_usable_core_but_one(monkeypatch):
+    """Issue 34, item 8: the CLI chooses (and says so once); a user's OMP_NUM_THREADS is kept."""
+    import torch
+
+    from segmented_checkpointing.engine import api
+
+    lines, threads = [], torch.get_num_threads()
+    monkeypatch.setattr(api, "usable_cores", lambda: 6)
+    for name in cli.THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    try:
+        torch.set_num_threads(8)  # torch's default on this imagined machine
+        assert cli.cpu_threads(api.TrainConfig.create(device="cpu"), lines.append) == 5
+        assert torch.get_num_threads() == 5
+        assert lines == ["cpu: 5 threads for torch's operations (6 usable cores, one left for the rest; torch's "
+                         "default 8); set OMP_NUM_THREADS to choose"]
+        torch.set_num_threads(2)
+        monkeypatch.setattr(api, "usable_cores", lambda: 1)
+        assert cli.cpu_threads(api.TrainConfig.create(device="cpu"), lines.append) == 1  # at least one
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert cli.cpu_threads(api.TrainConfig.create(device="cpu"), lines.append) is None  # the user's choice
+        assert torch.get_num_threads() == 1 and len(lines) == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_first_ctrl_c_of_a_plan_stops_after_a_step_and_says_what_was_kept(tmp_path, monkeypatch, capsys):

@@ -92,6 +92,43 @@ def test_ignored_keys_are_named_in_one_warning_and_recorded(tmp_path):
     assert config.replace(steps=5).ignored_keys == ("use_ema", "frobnicate")
 
 
+@pytest.mark.parametrize("key, meant", [
+    ("lora_rnak", "lora_rank"), ("Lora-Rank", "lora_rank"), ("stesp", "steps"), ("famliy", "family"),
+    ("learning_rat", "learning_rate"), ("max_train_step", "max_train_steps"), ("rank", "lora_rank"), ("lr", "learning_rate"),
+])
+def test_a_near_miss_of_our_key_is_refused_with_the_key_it_meant(tmp_path, key, meant):
+    """Issue 34: ``lora_rnak`` was ignored with a warning and the run trained at the default rank."""
+    path = _file(tmp_path, {key: 8, "steps": 3})
+    with pytest.raises(ConfigError, match=rf"^{key}=8 is invalid: not a key of this pack; did you mean {meant}[ ?]"):
+        TrainConfig.from_json_file(path)
+
+
+def test_simpletuner_and_unknown_keys_keep_their_one_warning_and_no_simpletuner_key_is_a_near_miss(tmp_path):
+    """Keys of SimpleTuner's options close to ours (``framerate``, ``local_rank``, ``lora_type``) and keys
+    of no project are still ignored with one warning."""
+    path = _file(tmp_path, {"steps": 3, "framerate": 24, "local_rank": 0, "lora_type": "standard",
+                            "crepa_scheduler": "cosine", "frobnicate": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config, _ = TrainConfig.from_json_file(path)
+    assert [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)] == [
+        f"config {path}: ignored keys (no meaning here): framerate (the frame rate of its validation videos; clips "
+        "are resampled with frame_rate), local_rank, crepa_scheduler, frobnicate"]
+    assert config.ignored_keys == ("framerate", "local_rank", "crepa_scheduler", "frobnicate")
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "twice.json"
+    path.write_text('{"lora_rank": 8, "steps": 3, "lora_rank": 16}')
+    with pytest.raises(ConfigError, match=r"^config='.*twice.json' could not be read as JSON: key 'lora_rank' appears "
+                                          r"twice in one object \(8, then 16\); allowed each key once"):
+        TrainConfig.from_json_file(path)
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text('{"gradient_checkpointing_interval": 2, "gradient_checkpointing_interval": 3}')
+    with pytest.raises(ValueError, match="key 'gradient_checkpointing_interval' appears twice in one object"):
+        CheckpointSchedule.from_json_file(schedule)
+
+
 @pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
 def test_the_report_lists_the_ignored_keys(tmp_path):
     from segmented_checkpointing.engine.train.loop import train

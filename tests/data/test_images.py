@@ -103,18 +103,25 @@ def _segckpt(*args, env=None):
                           capture_output=True, text=True)
 
 
-def test_training_on_a_folder_with_companions_reports_what_it_skipped(tmp_path):
+def test_training_on_a_folder_with_companions_reports_what_it_skipped_and_a_batch_larger_than_it(tmp_path):
+    """The batch of 5 on 2 images (issue 34) is said in the log and counted in the report: each image
+    appears 2.5 times in every batch."""
     data = tmp_path / "data"
     data.mkdir()
     for name in ("img0.jpg", "img1.jpg"):
         _jpeg(data / name)
         (data / f"._{name}").write_bytes(b"\x00\x05\x16\x07")
     out = tmp_path / "out"
-    proc = _segckpt("train", "--data", str(data), "--steps", "1", "--resolution", "32", "--output", str(out))
+    proc = _segckpt("train", "--data", str(data), "--steps", "1", "--resolution", "32", "--output", str(out),
+                    "--batch-size", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "data: 2 images (2 per epoch)" in proc.stdout and "skipped 2 hidden or system files" in proc.stdout
+    assert "data: batch_size=5 is larger than the 2 images of an epoch: each image appears 2.5 times in every " \
+           "batch" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["dataset"]["skipped"]["hidden or system files"] == 2 and report["dataset"]["images"] == 2
+    assert report["dataset"]["batch_over_data"] == {"batch_size": 5, "images_per_epoch": 2, "repeats_per_step": 2.5,
+                                                    "largest_batch": 5}
 
 
 def test_runs_in_processes_with_other_hash_seeds_reuse_one_cache_file(tmp_path):

@@ -97,7 +97,7 @@ def test_a_wrong_file_is_named_for_what_it_is_before_any_model(finished_run, tmp
     line = _one_line(capsys)
     rank = LoraSettings().rank  # the finished run's
     expected = {
-        "text as model": f"model file {str(text)!r} is not a safetensors file: it begins with b'these are' (a text file)",
+        "text as model": f"model_file {str(text)!r} is not a safetensors file: it begins with b'these are' (a text file)",
         "text as lora": f"init_lora {str(text)!r} is not a safetensors file: it begins with b'these are' (a text file)",
         "lora as model": f"model_file={str(lora)!r} is invalid: this file is a LoRA (",
         "other rank": f"has rank {rank} (",

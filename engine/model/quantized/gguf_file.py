@@ -32,11 +32,10 @@ import gguf
 import numpy as np
 import torch
 
-from ...files.checks import DamagedFileError
+from ...files.checks import GGUF_MAGIC, DamagedFileError, is_gguf  # noqa: F401 (is_gguf: the loaders read it here)
 from ..bundle import ModelLoadError
 from .gguf_linear import GGUFWeight, dequantize
 
-MAGIC = b"GGUF"
 PREFIX = "model.diffusion_model."
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 """Unquantized GGUF types (the names are also safetensors' dtype names)."""
@@ -50,18 +49,6 @@ DIFFUSION_ARCHITECTURES = ("flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cos
 """``general.architecture`` values of diffusion models (ComfyUI-GGUF's ``IMG_ARCH_LIST``, and
 ``chroma``); absent or ``pig`` (stable-diffusion.cpp files): the tensor names decide."""
 ORIG_SHAPE = "comfy.gguf.orig_shape."
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file: a ``.gguf`` name, or a file that begins with the magic."""
-    path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with path.open("rb") as fh:
-            return fh.read(4) == MAGIC
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -156,7 +143,7 @@ def open_gguf(path: str | Path, what: str = "model file") -> GGUFFile:
 
 def _has_magic(path: Path) -> bool:
     with path.open("rb") as fh:
-        return fh.read(4) == MAGIC
+        return fh.read(4) == GGUF_MAGIC
 
 
 def check_transformer(file: GGUFFile, part: dict[str, str]) -> None:
