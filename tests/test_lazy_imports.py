@@ -6,6 +6,7 @@ that every import inside a function goes through it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,3 +100,18 @@ def test_lazy_imports_undoes_the_modules_of_a_failed_block_and_reraises(poisonab
     with lazy_imports():
         from poisonable_pkg import VALUE
     assert VALUE == 42
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xxlimited") is None, reason="CPython's xxlimited extension is absent")
+def test_a_failed_attempt_keeps_the_packages_with_compiled_extensions_it_imported(tmp_path, monkeypatch):
+    """An extension module is initialised once per process (torch's operators would register twice):
+    a failed attempt that imported one keeps its package, and takes out the pure-Python rest."""
+    (tmp_path / "fails_after_native.py").write_text("import xxlimited\nimport json\nraise ImportError('late')\n")
+    (tmp_path / "pure_helper.py").write_text("VALUE = 1\n")
+    (tmp_path / "fails_after_pure.py").write_text("import pure_helper\nraise ImportError('late')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "xxlimited", raising=False)
+    for name in ("fails_after_native", "fails_after_pure"):
+        with pytest.raises(ImportError, match="late"):
+            import_module(name)
+    assert "xxlimited" in sys.modules and "pure_helper" not in sys.modules

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import threading  # a lock around imports, not a thread: the engine starts none and sets no thread count
@@ -46,16 +47,30 @@ def lazy_imports() -> Iterator[None]:
 
     Raises:
         whatever the block raises; before it propagates, every module that entered
-        ``sys.modules`` inside the block is removed, so that a later import retries from scratch.
+        ``sys.modules`` inside the block is removed (but packages with compiled extensions, see
+        :func:`_forget`), so that a later import retries from scratch.
     """
     with _IMPORTS:
         before = set(sys.modules)
         try:
             yield
         except BaseException:
-            for name in set(sys.modules) - before:
-                sys.modules.pop(name, None)
+            _forget(set(sys.modules) - before)
             raise
+
+
+def _forget(added: set[str]) -> None:
+    """Take the modules ``added`` by a failed attempt out of ``sys.modules``, but those of a package
+    with a compiled extension among them (``torch`` with ``torch._C``, PyAV, Pillow): an extension
+    module is initialised once per process, and importing its package again would register its
+    operators twice. Pure-Python packages (diffusers, accelerate, peft, transformers) are the ones
+    whose half-made state poisons later imports, and they are imported afresh."""
+    native = {name.partition(".")[0] for name in added
+              if isinstance(getattr(getattr(sys.modules.get(name), "__spec__", None), "loader", None),
+                            importlib.machinery.ExtensionFileLoader)}
+    for name in added:
+        if name.partition(".")[0] not in native:
+            sys.modules.pop(name, None)
 
 
 def import_module(name: str, package: str | None = None) -> types.ModuleType:
