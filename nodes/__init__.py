@@ -2,6 +2,7 @@
 
 from .guardrail_nodes import FitGuardrails
 from .model_nodes import ImageCaptionDataset, LoadDiffusionModel, LoRAConfig
+from .noise_nodes import NoiseSchedule
 from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
 from .schedule_nodes import ActivationOffloadOptions, GradientCheckpointingSchedule, WeightOffloadOptions
@@ -15,6 +16,7 @@ _NODES = {
     "SegCkptWeightOffload": (WeightOffloadOptions, "Weight Offload Options (stream frozen weights)"),
     "SegCkptLoRAConfig": (LoRAConfig, "LoRA Config"),
     "SegCkptFitGuardrails": (FitGuardrails, "Fit Guardrails (pre-flight, OOM recovery, watchdog)"),
+    "SegCkptNoiseSchedule": (NoiseSchedule, "Noise Schedule (timesteps, shift, loss weighting, guidance)"),
     "SegCkptTrainLoRA": (TrainLoRA, "Train LoRA (gradient checkpointing)"),
     "SegCkptSaveLoRA": (SaveLoRA, "Save LoRA"),
     "SegCkptLossGraph": (LossGraph, "Loss Graph"),

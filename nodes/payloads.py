@@ -2,6 +2,7 @@
 
 ``SEGCKPT_MODEL``: :class:`ModelSource`; ``SEGCKPT_DATASET``: the engine's ``DataConfig``;
 ``SEGCKPT_LORA_CONFIG``: ``LoraSettings``; ``SEGCKPT_GUARDRAILS``: ``GuardrailsConfig``;
+``SEGCKPT_NOISE_SCHEDULE``: ``ObjectiveConfig``;
 ``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the three below.
 """
 
@@ -17,6 +18,7 @@ CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
 OFFLOAD, LORA_CONFIG, RUN = "SEGCKPT_OFFLOAD", "SEGCKPT_LORA_CONFIG", "SEGCKPT_TRAINING_RUN"
 GUARDRAILS, WEIGHT_OFFLOAD = "SEGCKPT_GUARDRAILS", "SEGCKPT_WEIGHT_OFFLOAD"
+NOISE_SCHEDULE = "SEGCKPT_NOISE_SCHEDULE"
 
 
 @dataclass(frozen=True)

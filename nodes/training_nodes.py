@@ -34,6 +34,7 @@ from .payloads import (
     GUARDRAILS,
     LORA_CONFIG,
     MODEL,
+    NOISE_SCHEDULE,
     OFFLOAD,
     RUN,
     SCHEDULE,
@@ -93,8 +94,9 @@ def run_folder(run_name: str, resume: bool) -> Path:
 
 def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedule=None,
                find_run: bool = True) -> api.TrainConfig:
-    """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, offload
-    options, weight-offload options, guardrails and dataset, and the model's family and base precision.
+    """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, noise
+    schedule, offload options, weight-offload options, guardrails and dataset, and the model's
+    family and base precision.
 
     The schedule's keys are overridden by the activation offload options' (``offload``), then by the
     weight offload options' (``weight_offload``).
@@ -109,6 +111,7 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
     guardrails = inputs.get("guardrails") or api.GuardrailsConfig()
     nonfinite = inputs.get("on_nonfinite")
     components: dict[str, Any] = {"lora": inputs.get("lora_config") or api.LoraSettings(),
+                                  "objective": inputs.get("noise_schedule") or api.ObjectiveConfig(),
                                   "guardrails": dataclasses.replace(guardrails, on_nonfinite=nonfinite or "stop"),
                                   "resume": inputs.get("resume", False)}
     if "run_name" in inputs and find_run:
@@ -168,6 +171,9 @@ class TrainLoRA:
                     "stream to the device before each use (saves device memory, costs copies); overrides the "
                     "schedule's weight_offload keys.")),
                 "lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16.")),
+                "noise_schedule": (NOISE_SCHEDULE, tip(
+                    "Optional, from Noise Schedule: timestep sampling, flow shift, loss weighting, guidance; default: "
+                    "logit-normal noise levels at the family's own inference shift, unweighted, guidance 1.")),
                 "guardrails": (GUARDRAILS, tip("Optional, from Fit Guardrails: a pre-flight memory verdict before "
                                                "step 1, out-of-memory recovery, the slowdown watchdog.")),
                 "attention_backend": widget("attention_backend"),

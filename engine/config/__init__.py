@@ -9,9 +9,10 @@ from .data import DataConfig
 from .guardrails import GuardrailsConfig
 from .lora import LoraConfigError, LoraSettings
 from .model import ModelConfig
+from .objective import ObjectiveConfig
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option
-from .outputs import OutputConfig
+from .outputs import OutputConfig, ValidationConfig
 from .schedule import CheckpointSchedule, ScheduleError
 from .sharding import ShardingConfig
 from .simpletuner import ALIASES
@@ -20,14 +21,14 @@ from .train import (
     NO_GUARDRAILS,
     OPTIONS,
     RESUME_KEYS,
+    SAVED_BEFORE,
     TrainConfig,
     derived_seed,
     option_named,
     read_config_file,
 )
-from .validation import ValidationConfig
 
-__all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "CheckpointSchedule", "ConfigError",
-           "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings", "ModelConfig",
-           "OptimizerConfig", "Option", "OutputConfig", "ScheduleError", "ShardingConfig", "TrainConfig",
-           "ValidationConfig", "derived_seed", "option_named", "read_config_file"]
+__all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "SAVED_BEFORE", "CheckpointSchedule",
+           "ConfigError", "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings",
+           "ModelConfig", "ObjectiveConfig", "OptimizerConfig", "Option", "OutputConfig", "ScheduleError",
+           "ShardingConfig", "TrainConfig", "ValidationConfig", "derived_seed", "option_named", "read_config_file"]

@@ -1,7 +1,7 @@
 """The configuration of a training run: a small tree of component configs, flat keys outside.
 
-:class:`TrainConfig` holds one config per component (model, data, LoRA, optimizer, checkpoint
-schedule, guardrails, outputs, sharding, validation) and the run's own steps and seed; each
+:class:`TrainConfig` holds one config per component (model, data, LoRA, optimizer, objective,
+checkpoint schedule, guardrails, outputs, sharding, validation) and the run's own steps and seed; each
 component validates its own fields from their metadata (:func:`~.options.check_options`) and this
 root checks the rules that span components. Outside, an option is one flat key (the JSON key,
 the node input, the ``segckpt`` flag's destination): :data:`OPTIONS` lists them, in the tree's
@@ -25,13 +25,13 @@ from .data import DataConfig
 from .guardrails import GuardrailsConfig
 from .lora import LoraSettings
 from .model import ModelConfig
+from .objective import ObjectiveConfig, check_objective
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
-from .outputs import OutputConfig
+from .outputs import OutputConfig, ValidationConfig
 from .schedule import CheckpointSchedule, check_supported, coerce_key
 from .sharding import ShardingConfig
 from .simpletuner import describe_ignored, flat_keys, read_keys
-from .validation import ValidationConfig
 
 SEED_RANGE = 2**64
 """Seeds are integers in [0, 2**64), the range ComfyUI's seed widgets give; seeds derived from a
@@ -46,9 +46,13 @@ out-of-memory error or a non-finite value ends it."""
 
 RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
                "resolution", "buckets", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
-               "lr_scheduler", "lr_warmup_steps", "weight_decay")
+               "lr_scheduler", "lr_warmup_steps", "weight_decay", "timestep_sampling", "logit_mean", "logit_std",
+               "mode_scale", "flow_shift", "loss_weighting", "snr_gamma", "guidance_value")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer);
 the batch must be the same global batch (``engine/train/checks.py``), however many processes share it."""
+SAVED_BEFORE = {"flow_shift": "1.0"}
+"""What a run saved before a resume key existed ran with, where that is not the key's default now (a
+state saved before ``flow_shift`` drew its noise levels unshifted)."""
 
 NESTED = ("lora", "schedule")
 """Components whose keys :meth:`TrainConfig.to_dict` nests under their name (as ``report.json`` has
@@ -78,6 +82,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     schedule: CheckpointSchedule = DEMO_SCHEDULE
     guardrails: GuardrailsConfig | None = field(default_factory=GuardrailsConfig)
     outputs: OutputConfig = field(default_factory=OutputConfig)
@@ -96,6 +101,7 @@ class TrainConfig:
         check_options(self)
         family = get_family(self.model.family)
         check_supported(family, self.schedule)
+        check_objective(self.objective, family)
         if self.data.buckets and not family.aspect_buckets:
             raise ConfigError(f"buckets=True is invalid: allowed false for family {family.name!r}: its latents are "
                               "not an image grid, so aspect ratios do not apply.")

@@ -93,7 +93,8 @@ def support_table(limits: bool = False) -> str:
     return (HEADER + "\n".join(rows) + "\n\n## Families named by the documents\n\n" + "\n".join(named)
             + "\n\nA diffusers model outside this list still trains through the generic fallback "
               "(`engine/core/generic.py`): per-block checkpointing, and segments when a one-step probe proves "
-              "the carry map.\n\n" + data_sources_table() + "\n" + (limits_table() + "\n" if limits else "") + "## Notes\n\n" + "\n".join(notes) + "\n")
+              "the carry map.\n\n" + data_sources_table() + "\n" + noise_table() + "\n"
+            + (limits_table() + "\n" if limits else "") + "## Notes\n\n" + "\n".join(notes) + "\n")
 
 
 def data_sources_table() -> str:
@@ -111,6 +112,28 @@ def data_sources_table() -> str:
         fmt = family.comfy_latents.describe() if family.comfy_latents else "-"
         kinds = " + ".join(family.text_encoders.kinds) if family.text_encoders else "-"
         rows.append(f"| {name} | {fmt} | {kinds} | {comfyui_lora(name)} |")
+    return "\n".join(rows) + "\n"
+
+
+def noise_table() -> str:
+    """Per family: its objective, the released scheduler config ``flow_shift=auto`` shifts by when
+    the model folder has none (``FamilyAdapter.flow_shift``, ``engine/families/shift.py``) with
+    its source, and whether it takes a guidance input (``guidance_value``), as markdown."""
+    legend = ("*auto shift*: what `flow_shift=auto` shifts the drawn noise levels by when the model folder has no "
+              "`scheduler/scheduler_config.json` (a folder's file replaces it): a static shift, or `dynamic` (mu from "
+              "the batch's image tokens through the pipeline's function, per bucket and frame count); `-`: none "
+              "declared (auto is then 1, no shift). *guidance*: the model takes `guidance_value`.\n")
+    rows = ["## Noise schedule\n", legend, "| family | objective | auto shift | mu rule | guidance | source |",
+            "|---|---|---|---|---|---|"]
+    for name in _family_names():
+        family = get_family(name)
+        shift = family.flow_shift
+        if family.objective != "flow":
+            rows.append(f"| {name} | {family.objective} (DDPM steps, uniform) | - | - | - | - |")
+            continue
+        rule = f"`{shift.mu_rule}`" if shift is not None and shift.use_dynamic_shifting else "-"
+        rows.append(f"| {name} | flow | {shift.describe() if shift else '-'} | {rule} | "
+                    f"{'yes' if family.guidance_input else '-'} | {shift.source if shift else '-'} |")
     return "\n".join(rows) + "\n"
 
 

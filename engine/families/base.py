@@ -1,9 +1,8 @@
 """The declarative family adapter: what the segment runner and the trainer need to know of a model.
 
-A family file declares; it does not execute (docs/SCHEDULES.md "A family declares"): its diffusers
-class, its block lists with their carry maps and FFN/attention boundaries, its capabilities, how a
-training batch becomes the model's keyword arguments, and a tiny preset config for tests and the
-demo. It registers itself with one call to :func:`register_family`.
+A family file declares; it does not execute (docs/SCHEDULES.md "A family declares"): its diffusers class, block
+lists with their carry maps and FFN/attention boundaries, capabilities, how a training batch becomes the model's
+keyword arguments, a tiny preset config (tests, the demo). It registers itself with :func:`register_family`.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from .frames import FrameRule
 from .lazy import import_attribute, torch
 from .limits import Limits
 from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
+from .shift import FlowShift  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,7 @@ ReadOutput = Callable[["torch.nn.Module", Any, "torch.Tensor"], "torch.Tensor"]
 
 
 def first_output(model: torch.nn.Module, output: Any, latents: torch.Tensor) -> torch.Tensor:
-    """The default :data:`ReadOutput`: the model's first output, ``output[0]``.
-
-    Diffusers models called with ``return_dict=False`` return a tuple whose first element is the
-    prediction; families whose prediction already has the latents' shape need nothing more.
-    """
+    """The default :data:`ReadOutput`: ``output[0]``, the prediction of a ``return_dict=False`` call."""
     return output[0]
 
 
@@ -105,6 +101,8 @@ class FamilyAdapter:
             frame rule (``engine/families/frames.py``); ``None``: none, one frame.
         attention_ops: attention operators besides the fused SDPA ones whose outputs
             ``gradient_checkpointing_save_attention`` keeps (``engine/core/attention_saving.py``).
+        flow_shift: the released scheduler config ``flow_shift=auto`` shifts by (``engine/families/shift.py``).
+        guidance_input: the model takes a distilled-guidance input (``guidance_value``, ``conditioning.py``).
     """
 
     name: str
@@ -131,6 +129,8 @@ class FamilyAdapter:
     limits: Callable[[Mapping[str, Any]], Limits] | None = None
     frames: FrameRule | None = None
     attention_ops: tuple[Any, ...] = ()
+    flow_shift: FlowShift | None = None
+    guidance_input: bool = False
 
     def blocks(self, model: torch.nn.Module, block_list: BlockList) -> torch.nn.ModuleList:
         """The blocks of ``block_list`` in ``model``: the ``nn.ModuleList`` named by

@@ -124,3 +124,18 @@ QWEN_IMAGE_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the 
                        "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
                        "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 """``QwenImagePipeline.prompt_template_encode`` (diffusers 0.42.1); its first 34 tokens are dropped."""
+
+
+def guided_inputs(family, model, latents: torch.Tensor, sigmas: torch.Tensor, text, guidance: float = 1.0) -> dict:
+    """``family.make_inputs(model, latents, sigmas, text)`` with a guidance-distilled model's
+    ``guidance`` input at ``guidance`` (SimpleTuner's ``flux_guidance_value``).
+
+    Rule: ``make_inputs`` builds ``guidance`` at 1.0, scaled as the family's pipeline scales its
+    guidance scale (Flux: as it is; HunyuanVideo: x 1000); this multiplies it by ``guidance``, so
+    1.0 leaves the inputs as they are. Families without a guidance input (``guidance_input``
+    False) are refused another value by the config (``engine/config/objective.py``).
+    """
+    inputs = family.make_inputs(model, latents, sigmas, text)
+    if guidance != 1.0 and "guidance" in inputs:
+        inputs["guidance"] = inputs["guidance"] * guidance
+    return inputs

@@ -13,6 +13,7 @@ import torch
 
 from ..config.model import PRESETS
 from ..families import FamilyAdapter, TextBatch, get_family
+from ..families.shift import FlowShift
 from .text_encoders import DeterministicTextEmbedder, load_text_encoders
 
 
@@ -34,6 +35,9 @@ class ModelBundle:
         source: where it came from (``preset:tiny`` or the folder path), for the report.
         base_precision: the ``base_model_precision`` it was loaded for (``None``: not chosen
             yet; training applies the run's own).
+        scheduler: a flow model's scheduler config as its pipeline folder's
+            ``scheduler/scheduler_config.json`` gives it (``engine/families/shift.py``); ``None``:
+            the folder has none (a file, a preset): the family's declared one applies (:attr:`inference_shift`).
     """
 
     family: FamilyAdapter
@@ -42,6 +46,12 @@ class ModelBundle:
     encode_text: Callable[[list[str]], TextBatch]
     source: str
     base_precision: str | None = None
+    scheduler: FlowShift | None = None
+
+    @property
+    def inference_shift(self) -> FlowShift | None:
+        """What the model infers with: :attr:`scheduler`, else the family's released config."""
+        return self.scheduler if self.scheduler is not None else self.family.flow_shift
 
 
 def tiny_vae_config(latent_channels: int) -> dict[str, Any]:

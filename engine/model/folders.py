@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..families import FamilyAdapter, family_for_class, get_family
+from ..families.shift import SchedulerConfigError, scheduler_settings
 from ..files.checks import DamagedFileError, check_safetensors
 from .bundle import ModelBundle, ModelLoadError
 from .text_encoders import DeterministicTextEmbedder, load_text_encoders
@@ -143,7 +144,7 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
 
     Raises:
         ModelLoadError: missing folder, pickle-only weights, a class other than the family's,
-            or no VAE.
+            no VAE, or a ``scheduler/scheduler_config.json`` that cannot be read.
         TextEncoderError: the text encoder folders do not serve the family.
     """
     root = Path(path)
@@ -161,6 +162,10 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
         if found != family.model_class:
             raise ModelLoadError(f"{transformer_dir} holds a {found!r} but family {family.name!r} "
                                  f"needs a {family.model_class!r}")
+    try:  # read before the weights: a damaged file is named at once
+        scheduler = scheduler_settings(family.flow_shift, root) if family.objective == "flow" else None
+    except SchedulerConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
     transformer = _load_component(transformer_dir, family.model_class, dtype)
     vae_dir = vae_folder(root, vae_path)
     if vae_dir is None or not vae_dir.is_dir():
@@ -170,7 +175,9 @@ def load_model_folder(path: str | Path, family_name: str | None = None,
     text_dirs = [Path(p) for p in text_encoder_path or []]
     if not text_dirs and pipeline:  # text_encoder, text_encoder_2, ...: the pipeline's order (CLIPs first)
         text_dirs = sorted(p for p in root.glob("text_encoder*") if p.is_dir())
-    return assemble_bundle(family, transformer, str(root), vae_dir, text_dirs, seed)
+    bundle = assemble_bundle(family, transformer, str(root), vae_dir, text_dirs, seed)
+    bundle.scheduler = scheduler
+    return bundle
 
 
 def assemble_bundle(family: FamilyAdapter, transformer: torch.nn.Module, source: str, vae_dir: Path | None,

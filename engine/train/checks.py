@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from ..config import RESUME_KEYS, ConfigError, TrainConfig
+from ..config import RESUME_KEYS, SAVED_BEFORE, ConfigError, TrainConfig
 from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.folder import DatasetScan
-from ..data.limits import check_resolution
+from ..data.limits import check_resolution, model_shape
 from ..data.precheck import check_paths, check_saved_run, precheck
 from ..data.windows import check_clip_frames
 from ..families import get_family
@@ -75,6 +75,24 @@ def check_lora_format(config: TrainConfig, bundle: ModelBundle | None = None) ->
                           "(see segckpt families, column 'LoRA applied in ComfyUI')")
 
 
+def check_guidance(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
+    """Refuse a ``guidance_value`` other than 1 for a model without a guidance embedder (a
+    guidance-distilled family's undistilled checkpoints: FLUX.1-schnell, Flux.2 Klein), read from
+    its config before it is built (``bundle``: the model a caller loaded, read from it).
+
+    Raises:
+        ConfigError: naming the value and the model's ``guidance_embeds``.
+    """
+    value = config.objective.guidance_value
+    if value == 1.0:
+        return
+    shape = model_shape(config, bundle)
+    if shape is not None and not shape.config.get("guidance_embeds", False):
+        raise ConfigError(f"guidance_value={value!r} is invalid for this {shape.family.name} model ({shape.source}): "
+                          "allowed 1 (its config has guidance_embeds false: no guidance input, as FLUX.1-schnell "
+                          "and Flux.2 Klein).")
+
+
 def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle | None = None) -> None:
     """Check what :func:`~..data.precheck.precheck` checks before any heavy import (paths, the
     output folder, the frame rule, a machine without CUDA), then the inputs' contents
@@ -99,6 +117,7 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
     precheck(config, prepared)  # what the options and the disk alone refuse, before any heavy import
     scan = _check_read_inputs(config)
     check_lora_format(config, bundle)
+    check_guidance(config, bundle)
     if not prepared:
         check_resolution(config, bundle)
         family = bundle.family if bundle is not None else get_family(config.model.family)
@@ -136,7 +155,8 @@ def check_output(config: TrainConfig) -> None:
         return
     header = read_state_header(outputs.output)
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
-    defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default
+    # a state saved before a key existed ran with its default then (SAVED_BEFORE), else its default now
+    defaults = {**TrainConfig().to_dict(), **SAVED_BEFORE}
     for key in RESUME_KEYS:
         if key == "data" and "data" in header["inputs"]:  # the fingerprint compares the folder's content
             continue

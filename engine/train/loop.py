@@ -37,9 +37,10 @@ from ..model.bundle import ModelBundle
 from ..model.distributed import check_sharded_precision, init_distributed, plain_name
 from ..model.loading import resolve_device, run_precision
 from ..model.precision import check_torchao, describe_precision
-from .checks import check_output, check_run
+from .checks import check_guidance, check_output, check_run
 from .monitor import StepMonitor
 from .nonfinite import TrainingDiverged, TrainingStopped
+from .objectives import NoiseSchedule
 from .outputs import LORA_FILE, RunFiles, TrainResult
 from .previews import PreviewSource, preview_source_for
 from .recovery import NextSchedule, first_cheaper, step_with_recovery
@@ -268,6 +269,7 @@ class TrainingRun:
         config, device, log = self.config, self.device, self.log
         self.files.remove_stale()  # left by a process killed while writing
         self.bundle = self.bundle or load_model(config, self.precision, log)
+        check_guidance(config, self.bundle)  # its config read: a model the options could not name
         # encoded once (excluded from timing); sharded: rank 0 writes the cache, the others read it
         with self.dist.main_first() if self.dist is not None else contextlib.nullcontext():
             cache, epoch = self.prepare_data()
@@ -294,7 +296,9 @@ class TrainingRun:
                        compiled=trainable.compiled is not None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist,
-            random_windows=self.random_windows, compiled=trainable.compiled)
+            random_windows=self.random_windows, compiled=trainable.compiled,
+            noise=NoiseSchedule(self.bundle.family, config.objective, self.bundle.inference_shift,
+                                dict(self.bundle.transformer.config)))
         if config.validation.validation_every:
             caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
             self.preview_source = preview_source_for(config, self.bundle, sample_latent_shape(cache), device,

@@ -8,10 +8,12 @@ above one frame, ``rule.pixel_frames(2)`` (Wan, HunyuanVideo: 5; LTX-Video: 9). 
 ``rule.latent_frames(validation_frames)`` frames, whatever frame counts the data trained on.
 
 Sampling follows diffusers' flow-matching pipelines: :class:`diffusers.FlowMatchEulerDiscreteScheduler`
-gives the sigmas from 1 to 0 and the Euler step ``x <- x + (sigma_next - sigma) * v``, where ``v`` is
-the model's velocity (``noise - x0``, what the families train to predict); the transformer runs
-through the family adapter, with gradients off (so no checkpoint region runs) under the run's
-autocast. The latents are decoded by the run's decoder: the bundle's VAE (undoing the
+with the model's own scheduler config (:func:`preview_scheduler`: its shift, or its dynamic shift at
+the preview's image tokens, and its terminal stretch; ``engine/families/shift.py``) gives the sigmas
+from the pipelines' ``linspace(1, 1/N, N)`` to 0 and the Euler step ``x <- x + (sigma_next - sigma) *
+v``, where ``v`` is the model's velocity (``noise - x0``, what the families train to predict); the
+transformer runs through the family adapter (a guidance-distilled model at the run's
+``guidance_value``), with gradients off (so no checkpoint region runs) under the run's autocast. The latents are decoded by the run's decoder: the bundle's VAE (undoing the
 normalisation of :func:`~..data.cache.encode_latents`), or one a caller gives (ComfyUI's VAE in
 the node pack). Families trained on the epsilon objective get no preview (the run says so).
 
@@ -21,6 +23,7 @@ The preview phase is measured on its own (peak bytes), kept out of the step timi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 from dataclasses import dataclass
@@ -38,6 +41,9 @@ from ..core.memory import PeakMemory
 from ..data.buckets import sample_latent_shape
 from ..data.comfy_data import PreparedData, comfy_latent_format
 from ..families import FamilyAdapter, TextBatch
+from ..families.conditioning import guided_inputs
+from ..families.limits import token_count
+from ..families.shift import FlowShift
 from ..files.atomic import atomic_write_bytes
 from ..model.attention_kernels import sdpa_context
 
@@ -163,15 +169,35 @@ def vae_decoder(vae: torch.nn.Module, device: torch.device) -> Callable[[torch.T
     return decode
 
 
+def preview_scheduler(shift: FlowShift | None, steps: int, tokens: Callable[[], int]) -> FlowMatchEulerDiscreteScheduler:
+    """The Euler scheduler of a ``steps``-step inference with the model's scheduler config ``shift``
+    (``None``: unshifted): its static shift, or with dynamic shifting the mu its pipeline computes
+    for ``tokens()`` image tokens (Flux.2's at ``steps`` steps), its time-shift type and terminal
+    stretch (none for one step, which has no last step to stretch), set to the sigmas the
+    pipelines pass, ``linspace(1, 1/steps, steps)``."""
+    shift = shift or FlowShift()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=shift.shift, use_dynamic_shifting=shift.use_dynamic_shifting, base_shift=shift.base_shift,
+        max_shift=shift.max_shift, base_image_seq_len=shift.base_image_seq_len,
+        max_image_seq_len=shift.max_image_seq_len, time_shift_type=shift.time_shift_type,
+        shift_terminal=shift.shift_terminal if steps > 1 else None)
+    mu = None
+    if shift.use_dynamic_shifting:
+        at_steps = dataclasses.replace(shift, mu_steps=steps) if shift.mu_steps is not None else shift
+        mu = at_steps.resolve(tokens()).mu
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return scheduler
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource, steps: int, seed: int,
-           device: torch.device, autocast: Callable[[], object]) -> torch.Tensor:
+           device: torch.device, autocast: Callable[[], object], shift: FlowShift | None = None,
+           guidance: float = 1.0) -> torch.Tensor:
     """Images ``(P, 3, H, W)`` (clips: ``(P, 3, F, H, W)``) in [0, 1] for the source's ``P`` prompts:
-    ``steps`` Euler steps of
-    the flow-matching ODE from seeded noise (the same noise at every preview, so previews of one
-    run compare), then the decoder."""
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-    scheduler.set_timesteps(steps)
+    ``steps`` Euler steps of the flow-matching ODE (:func:`preview_scheduler` with the model's
+    scheduler config ``shift``) from seeded noise (the same noise at every preview, so previews of
+    one run compare), at ``guidance`` for a guidance-distilled model, then the decoder."""
+    scheduler = preview_scheduler(shift, steps, lambda: token_count(family, model.config, source.latent_shape))
     count = source.text.seq.shape[0]
     noise = torch.randn((count, *source.latent_shape), generator=torch.Generator().manual_seed(seed))
     x, text = noise.to(device), source.text.to(device)
@@ -181,7 +207,7 @@ def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource,
         for i, t in enumerate(scheduler.timesteps):
             sigma = scheduler.sigmas[i].to(device).expand(count).contiguous()
             with autocast():
-                output = model(**family.make_inputs(model, x, sigma, text))
+                output = model(**guided_inputs(family, model, x, sigma, text, guidance))
                 velocity = family.read_output(model, output, x).float()
             x = scheduler.step(velocity, t, x).prev_sample
     finally:
@@ -211,7 +237,8 @@ def run_previews(ctx, source: PreviewSource, steps: int, seed: int, folder: Path
 
     meter = PeakMemory(ctx.device)
     with meter.measure() as reading:
-        images = sample(ctx.model, ctx.family, source, steps, seed, ctx.device, kernels_and_autocast)
+        images = sample(ctx.model, ctx.family, source, steps, seed, ctx.device, kernels_and_autocast,
+                        ctx.noise.scheduler, ctx.config.objective.guidance_value)
     return (write_previews(images, source.names, folder, step, source.fps) if write else []), reading.peak_bytes
 
 

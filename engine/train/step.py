@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 
 from ..config import TrainConfig
@@ -26,11 +25,12 @@ from ..data.buckets import latents_for
 from ..data.samplers import BucketSampler, EpochSampler
 from ..data.windows import RandomWindows
 from ..families import FamilyAdapter, TextBatch
+from ..families.conditioning import guided_inputs
 from ..model.attention_kernels import sdpa_context
 from ..model.distributed import Distributed
 from ..model.precision import Precision
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
-from .objectives import noisy_latents
+from .objectives import NoiseSchedule
 from .optim import lr_factor
 
 
@@ -136,11 +136,17 @@ class StepContext:
     """``compile_blocks``: what was compiled (the steps count the graphs compiled since)."""
     random_windows: RandomWindows | None = None
     """``frame_sampling=random``: the clips' windows drawn and encoded per batch, before the measured region."""
+    noise: NoiseSchedule | None = None
+    """How the steps draw noise levels and weight the loss (default: the config's objective, the family's
+    declared scheduler config; the run's set-up reads the model folder's)."""
     lr_factor: Callable[[int], float] = field(init=False)
     """The learning-rate multiplier of each step (:func:`~.optim.lr_factor`)."""
 
     def __post_init__(self) -> None:
         self.lr_factor = lr_factor(self.config.optimizer, self.config.steps)
+        if self.noise is None:
+            self.noise = NoiseSchedule(self.family, self.config.objective, self.family.flow_shift,
+                                       dict(self.model.config))
 
     def guard_context(self) -> dict[str, Any]:
         """What the non-finite advice needs to know about this run."""
@@ -177,7 +183,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
             for index, latents in batches:
-                noisy, sigmas, target = noisy_latents(family.objective, latents, ctx.noise_gen, family.shared_sigma)
+                noisy, sigmas, target = ctx.noise.noisy_latents(latents, ctx.noise_gen, family.shared_sigma)
                 if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
                     rows = ctx.dist.local_rows(len(index))
                     index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
@@ -186,9 +192,10 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                 noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
                 ctx.batch_shape = tuple(noisy.shape)
                 with ctx.precision.autocast(device):
-                    output = runner.forward(**family.make_inputs(model, noisy, sigmas, text))
+                    output = runner.forward(**guided_inputs(family, model, noisy, sigmas, text,
+                                                            config.objective.guidance_value))
                     prediction = family.read_output(model, output, noisy)
-                loss = F.mse_loss(prediction.float(), target.float()) / config.optimizer.gradient_accumulation_steps
+                loss = ctx.noise.loss(prediction, target, sigmas) / config.optimizer.gradient_accumulation_steps
                 # checkpointed regions are recomputed (offloaded inputs copied back) in here
                 try:
                     ctx.scaler.scale(loss).backward()

@@ -27,6 +27,8 @@ PINNED = (
     "batch_size", "global_batch_size",
     "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
+    "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",
+    "guidance_value",
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
     "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
     "gradient_checkpointing_offload_pin_memory_max_buckets", "gradient_checkpointing_save_attention",

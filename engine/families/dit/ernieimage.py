@@ -7,7 +7,7 @@ the flow velocity ``noise - x0`` directly.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
@@ -60,6 +60,7 @@ ERNIEIMAGE = register_family(
     FamilyAdapter(
         name="ernieimage",
         model_class="ErnieImageTransformer2DModel",
+        flow_shift=FlowShift(3.0, source="ERNIE-Image scheduler config, as ai-toolkit declares it"),
         block_lists=(BlockList("blocks", "layers", SINGLE, ffn="mlp", attention="self_attention"),),
         text=lambda cfg: TextSpec(cfg["text_in_dim"]),
         make_inputs=_make_inputs,

@@ -7,7 +7,7 @@ Source: ``diffusers/models/transformers/transformer_ideogram4.py`` and
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 
 _TEXT, _IMAGE, _IMAGE_POSITION_OFFSET = 3, 2, 65536  # transformer_ideogram4.py constants
@@ -80,6 +80,8 @@ IDEOGRAM4 = register_family(
     FamilyAdapter(
         name="ideogram4",
         model_class="Ideogram4Transformer2DModel",
+        flow_shift=FlowShift(use_dynamic_shifting=True, mu_rule="ideogram4.pipeline_ideogram4:calculate_shift",
+                             source="Ideogram 4 scheduler config, as ai-toolkit declares it"),
         block_lists=(BlockList("blocks", "layers", SINGLE, ffn=None, attention=None),),
         text=lambda cfg: TextSpec(cfg["llm_features_dim"]),
         make_inputs=_make_inputs,

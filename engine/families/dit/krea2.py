@@ -8,7 +8,7 @@ in [0, 1].
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
@@ -54,6 +54,9 @@ KREA2 = register_family(
     FamilyAdapter(
         name="krea2",
         model_class="Krea2Transformer2DModel",
+        flow_shift=FlowShift(use_dynamic_shifting=True, max_image_seq_len=6400,
+                             mu_rule="krea2.pipeline_krea2:calculate_shift",
+                             source="Krea 2 scheduler config, as ai-toolkit declares it"),
         block_lists=(
             _unrouted("text_layerwise", "text_fusion.layerwise_blocks"),
             _unrouted("text_refiner", "text_fusion.refiner_blocks"),

@@ -8,7 +8,7 @@ built from the mask's sum).
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
 from ..lazy import torch
 from ..position_tables import axes_lens
@@ -40,6 +40,8 @@ LUMINA2 = register_family(
     FamilyAdapter(
         name="lumina2",
         model_class="Lumina2Transformer2DModel",
+        flow_shift=FlowShift(6.0, mu_rule="lumina2.pipeline_lumina2:calculate_shift",
+                             source="Alpha-VLLM/Lumina-Image-2.0: shift 6.0 (ComfyUI's Lumina2 model sampling)"),
         block_lists=(_blocks("context_refiner", routed=False), _blocks("noise_refiner", routed=False),
                      _blocks("layers")),
         text=lambda cfg: TextSpec(cfg["cap_feat_dim"]),

@@ -9,7 +9,7 @@ between blocks are not modelled: the runner detects them and falls back to per-b
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..timesteps import scheduler_timesteps
 
@@ -33,6 +33,8 @@ SANA = register_family(
     FamilyAdapter(
         name="sana",
         model_class="SanaTransformer2DModel",
+        flow_shift=FlowShift(3.0, source="Sana 1024px: DPMSolverMultistepScheduler flow_shift 3.0 "
+                             "(diffusers scripts/convert_sana_to_diffusers.py; 6.0 at 4K)"),
         block_lists=(BlockList("blocks", "transformer_blocks", SINGLE, ffn="ff", attention="attn1"),),
         text=lambda cfg: TextSpec(cfg["caption_channels"]),
         make_inputs=_make_inputs,

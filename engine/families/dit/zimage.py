@@ -7,7 +7,7 @@ negates it to give the flow velocity ``noise - x0``.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..position_tables import axes_lens
 
@@ -35,6 +35,9 @@ ZIMAGE = register_family(
     FamilyAdapter(
         name="zimage",
         model_class="ZImageTransformer2DModel",
+        flow_shift=FlowShift(3.0, mu_rule="z_image.pipeline_z_image:calculate_shift",
+                             source="Tongyi-MAI/Z-Image-Turbo scheduler config, as ai-toolkit declares it "
+                             "(the Z-Image base checkpoint ships 6.0)"),
         block_lists=(
             BlockList("noise_refiner", "noise_refiner", SINGLE, ffn="feed_forward", attention="attention"),
             BlockList("context_refiner", "context_refiner", SINGLE, ffn="feed_forward", attention="attention"),

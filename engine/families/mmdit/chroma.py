@@ -8,7 +8,7 @@ Conventions: 16-channel Flux VAE latents, 2x2-packed; ``img_ids (h, w, 3)`` as i
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX, TextEncoders
 from ..lazy import torch
 from ..packing import image_ids, pack_2x2, read_packed_2x2
@@ -52,6 +52,8 @@ CHROMA = register_family(
     FamilyAdapter(
         name="chroma",
         model_class="ChromaTransformer2DModel",
+        flow_shift=FlowShift(3.0, use_dynamic_shifting=True, mu_rule="chroma.pipeline_chroma:calculate_shift",
+                             source="lodestones/Chroma scheduler config, as ai-toolkit declares it"),
         block_lists=(
             BlockList("double", "transformer_blocks", _DOUBLE, ffn="ff", attention="attn"),
             BlockList("single", "single_transformer_blocks", SINGLE, ffn=("proj_mlp", "act_mlp"),

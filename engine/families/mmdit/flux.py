@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import FLUX as FLUX_LATENTS
 from ..conditioning import TextEncoders
 from ..lazy import torch
@@ -33,6 +33,9 @@ FLUX = register_family(
     FamilyAdapter(
         name="flux",
         model_class="FluxTransformer2DModel",
+        flow_shift=FlowShift(3.0, use_dynamic_shifting=True, mu_rule="flux.pipeline_flux:calculate_shift",
+                             source="black-forest-labs/FLUX.1-dev scheduler_config.json"),
+        guidance_input=True,
         block_lists=(
             BlockList("double", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),
             BlockList("single", "single_transformer_blocks", _CARRY, ffn=("proj_mlp", "act_mlp"),

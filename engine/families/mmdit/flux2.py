@@ -8,7 +8,7 @@ Conventions: 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into 128-chan
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
 
@@ -59,6 +59,11 @@ FLUX2 = register_family(
     FamilyAdapter(
         name="flux2",
         model_class="Flux2Transformer2DModel",
+        flow_shift=FlowShift(3.0, use_dynamic_shifting=True, mu_steps=50,
+                             mu_rule="flux2.pipeline_flux2:compute_empirical_mu",
+                             source="black-forest-labs/FLUX.2-dev scheduler config, as ai-toolkit and SimpleTuner "
+                             "declare it; Flux2Pipeline's compute_empirical_mu at its default 50 steps"),
+        guidance_input=True,
         block_lists=(
             BlockList("double", "transformer_blocks", _DOUBLE, ffn="ff", attention="attn"),
             BlockList("single", "single_transformer_blocks", SINGLE, ffn=None, attention="attn"),

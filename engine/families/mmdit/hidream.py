@@ -8,7 +8,7 @@ patchifies itself; the timestep is the scheduler timestep; the model takes no te
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..lazy import torch
 from ..position_tables import hidream_tokens
 from ..timesteps import scheduler_timesteps
@@ -84,6 +84,8 @@ HIDREAM = register_family(
     FamilyAdapter(
         name="hidream",
         model_class="HiDreamImageTransformer2DModel",
+        flow_shift=FlowShift(3.0, mu_rule="hidream_image.pipeline_hidream_image:calculate_shift",
+                             source="HiDream-ai/HiDream-I1-Full, as ai-toolkit declares it"),
         block_lists=(
             _blocks("double", "double_stream_blocks", _DOUBLE),
             _blocks("single", "single_stream_blocks", _SINGLE),

@@ -8,7 +8,7 @@ between blocks are not modelled: the runner detects them and falls back to per-b
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import QWEN_IMAGE_TEMPLATE, WAN21, TextEncoders
 from ..lazy import torch
 from ..packing import pack_2x2, unpack_2x2
@@ -38,6 +38,10 @@ QWENIMAGE = register_family(
     FamilyAdapter(
         name="qwenimage",
         model_class="QwenImageTransformer2DModel",
+        flow_shift=FlowShift(use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192,
+                             shift_terminal=0.02,
+                             mu_rule="qwenimage.pipeline_qwenimage:calculate_shift",
+                             source="Qwen/Qwen-Image scheduler_config.json, as ai-toolkit copies it"),
         block_lists=(BlockList("blocks", "transformer_blocks", _CARRY, ffn="img_mlp", attention="attn"),),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"]),
         make_inputs=_make_inputs,

@@ -9,7 +9,7 @@ not modelled: the runner detects them and falls back to per-block for the list.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import SD3 as SD3_LATENTS
 from ..conditioning import TextEncoders
 from ..lazy import torch
@@ -34,6 +34,8 @@ SD3 = register_family(
     FamilyAdapter(
         name="sd3",
         model_class="SD3Transformer2DModel",
+        flow_shift=FlowShift(3.0, mu_rule="stable_diffusion_3.pipeline_stable_diffusion_3:calculate_shift",
+                             source="stabilityai/stable-diffusion-3.5-large scheduler_config.json"),
         block_lists=(BlockList("joint", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),),
         text=lambda cfg: TextSpec(cfg["joint_attention_dim"], cfg["pooled_projection_dim"]),
         make_inputs=_make_inputs,

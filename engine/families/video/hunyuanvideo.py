@@ -7,7 +7,7 @@ file (``hunyuanvideo15.py``).
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import HUNYUAN_VIDEO
 from ..frames import HUNYUAN_VIDEO_VAE
 from ..lazy import torch
@@ -43,6 +43,9 @@ HUNYUANVIDEO = register_family(
     FamilyAdapter(
         name="hunyuanvideo",
         model_class="HunyuanVideoTransformer3DModel",
+        flow_shift=FlowShift(7.0, source="hunyuanvideo-community/HunyuanVideo: shift 7.0 (diffusers "
+                             "scripts/convert_hunyuan_video_to_diffusers.py --flow_shift)"),
+        guidance_input=True,
         block_lists=(
             BlockList("double", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),
             BlockList("single", "single_transformer_blocks", _CARRY, ffn=("proj_mlp", "act_mlp"),

@@ -6,7 +6,7 @@ with ``pipelines/hunyuan_video1_5`` for how the transformer is called.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..frames import FrameRule
 from ..lazy import torch
 from ..timesteps import scheduler_timesteps
@@ -48,6 +48,8 @@ HUNYUANVIDEO15 = register_family(
     FamilyAdapter(
         name="hunyuanvideo15",
         model_class="HunyuanVideo15Transformer3DModel",
+        flow_shift=FlowShift(5.0, source="HunyuanVideo-1.5 480p T2V: shift 5.0 (diffusers "
+                             "scripts/convert_hunyuan_video1_5_to_diffusers.py; 9.0 at 720p)"),
         block_lists=(BlockList("blocks", "transformer_blocks", _CARRY, ffn="ff", attention="attn"),),
         text=lambda cfg: TextSpec(cfg["text_embed_dim"]),
         make_inputs=_make_inputs,

@@ -8,7 +8,7 @@ same layout. LTX-2 has its own file (``ltx2video.py``).
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import LTXV, TextEncoders
 from ..frames import LTX_VIDEO_VAE
 from ..lazy import torch
@@ -42,6 +42,11 @@ LTXVIDEO = register_family(
     FamilyAdapter(
         name="ltxvideo",
         model_class="LTXVideoTransformer3DModel",
+        flow_shift=FlowShift(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+                             shift_terminal=0.1,
+                             mu_rule="ltx.pipeline_ltx:calculate_shift",
+                             source="Lightricks/LTX-Video 0.9.1 scheduler (diffusers "
+                             "scripts/convert_ltx_to_diffusers.py; 0.9.5 and 0.9.7: static 1.0)"),
         block_lists=(BlockList("blocks", "transformer_blocks", SINGLE, ffn="ff", attention=None),),
         text=lambda cfg: TextSpec(cfg["caption_channels"]),
         make_inputs=_make_inputs,

@@ -8,7 +8,7 @@ come back in the same layout; only the video prediction is read.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..frames import FrameRule
 from ..lazy import torch
 from ..packing import pack_video, read_packed_video
@@ -73,6 +73,10 @@ LTX2VIDEO = register_family(
     FamilyAdapter(
         name="ltx2video",
         model_class="LTX2VideoTransformer3DModel",
+        flow_shift=FlowShift(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+                             shift_terminal=0.1,
+                             mu_rule="ltx2.pipeline_ltx2:calculate_shift",
+                             source="Lightricks/LTX-2 scheduler config, as ai-toolkit declares it"),
         block_lists=(BlockList("blocks", "transformer_blocks", _CARRY, ffn="ff", attention="attn1"),),
         text=lambda cfg: TextSpec(cfg["caption_channels"]),
         make_inputs=_make_inputs,

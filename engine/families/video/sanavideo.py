@@ -6,7 +6,7 @@ Source read: ``diffusers/models/transformers/transformer_sana_video.py`` (diffus
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
@@ -41,6 +41,8 @@ SANAVIDEO = register_family(
     FamilyAdapter(
         name="sanavideo",
         model_class="SanaVideoTransformer3DModel",
+        flow_shift=FlowShift(8.0, source="SANA-Video: flow_shift 8.0 (diffusers "
+                             "scripts/convert_sana_video_to_diffusers.py)"),
         block_lists=(BlockList("blocks", "transformer_blocks", SINGLE, ffn="ff", attention=None),),
         text=lambda cfg: TextSpec(cfg["caption_channels"]),
         make_inputs=_make_inputs,

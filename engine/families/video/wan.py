@@ -8,7 +8,7 @@ adapter does the same with the batch's mask.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
 from ..frames import WAN_VAE
 from ..lazy import torch
@@ -29,6 +29,8 @@ WAN = register_family(
     FamilyAdapter(
         name="wan",
         model_class="WanTransformer3DModel",
+        flow_shift=FlowShift(3.0, source="Wan2.1 T2V Diffusers: UniPCMultistepScheduler flow_shift 3.0 (diffusers "
+                             "scripts/convert_wan_to_diffusers.py; WanPipeline's docs: 5.0 at 720p)"),
         block_lists=(BlockList("blocks", "blocks", SINGLE, ffn="ffn", attention="attn1"),),
         text=lambda cfg: TextSpec(cfg["text_dim"]),
         make_inputs=_make_inputs,

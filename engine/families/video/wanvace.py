@@ -7,7 +7,7 @@ prompt as in Wan; the timestep is the scheduler timestep.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
 from ..conditioning import WAN21, TextEncoders
 from ..frames import WAN_VAE
 from ..lazy import torch
@@ -49,6 +49,8 @@ WANVACE = register_family(
     FamilyAdapter(
         name="wanvace",
         model_class="WanVACETransformer3DModel",
+        flow_shift=FlowShift(3.0, source="Wan VACE Diffusers: UniPCMultistepScheduler flow_shift 3.0 (diffusers "
+                             "scripts/convert_wan_to_diffusers.py)"),
         block_lists=(
             BlockList("vace", "vace_blocks", _VACE, ffn="ffn", attention="attn1"),
             BlockList("blocks", "blocks", SINGLE, ffn="ffn", attention="attn1"),

@@ -1,0 +1,148 @@
+"""A flow family's inference shift: its released scheduler config as data (:class:`FlowShift`), a model
+folder's ``scheduler/scheduler_config.json`` over it, and the ``mu`` a batch's image tokens resolve it to
+through the family's diffusers pipeline function. A static shift ``s`` (``s t / (1 + (s - 1) t)``) is the
+time shift ``mu = ln s``; a dynamic one (``use_dynamic_shifting``) takes ``mu`` from ``calculate_shift`` of
+the tokens (Flux.2: ``compute_empirical_mu``), mapped by the scheduler's ``time_shift(mu, 1, t)``. Training
+draws are not stretched to ``shift_terminal`` (an inference schedule's last step; musubi-tuner and
+SimpleTuner do not stretch either); previews are. docs/FAMILIES.md "Noise schedule" lists the families'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .lazy import import_attribute
+
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+"""Where a diffusers pipeline folder keeps its scheduler's config."""
+TIME_SHIFT_TYPES = ("exponential", "linear")
+NUMBERS = ("shift", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
+SCHEDULER_KEYS = (*NUMBERS, "use_dynamic_shifting", "time_shift_type", "shift_terminal")
+"""The scheduler config keys :class:`FlowShift` reads from a file (UniPC's and DPM-Solver's ``flow_shift``
+reads as ``shift``)."""
+
+
+class SchedulerConfigError(ValueError):
+    """A model folder's scheduler config cannot be read; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ResolvedShift:
+    """The shift of one token count, ``t -> time_shift(mu, 1, t)``: ``mu`` (``ln s`` of a static ``s``),
+    its ``time_shift_type``, the ``tokens`` it was resolved for and whether ``mu`` is ``dynamic``."""
+
+    mu: float
+    time_shift_type: str = "exponential"
+    tokens: int | None = None
+    dynamic: bool = False
+
+    @property
+    def shift(self) -> float:
+        """The static shift with the same effect: ``e^mu`` (``mu`` for the linear type)."""
+        return math.exp(self.mu) if self.time_shift_type == "exponential" else self.mu
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shift": self.shift, "mu": self.mu, "time_shift_type": self.time_shift_type, "tokens": self.tokens,
+                "dynamic": self.dynamic}
+
+
+def static_shift(shift: float) -> ResolvedShift:
+    """A static ``shift`` (a finite number > 0) as the exponential time shift ``mu = ln shift``."""
+    return ResolvedShift(math.log(shift))
+
+
+@dataclass(frozen=True)
+class FlowShift:
+    """A flow family's scheduler config, as far as it shifts noise levels, and its pipeline's mu rule.
+
+    The scheduler keys default to ``FlowMatchEulerDiscreteScheduler``'s (diffusers 0.42), which a config
+    file's missing keys take (``tests/train/test_objectives.py`` compares them).
+
+    Attributes:
+        shift: the static shift; use_dynamic_shifting: mu from the image tokens through :attr:`mu_rule`.
+        base_shift, max_shift, base_image_seq_len, max_image_seq_len: ``calculate_shift``'s line.
+        time_shift_type: ``exponential`` or ``linear``. shift_terminal: an inference's last sigma, or ``None``.
+        mu_rule: ``"<module under diffusers.pipelines>:<function>"``, the pipeline's mu function.
+        mu_steps: the rule takes ``(tokens, steps)`` (Flux.2's ``compute_empirical_mu`` at its pipeline's
+            default steps); ``None``: ``(tokens, base_image_seq_len, max_image_seq_len, base_shift, max_shift)``.
+        source: where the values come from (the released config, or the file read).
+    """
+
+    shift: float = 1.0
+    use_dynamic_shifting: bool = False
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    time_shift_type: str = "exponential"
+    shift_terminal: float | None = None
+    mu_rule: str = "flux.pipeline_flux:calculate_shift"
+    mu_steps: int | None = None
+    source: str = ""
+
+    def with_file(self, path: str | Path) -> "FlowShift":
+        """The scheduler config file ``path``: its keys over the scheduler's defaults (as ``from_config`` builds
+        it: the declared values fill no key the file leaves out); the mu rule stays this one's.
+
+        Raises:
+            SchedulerConfigError: not a JSON object, or a key of the wrong kind (named).
+        """
+        try:
+            values = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SchedulerConfigError(f"scheduler config {path} could not be read as JSON: {exc}") from exc
+        if not isinstance(values, dict):
+            raise SchedulerConfigError(f"scheduler config {path} is not a JSON object")
+        if "shift" not in values and values.get("flow_shift") is not None:
+            values = {**values, "shift": values["flow_shift"]}
+        read = {key: values[key] for key in SCHEDULER_KEYS if key in values}
+        config = replace(FlowShift(mu_rule=self.mu_rule, mu_steps=self.mu_steps), **read, source=str(path))
+        bad = [key for key in NUMBERS if isinstance(getattr(config, key), bool)
+               or not isinstance(getattr(config, key), (int, float)) or not math.isfinite(getattr(config, key))]
+        bad += ["shift"] if "shift" not in bad and not config.shift > 0 else []
+        if config.time_shift_type not in TIME_SHIFT_TYPES:
+            bad.append("time_shift_type")
+        if not isinstance(config.use_dynamic_shifting, bool):
+            bad.append("use_dynamic_shifting")
+        if bad:
+            raise SchedulerConfigError(f"scheduler config {path}: {bad[0]}={getattr(config, bad[0])!r} is invalid: "
+                                       f"allowed numbers ({', '.join(NUMBERS)}; shift > 0), time_shift_type "
+                                       f"{' or '.join(TIME_SHIFT_TYPES)}, use_dynamic_shifting true or false")
+        return config
+
+    def resolve(self, tokens: int) -> ResolvedShift:
+        """The shift of a sample of ``tokens`` image tokens: the static ``shift``, or with dynamic shifting
+        the mu the pipeline's own function computes for them (imported from diffusers on first use)."""
+        if not self.use_dynamic_shifting:
+            return static_shift(self.shift)
+        module, name = self.mu_rule.split(":")
+        rule = import_attribute(f"diffusers.pipelines.{module}", name)
+        mu = (rule(tokens, self.mu_steps) if self.mu_steps is not None
+              else rule(tokens, self.base_image_seq_len, self.max_image_seq_len, self.base_shift, self.max_shift))
+        return ResolvedShift(float(mu), self.time_shift_type, tokens, True)
+
+    def describe(self) -> str:
+        """One line: ``shift 3`` or ``dynamic: mu 0.5 at 256 to 1.15 at 4096 tokens`` (+ ``shift_terminal``)."""
+        terminal = f", shift_terminal {self.shift_terminal:g}" if self.shift_terminal else ""
+        kind = "" if self.time_shift_type == "exponential" else f", {self.time_shift_type}"
+        if not self.use_dynamic_shifting:
+            return f"shift {self.shift:g}{terminal}"
+        if self.mu_steps is not None:
+            return f"dynamic: {self.mu_rule.split(':')[1]}(tokens, {self.mu_steps} steps){kind}{terminal}"
+        return (f"dynamic: mu {self.base_shift:g} at {self.base_image_seq_len} to {self.max_shift:g} at "
+                f"{self.max_image_seq_len} tokens{kind}{terminal}")
+
+
+def scheduler_settings(declared: FlowShift | None, folder: str | Path) -> FlowShift | None:
+    """A pipeline folder's ``scheduler/scheduler_config.json`` (:meth:`FlowShift.with_file`, with the mu
+    rule of the family's ``declared`` config), or ``None`` when it has none (``declared`` applies).
+
+    Raises:
+        SchedulerConfigError: the file cannot be read.
+    """
+    path = Path(folder) / SCHEDULER_CONFIG
+    return (declared or FlowShift()).with_file(path) if path.is_file() else None
