@@ -16,21 +16,26 @@ from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, CheckpointSchedule
 
 RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
-ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4"]
+ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4", "--flow-shift", "1"]
+"""The release's options; ``--flow-shift 1``: it drew its noise levels unshifted (issue 35's default is auto)."""
 ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format",
          "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames",
-         "compile_blocks"}
+         "compile_blocks", "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift",
+         "loss_weighting", "snr_gamma", "guidance_value"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
 what a resume does when the data changed; issue 23: which LoRA files a run writes; issue 24: the
-frame options of video families; issue 25: per-block compile)."""
+frame options of video families; issue 25: per-block compile; issue 35: the noise schedule)."""
 REMOVED = {"validation_steps"}
 
 
-def test_a_state_of_the_last_release_resumes(tmp_path):
+def test_a_state_of_the_last_release_resumes(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     shutil.copy(RELEASE / "training_state.safetensors", out)
+    # it drew unshifted noise levels: today's default (auto: Flux's own shift) would change them mid-run
+    assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *ARGS[:-2]]) == 2
+    assert "resume: flow_shift='auto' differs from the saved run's '1.0'" in capsys.readouterr().err
     assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *ARGS]) == 0
     report = json.loads((out / "report.json").read_text())
     old = json.loads((RELEASE / "report.json").read_text())
