@@ -238,3 +238,18 @@ def test_two_graphs_queued_into_one_run_name_get_two_folders(tmp_path):
     first, second = numbered_run(tmp_path, "lora_run"), numbered_run(tmp_path, "lora_run")
     assert (first.name, second.name) == ("lora_run_00001", "lora_run_00002")
     assert first.is_dir() and second.is_dir()
+
+
+def test_the_noise_schedule_node_reaches_the_run_config_and_refuses_by_name(base):
+    from segmented_checkpointing.nodes.training_nodes import run_config
+
+    node = NODES["SegCkptNoiseSchedule"]
+    values = {key: spec[1]["default"] for key, spec in node.INPUT_TYPES()["required"].items()}
+    (objective,) = node().build(**{**values, "timestep_sampling": "mode", "flow_shift": "3", "guidance_value": 3.5})
+    assert (objective.timestep_sampling, objective.shift, objective.guidance_value) == ("mode", 3.0, 3.5)
+    config = run_config({"run_name": "run", "noise_schedule": objective}, find_run=False)
+    assert config.objective == objective and config.to_dict()["flow_shift"] == "3.0"
+    assert "flow_shift='three' is invalid: allowed auto" in verdict(node, **{**values, "flow_shift": "three"})
+    sd3 = ModelSource(config.replace(family="sd3", guidance_value=1.0))  # guidance 3.5 on sd3: refused, one line
+    with pytest.raises(ValueError, match="guidance_value=3.5 is invalid for family 'sd3'"):
+        run_config({"run_name": "run", "noise_schedule": objective}, sd3, find_run=False)
