@@ -96,16 +96,16 @@ def check_objective(objective: ObjectiveConfig, family: Any) -> None:
     """The rules across the objective and ``family`` (a ``FamilyAdapter``).
 
     Raises:
-        ConfigError: an epsilon family given a flow sampling, shift or weighting (or ``min_snr``
-            on a flow family); ``guidance_value`` other than 1 for a family without a guidance input.
+        ConfigError: an epsilon family given a flow sampling (or its parameters), shift or
+            weighting (or ``min_snr`` on a flow family); ``guidance_value`` other than 1 for a family without a guidance input.
     """
     defaults = ObjectiveConfig()
     if family.objective == "epsilon":
-        for key in ("timestep_sampling", "flow_shift"):
+        for key in ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift"):
             if getattr(objective, key) != getattr(defaults, key):
                 raise ConfigError(f"{key}={getattr(objective, key)!r} is invalid for family {family.name!r}: allowed "
                                   f"{getattr(defaults, key)} (its epsilon objective draws its DDPM steps uniformly; "
-                                  "flow_shift and timestep_sampling apply to flow families).")
+                                  f"{key} applies to flow families).")
     weightings = EPSILON_WEIGHTINGS if family.objective == "epsilon" else FLOW_WEIGHTINGS
     if objective.loss_weighting not in weightings:
         raise ConfigError(f"loss_weighting={objective.loss_weighting!r} is invalid for family {family.name!r} "

@@ -235,6 +235,7 @@ def test_guidance_reaches_the_model_scaled_as_its_pipeline_scales_it(name, guida
     ({"family": "sd3", "guidance_value": 3.5}, "guidance_value=3.5 is invalid for family 'sd3': allowed 1"),
     ({"family": "pixart", "flow_shift": 3}, "flow_shift='3.0' is invalid for family 'pixart': allowed auto"),
     ({"family": "pixart", "timestep_sampling": "mode"}, "timestep_sampling='mode' is invalid for family 'pixart'"),
+    ({"family": "pixart", "logit_mean": 1.0}, "logit_mean=1.0 is invalid for family 'pixart': allowed 0.0"),
     ({"family": "pixart", "loss_weighting": "cosmap"}, "loss_weighting='cosmap' is invalid for family 'pixart'"),
     ({"family": "flux", "loss_weighting": "min_snr"}, "allowed none, sigma_sqrt, cosmap"),
     ({"flow_shift": "three"}, "flow_shift='three' is invalid: allowed auto"),
