@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..config import RESUME_KEYS, ConfigError, TrainConfig
-from ..config.train import warn_resume_schedule
+from ..config.train import BEFORE_KEYS, warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.folder import DatasetScan
 from ..data.limits import check_resolution
@@ -136,7 +136,8 @@ def check_output(config: TrainConfig) -> None:
         return
     header = read_state_header(outputs.output)
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
-    defaults = TrainConfig().to_dict()  # a state saved before a key existed ran with its default
+    # a state saved before a key existed ran with its default, or with what BEFORE_KEYS says
+    defaults = {**TrainConfig().to_dict(), **BEFORE_KEYS}
     for key in RESUME_KEYS:
         if key == "data" and "data" in header["inputs"]:  # the fingerprint compares the folder's content
             continue
