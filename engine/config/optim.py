@@ -23,10 +23,10 @@ here: its AdamWs whose state is stored in bf16, 4-bit or fp8 are torch's AdamW (
 8-bit AdamWs ``adamw8bit`` (README "SimpleTuner configs"); ``adamw`` and ``prodigy`` are spelled alike."""
 
 
-PROVIDERS = {"adamw": ("torch",), "adafactor": ("torch",), "adamw8bit": ("torchao", "bitsandbytes"),
+PROVIDERS = {"adamw": ("torch.optim",), "adafactor": ("torch.optim",), "adamw8bit": ("torchao", "bitsandbytes"),
              "prodigy": ("prodigyopt",)}
 """The packages that implement each optimizer, the preferred first (torchao's AdamW8bit, else
-bitsandbytes'); ``torch`` is always there."""
+bitsandbytes'); ``torch.optim`` is always there."""
 PIP = {"torchao": "pip install torchao", "bitsandbytes": "pip install bitsandbytes",
        "prodigyopt": "pip install prodigyopt"}
 """What installs each optional package (the ``optimizers`` extra of pyproject.toml installs
@@ -45,7 +45,7 @@ def optimizer_provider(name: str, device_type: str = "cpu") -> str:
         ConfigError: no package that implements it is installed (one line naming the pip command).
     """
     for package in PROVIDERS[name]:
-        if package == "torch":
+        if package == "torch.optim":
             return package
         if importlib.util.find_spec(package) is None:
             continue
@@ -55,7 +55,7 @@ def optimizer_provider(name: str, device_type: str = "cpu") -> str:
     needs = " or ".join(f"{p} ({PIP[p]}{' with triton' if p == 'torchao' and device_type == 'cuda' else ''})"
                         for p in PROVIDERS[name])
     raise ConfigError(f"optimizer={name!r} needs {needs}, which is not installed here; allowed "
-                      f"{', '.join(n for n, ps in PROVIDERS.items() if ps == ('torch',))} without it.")
+                      f"{', '.join(n for n, ps in PROVIDERS.items() if ps == ('torch.optim',))} without it.")
 
 
 def _scheduler(value: Any) -> Any:

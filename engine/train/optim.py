@@ -90,12 +90,12 @@ class OptimizerKind:
 
 
 OPTIMIZER_TABLE: dict[tuple[str, str], OptimizerKind] = {(k.name, k.provider): k for k in (
-    OptimizerKind("adamw", "torch", _adamw, "two fp32 moments (8 bytes)"),
+    OptimizerKind("adamw", "torch.optim", _adamw, "two fp32 moments (8 bytes)"),
     OptimizerKind("adamw8bit", "torchao", _torchao_adamw8bit, "two 8-bit moments and an fp32 scale per 256 "
                   "(about 2 bytes; tensors under 4096 values stay fp32)"),
     OptimizerKind("adamw8bit", "bitsandbytes", _bitsandbytes_adamw8bit, "two 8-bit moments and an fp32 scale per "
                   "256 (about 2 bytes; tensors under 4096 values stay fp32)"),
-    OptimizerKind("adafactor", "torch", _adafactor, "a factored second moment: a row and a column vector per "
+    OptimizerKind("adafactor", "torch.optim", _adafactor, "a factored second moment: a row and a column vector per "
                   "matrix (fp32), no first moment"),
     OptimizerKind("prodigy", "prodigyopt", _prodigy, "two fp32 moments, the initial weights and an fp32 "
                   "accumulator (16 bytes)"),
