@@ -19,9 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
-    # Prodigy keeps four states per LoRA parameter: the blocks left out add theirs, as measured
-    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"),
-                                optimizer="prodigy", learning_rate=1.0)
+    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"))
     bundle = build_preset("flux")
     with RunWorkspace(config, bundle) as workspace:
         measured = probe(config, bundle, workspace=workspace)
@@ -93,7 +91,9 @@ def test_a_plain_step_that_does_not_fit_is_probed_on_a_shallow_copy(tmp_path):
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             yield from super().__iter__()
 
-    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"))
+    # Prodigy keeps four states per LoRA parameter: the blocks left out add theirs, as measured
+    config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"),
+                                optimizer="prodigy", learning_rate=1.0)
     bundle = build_preset("flux")
     with RunWorkspace(config, bundle) as workspace:
         full = probe(config, bundle, workspace=workspace)
