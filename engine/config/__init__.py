@@ -20,6 +20,7 @@ from .train import (
     NO_GUARDRAILS,
     OPTIONS,
     RESUME_KEYS,
+    SAVED_BEFORE,
     TrainConfig,
     derived_seed,
     option_named,
@@ -27,7 +28,7 @@ from .train import (
 )
 from .validation import ValidationConfig
 
-__all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "CheckpointSchedule", "ConfigError",
-           "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings", "ModelConfig",
-           "OptimizerConfig", "Option", "OutputConfig", "ScheduleError", "ShardingConfig", "TrainConfig",
+__all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "SAVED_BEFORE", "CheckpointSchedule",
+           "ConfigError", "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings",
+           "ModelConfig", "OptimizerConfig", "Option", "OutputConfig", "ScheduleError", "ShardingConfig", "TrainConfig",
            "ValidationConfig", "derived_seed", "option_named", "read_config_file"]

@@ -49,10 +49,9 @@ RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text
                "lr_scheduler", "lr_warmup_steps", "weight_decay", "optimizer", "max_grad_norm", "caption_dropout")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer);
 the batch must be the same global batch (``engine/train/checks.py``), however many processes share it."""
-
-BEFORE_KEYS = {"max_grad_norm": 0.0}
-"""What a run saved before a key of :data:`RESUME_KEYS` existed ran with, where that is not the key's
-default: gradients were not clipped before ``max_grad_norm`` (issue 35)."""
+SAVED_BEFORE = {"max_grad_norm": 0.0}
+"""What a run saved before a resume key existed ran with, where that is not the key's default now (a
+state saved before ``max_grad_norm`` did not clip its gradients)."""
 
 NESTED = ("lora", "schedule")
 """Components whose keys :meth:`TrainConfig.to_dict` nests under their name (as ``report.json`` has

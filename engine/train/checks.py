@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from ..config import RESUME_KEYS, ConfigError, TrainConfig
-from ..config.train import BEFORE_KEYS, warn_resume_schedule
+from ..config import RESUME_KEYS, SAVED_BEFORE, ConfigError, TrainConfig
+from ..config.train import warn_resume_schedule
 from ..data.checks import check_dataset
 from ..data.folder import DatasetScan
 from ..data.limits import check_resolution
@@ -136,8 +136,8 @@ def check_output(config: TrainConfig) -> None:
         return
     header = read_state_header(outputs.output)
     saved, now = header["config"], json.loads(json.dumps(config.to_dict(), default=str))
-    # a state saved before a key existed ran with its default, or with what BEFORE_KEYS says
-    defaults = {**TrainConfig().to_dict(), **BEFORE_KEYS}
+    # a state saved before a key existed ran with its default then (SAVED_BEFORE), else its default now
+    defaults = {**TrainConfig().to_dict(), **SAVED_BEFORE}
     for key in RESUME_KEYS:
         if key == "data" and "data" in header["inputs"]:  # the fingerprint compares the folder's content
             continue
