@@ -256,8 +256,10 @@ def _text(cache: dict[str, torch.Tensor], index: list[int], dropped: torch.Tenso
     bool) the empty caption's (``empty``, ``(1, L, D)``: ``caption_dropout``)."""
     text = TextBatch(cache["text_seq"][index], cache["text_mask"][index],
                      cache["text_pooled"][index] if "text_pooled" in cache else None)
-    if empty is None or not bool(dropped.any()):
+    if not bool(dropped.any()):
         return text
+    if empty is None:  # the run's checks refuse caption_dropout where no empty caption is encoded
+        raise ValueError("caption_dropout: no empty caption's conditioning was encoded for this run")
 
     def pick(rows: torch.Tensor, blank: torch.Tensor) -> torch.Tensor:
         return torch.where(dropped.view(-1, *[1] * (rows.ndim - 1)), blank.to(rows.dtype), rows)

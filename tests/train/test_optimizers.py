@@ -234,6 +234,14 @@ def test_a_missing_optimizer_package_is_named_with_its_pip_command_before_any_mo
         TrainingRun(TrainConfig.create(optimizer="prodigy", output=str(tmp_path / "o")))
 
 
+def test_prodigy_below_its_learning_rate_convention_warns():
+    from segmented_checkpointing.engine.config import ConfigWarning, OptimizerConfig
+    from segmented_checkpointing.engine.train.optim import make_optimizer
+
+    with pytest.warns(ConfigWarning, match=r"optimizer=prodigy with learning_rate=0.001: .* advise 1.0 \(--lr 1\)"):
+        make_optimizer(_grads(4), OptimizerConfig(name="prodigy"))
+
+
 def test_caption_dropout_on_prepared_data_is_refused(tmp_path):
     from segmented_checkpointing.engine.data.precheck import precheck
 
