@@ -19,7 +19,7 @@ LAYERS = {"files": 0, "families": 0, "config": 1, "core": 2, "model": 3, "data":
 """Lower layers never import higher ones: files, families <- config <- core <- model <- data <- train <- measure
 (``files``: reading and writing files safely; it imports no engine module)."""
 OPTIONAL_HEAVY = ("matplotlib", "skimage", "torchao", "transformers", "diffusers.modular_pipelines", "av",
-                  "torch._dynamo")
+                  "torch._dynamo", "prodigyopt", "bitsandbytes")
 """Imported inside the function that needs them: optional, or heavy and needed by one feature."""
 HEAVY = ("torch", "diffusers", "peft", "torchao", "transformers", "accelerate", "safetensors")
 """Libraries the declarations (config/, families/) never import at module level, so that ``--help``, a

@@ -106,6 +106,11 @@ class DataConfig:
         None, "Images per micro-batch over all processes, instead of batch_size: with fsdp on N processes each trains "
         "global_batch_size / N of them (a multiple of N); one process trains them all. Unset: batch_size per process.",
         "--global-batch-size", min=1, max=MAX_BATCH)
+    caption_dropout: float = option(0.0, "Probability that a sample trains with the empty caption's conditioning "
+                                    "instead of its own (encoded once by the same text encoder); drawn per sample "
+                                    "and step from the run's seed (resume-exact), counted in report.json. Needs "
+                                    "captions encoded here (an image folder).", "--caption-dropout", min=0, max=1,
+                                    step=0.01)
 
     def __post_init__(self) -> None:
         check_options(self)

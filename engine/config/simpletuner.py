@@ -32,9 +32,6 @@ ATTENTION = {"diffusers": "auto", "native-flash": "flash", "native-efficient": "
              "cudnn": "cudnn"}
 """SimpleTuner ``attention_mechanism`` values that select PyTorch SDPA kernels, as ``attention_backend``."""
 
-ADAMW = ("adamw", "adamw_bf16", "optimi-adamw", "ao-adamw8bit", "ao-adamw4bit", "ao-adamwfp8")
-"""SimpleTuner ``optimizer`` values that are AdamW (their state's storage differs; here it is fp32)."""
-
 
 @dataclass(frozen=True)
 class Alias:
@@ -121,8 +118,8 @@ ALIASES: dict[str, Alias] = {a.key: a for a in (
           "cudnn: that SDPA kernel; the others are refused", _attention),
     Alias(SWAP_ALIAS, "weight_offload, weight_offload_blocks", "N >= 1 streams the frozen weights of N blocks from "
           "host memory; 0: none", swap_alias),
-    Alias("optimizer", "(AdamW)", f"{', '.join(ADAMW)}: torch's AdamW (fp32 state); the others are refused",
-          _one_of("optimizer", ADAMW, "this pack trains with torch's AdamW")),
+    Alias("caption_dropout_probability", "caption_dropout", "the probability that a sample trains with the empty "
+          "caption", _as("caption_dropout")),
     Alias("model_type", "(lora)", "lora; full is refused", _one_of("model_type", ("lora",), "this pack trains LoRAs")),
     Alias("lora_type", "(peft LoRA)", "standard; lycoris is refused",
           _one_of("lora_type", ("standard",), "this pack trains peft LoRAs")),
@@ -138,20 +135,20 @@ SAME_KEYS = {
     "gradient_checkpointing": "true alone: every block", "gradient_checkpointing_interval": "",
     "gradient_checkpointing_segment_stride": "", "gradient_checkpointing_backend": "",
     "gradient_checkpointing_offload_attention": "", "gradient_checkpointing_offload_pin_memory_max_buckets": "",
-    "validation_num_inference_steps": "",
+    "validation_num_inference_steps": "", "max_grad_norm": "",
+    "optimizer": "adamw_bf16, optimi-adamw, ao-adamw4bit, ao-adamwfp8 read as adamw (fp32 state); ao-adamw8bit, "
+                 "bnb-adamw8bit as adamw8bit; adamw, prodigy alike; the others are refused",
 }
 """Keys SimpleTuner and this pack spell alike, with the same meaning (a note where some values differ)."""
 
 IGNORED = {
     "num_train_epochs": "steps are counted, not epochs: set max_train_steps",
     "data_backend_config": "its datasets are not read: set instance_data_dir or data to one image folder",
-    "max_grad_norm": "gradients are not clipped",
     "use_ema": "no EMA copy is kept",
     "validation_seed": "previews use seed",
     "validation_resolution": "previews are at the training resolution",
     "validation_guidance": "previews sample without classifier-free guidance",
     "resolution_type": "resolution is in pixels",
-    "caption_dropout_probability": "captions are never dropped",
     "checkpoints_total_limit": "one resumable state is kept",
     "report_to": "no trackers", "logging_dir": "no trackers", "tracker_project_name": "no trackers",
     "push_to_hub": "nothing is uploaded", "hub_model_id": "nothing is uploaded",

@@ -46,13 +46,15 @@ out-of-memory error or a non-finite value ends it."""
 
 RESUME_KEYS = ("family", "preset", "model_path", "model_file", "vae_path", "text_encoder_path", "data", "init_lora",
                "resolution", "buckets", "gradient_accumulation_steps", "seed", "lora", "learning_rate",
-               "lr_scheduler", "lr_warmup_steps", "weight_decay", "timestep_sampling", "logit_mean", "logit_std",
-               "mode_scale", "flow_shift", "loss_weighting", "snr_gamma", "guidance_value")
+               "lr_scheduler", "lr_warmup_steps", "weight_decay", "optimizer", "max_grad_norm", "caption_dropout",
+               "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",
+               "guidance_value")
 """Options a resumed run must share with the saved one (they shape the model, data and optimizer);
 the batch must be the same global batch (``engine/train/checks.py``), however many processes share it."""
-SAVED_BEFORE = {"flow_shift": "1.0"}
+SAVED_BEFORE = {"flow_shift": "1.0", "max_grad_norm": 0.0}
 """What a run saved before a resume key existed ran with, where that is not the key's default now (a
-state saved before ``flow_shift`` drew its noise levels unshifted)."""
+state saved before ``flow_shift`` drew its noise levels unshifted; one saved before ``max_grad_norm``
+did not clip its gradients)."""
 
 NESTED = ("lora", "schedule")
 """Components whose keys :meth:`TrainConfig.to_dict` nests under their name (as ``report.json`` has
@@ -126,6 +128,10 @@ class TrainConfig:
             raise ConfigError("gradient_checkpointing_save_attention=True is invalid with "
                               "fsdp_activation_checkpointing=True: allowed false (FSDP's checkpoint_wrapper recomputes "
                               "whole blocks); with fsdp_activation_checkpointing false the segment runner keeps them")
+        if self.optimizer.name != "adamw":
+            raise ConfigError(f"optimizer={self.optimizer.name!r} is invalid: allowed adamw with fsdp (only a state "
+                              "whose slots have their parameter's shape is gathered for saving and sharded again on "
+                              "resume here; 8-bit, factored and flattened slots are not).")
         if self.schedule.streams:
             raise ConfigError("weight_offload='stream' is invalid: allowed none with fsdp (FSDP already shards the "
                               "frozen weights over the processes and gathers each block's before it runs).")
@@ -187,14 +193,14 @@ class TrainConfig:
         """
         base = base or cls()
         by_key = {opt.key: opt for opt in options_for(cls)}
-        components = {f.name for f in fields(cls) if f.name not in by_key and f.name != "ignored_keys"}
+        # a component's field name may also be a flat key ("optimizer": the component, or its name)
+        components = {f.name for f in fields(cls) if not f.metadata.get("option") and f.name != "ignored_keys"}
         changes: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
         values = flat_keys(values)
         for key, value in values.items():
             if key in components and (is_dataclass(value) or key == "guardrails" and value is None):
                 whole[key] = value
-        # SimpleTuner's "optimizer" is a name, our component an OptimizerConfig: only a component counts as one
         flags = {opt.cli.lstrip("-").replace("-", "_"): opt.key for opt in by_key.values()
                  if opt.cli is not None and opt.type is not bool}  # a bool's flag may say the opposite
         values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key), flags)

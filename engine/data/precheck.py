@@ -11,8 +11,10 @@ or ``--overwrite`` (or none to resume); a data folder with no image or clip
 (``engine/data/folder.py``'s scan, captions decoded; the images are read through by the run's own
 checks, ``engine/data/checks.py``); a frame count the family's frame rule does not take
 (``engine/families/frames.py``; the model's own bound on frames needs its config and is checked in
-``engine/data/limits.py``); and ``device=cuda`` where this machine certainly has no CUDA
-(:func:`cuda_absent`; where it may have one, torch decides in ``check_run``).
+``engine/data/limits.py``); ``caption_dropout`` on prepared data (no text encoder of ours encoded
+it); an ``optimizer`` whose package is not installed (``engine/config/optim.py``
+``optimizer_provider``: found, not imported); and ``device=cuda`` where this machine certainly has
+no CUDA (:func:`cuda_absent`; where it may have one, torch decides in ``check_run``).
 
 Every module this one imports imports no heavy library (``tests/test_startup.py`` holds the command
 line to it with an import hook).
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..config.optim import optimizer_provider
 from ..config.outputs import STATE_FILE
 from ..families import FamilyAdapter, family_names, get_family
 from ..files.atomic import check_writable
@@ -57,7 +60,8 @@ def precheck(config: TrainConfig, prepared: bool = False, family_known: bool = T
 
     Raises:
         ConfigError: see :func:`check_paths`, :func:`check_output_place`, :func:`check_frame_counts`;
-            ``device=cuda`` on a machine without CUDA.
+            ``device=cuda`` on a machine without CUDA; ``caption_dropout`` with prepared data; an
+            ``optimizer`` whose package is not installed.
         FolderInUseError: another live run holds the output folder.
         OutputWriteError: the output folder cannot be written.
         DamagedFileError: ``model_file`` or ``init_lora`` is missing, truncated or not a safetensors file.
@@ -69,6 +73,12 @@ def precheck(config: TrainConfig, prepared: bool = False, family_known: bool = T
     if prepared and config.data.buckets:  # ComfyUI's LATENT is one batch of one latent shape
         raise ConfigError("buckets=True is invalid with prepared data (ComfyUI LATENT + CONDITIONING: one batch of "
                           "one latent shape): allowed false; bucketing needs an image folder")
+    if prepared and config.data.caption_dropout > 0:  # no text encoder of ours encoded its captions
+        raise ConfigError(f"caption_dropout={config.data.caption_dropout!r} is invalid with prepared data (ComfyUI "
+                          "conditioning): allowed 0; the empty caption must be encoded by the text encoder that "
+                          "encoded the captions, which needs an image folder (dataset)")
+    # a missing package of the optimizer, named with its pip command before any import
+    optimizer_provider(config.optimizer.name, "cpu" if config.model.device == "cpu" or cuda_absent() else "cuda")
     check_paths(config, family_known)
     check_output_place(config)
     if config.data.folder is not None:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ConfigError, DataConfig, ModelConfig
+from ..families import TextBatch
 from ..families.limits import describe_bound, largest_square, model_limits
 from ..model.bundle import ModelBundle, ModelLoadError
 from ..model.text_encoders import TextEncoderWarning, caption_overflow, describe_text_encoder, stand_in_warning
@@ -29,7 +30,7 @@ from .buckets import (
 from .cache import assign_buckets, encode_latents, prepare_cache
 from .checks import check_dataset, relative_name, screen_sizes, warn_lossy
 from .comfy_data import ComfyDataError, PreparedData
-from .folder import DatasetScan, DataWarning, write_sample_dataset
+from .folder import DatasetError, DatasetScan, DataWarning, write_sample_dataset
 from .samplers import BucketSampler, EpochSampler, bucket_groups
 from .video import write_sample_clip
 from .windows import RandomWindows, choose_frames, first_window, frames_summary
@@ -55,6 +56,8 @@ class RunData:
     dataset: DatasetScan | None = None
     random_windows: RandomWindows | None = None
     """``frame_sampling=random``: draws and encodes the clips' windows per batch (``engine/data/windows.py``)."""
+    empty_text: TextBatch | None = None
+    """``caption_dropout``: the empty caption's conditioning, ``(1, L, D)`` (:func:`empty_caption`)."""
 
 
 def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: ModelBundle,
@@ -135,7 +138,29 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
         vae = bundle.vae
         drawn = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
                                seed, data.frame_rate)
-    return RunData(cache, epoch, summary, text_encoder, dataset, drawn)
+    empty = empty_caption(bundle.encode_text, cache) if data.caption_dropout > 0 else None
+    return RunData(cache, epoch, summary, text_encoder, dataset, drawn, empty)
+
+
+def empty_caption(encode_text: Callable[[list[str]], TextBatch], cache: dict[str, torch.Tensor]) -> TextBatch:
+    """The empty caption's conditioning for ``caption_dropout``: ``""`` through the text encoder that
+    encoded the cache's captions, ``seq (1, L, D)``, ``mask (1, L)``, ``pooled (1, P)``, with the
+    cache's token length ``L`` (a shorter sequence zero-padded, its mask False there, as a batch
+    pads its shorter captions; padding past ``L`` dropped).
+
+    Raises:
+        DatasetError: the empty caption has more real tokens than the cache holds per caption.
+    """
+    text = encode_text([""])
+    length = cache["text_seq"].shape[1]
+    seq, mask = text.seq.float(), text.mask
+    if bool(mask[:, length:].any()):
+        raise DatasetError(f"the empty caption encodes to {int(mask.sum())} tokens, more than the {length} the "
+                           "captions were encoded to: caption_dropout cannot use it")
+    seq, mask = seq[:, :length], mask[:, :length]
+    seq = torch.nn.functional.pad(seq, (0, 0, 0, length - seq.shape[1]))
+    mask = torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=False)
+    return TextBatch(seq, mask, None if text.pooled is None else text.pooled.float())
 
 
 def _bucket_candidates(resolution: int, bundle: ModelBundle, multiple: int

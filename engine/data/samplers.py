@@ -4,6 +4,7 @@ that never mix buckets); both resumable from their position.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Mapping
 
 import torch
@@ -122,3 +123,19 @@ def describe_batch_over_data(over: dict[str, Any]) -> str:
                 "once")
     return (f"{head}: each image appears {over['repeats_per_step']:g} times in every batch on average (the same images' "
             "gradients averaged again; fewer images per batch train the same in less time)")
+
+
+def caption_dropout(seed: int, step: int, micro: int, rows: int, probability: float) -> torch.Tensor:
+    """Which of the ``rows`` samples of micro-batch ``micro`` of optimizer step ``step`` (0-based)
+    train with the empty caption: ``rand(rows) < probability``, ``(rows,)`` bool.
+
+    The generator is seeded from the run's seed, the step and the micro-batch alone (a hash of
+    them), so the draws hold no state: a resumed run draws what an uninterrupted one draws, a step
+    retried after an out-of-memory error draws the same, and the noise generator's sequence is not
+    touched. Every process of a sharded run draws the global batch's rows alike.
+    """
+    if probability <= 0:
+        return torch.zeros(rows, dtype=torch.bool)
+    digest = hashlib.blake2b(f"caption_dropout:{seed}:{step}:{micro}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+    return torch.rand(rows, generator=generator) < probability

@@ -83,6 +83,9 @@ class Probe:
     """Per list, per block: bytes of the block's frozen weights (what streaming takes off the device)."""
     h2d_s_per_byte: float = 0.0
     """Seconds per byte of one host-to-device copy on this machine (weight streaming's cost)."""
+    optimizer_block_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Per list, per block: bytes of the optimizer's state of the block's LoRA (the run's optimizer:
+    AdamW's two fp32 moments, AdamW8bit's codes and scales, Adafactor's factors, Prodigy's four)."""
     held_bytes: int = 0
     """Device bytes held before the step starts (weights, LoRA, optimizer state): part of
     ``peak_bytes``, which no schedule changes (streaming moves the frozen part to the host)."""
@@ -396,8 +399,8 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
     ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
     blocks have the same shapes and widths, so the same activation bytes, forward time, LoRA and
     frozen bytes). The left-out blocks add their activations, their frozen and LoRA bytes (with
-    AdamW's two moments of the LoRA) to the peak and three forward times each
-    (forward and about twice that in backward) to sec/step.
+    the optimizer's state of the LoRA, as the last block's was measured) to the peak and three
+    forward times each (forward and about twice that in backward) to sec/step.
 
     Raises:
         ShallowProbeError: see :func:`shallow_copy`.
@@ -410,21 +413,24 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
         measured = _probe_plain(config, small, warmup_steps, workspace, rows, calibration, **changes)
     finally:
         workspace.bundle = original
-    blocks, frozen = {}, {}
-    added_act = added_lora = added_frozen = 0
+    blocks, frozen, states = {}, {}, {}
+    added_act = added_lora = added_frozen = added_state = 0
     added_s = 0.0
     for name, costs in measured.blocks.items():
         template, extra = costs[-1], counts[name] - len(costs)
         blocks[name] = costs + [dataclasses.replace(template, index=i) for i in range(len(costs), counts[name])]
         frozen[name] = measured.frozen_block_bytes[name] + [measured.frozen_block_bytes[name][-1]] * extra
+        states[name] = measured.optimizer_block_bytes[name] + [measured.optimizer_block_bytes[name][-1]] * extra
         added_act += extra * template.act
         added_lora += extra * template.grad
         added_frozen += extra * frozen[name][-1]
+        added_state += extra * states[name][-1]
         added_s += extra * 3 * template.fwd_s
-    held = added_frozen + added_lora * 3  # the LoRA and AdamW's two moments of it
+    held = added_frozen + added_lora + added_state  # the frozen weights, the LoRA and its optimizer state
     grow = held + added_act
     return dataclasses.replace(
-        measured, blocks=blocks, frozen_block_bytes=frozen, peak_bytes=measured.peak_bytes + grow,
+        measured, blocks=blocks, frozen_block_bytes=frozen, optimizer_block_bytes=states,
+        peak_bytes=measured.peak_bytes + grow,
         sec_per_step=measured.sec_per_step + added_s, held_bytes=measured.held_bytes + held,
         blocks_end_bytes=None if measured.blocks_end_bytes is None else measured.blocks_end_bytes + grow,
         extrapolated_from=keep)
@@ -463,8 +469,12 @@ def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunW
     model = run.bundle.transformer
     frozen = {bl.name: [sum(tensor_bytes(p) for p in block.parameters() if not p.requires_grad)
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
+    optimizer = run.context.optimizer
+    states = {bl.name: [sum(tensor_bytes(t) for p in block.parameters() if p.requires_grad
+                            for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+                        for block in family.blocks(model, bl)] for bl in family.block_lists}
     return Probe(family.name, device.type, costs, max(recorded["device_peak_bytes"], clean["device_peak_bytes"]),
                  clean["seconds"], per_tensor, per_byte, blocks_end,
                  result.report["memory"]["validation_peak_bytes"], frozen,
-                 per_byte / 2 if per_byte else _copy_seconds_per_byte(device) / 2,
+                 per_byte / 2 if per_byte else _copy_seconds_per_byte(device) / 2, states,
                  recorded["start_bytes"] if device.type == "cuda" else held)

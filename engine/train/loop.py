@@ -41,6 +41,7 @@ from .checks import check_guidance, check_output, check_run
 from .monitor import StepMonitor
 from .nonfinite import TrainingDiverged, TrainingStopped
 from .objectives import NoiseSchedule
+from .optim import optimizer_class
 from .outputs import LORA_FILE, RunFiles, TrainResult
 from .previews import PreviewSource, preview_source_for
 from .recovery import NextSchedule, first_cheaper, step_with_recovery
@@ -133,6 +134,7 @@ class TrainingRun:
         self.switches: list[dict[str, Any]] = []
         self.result: TrainResult | None = None
         self.files, self.dataset, self.random_windows = RunFiles(self.output, self.writer), None, None
+        self.empty_text = None
         self._stop, self._started, self._done = False, False, None
         self.files.inputs = input_fingerprint(config, prepared)
         self.data_change = self._check_inputs() if config.outputs.resume else None
@@ -296,7 +298,7 @@ class TrainingRun:
                        compiled=trainable.compiled is not None),
             StepTimer(device, warmup=config.timing_warmup_steps),
             [(plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad], epoch, dist=self.dist,
-            random_windows=self.random_windows, compiled=trainable.compiled,
+            random_windows=self.random_windows, compiled=trainable.compiled, empty_text=self.empty_text,
             noise=NoiseSchedule(self.bundle.family, config.objective, self.bundle.inference_shift,
                                 dict(self.bundle.transformer.config)))
         if config.validation.validation_every:
@@ -321,7 +323,7 @@ class TrainingRun:
         data = prepare_run_data(config.data, config.model, config.seed, self.bundle, self.prepared, self.cache_dir,
                                 self.output, self.log, self.announce)
         self.data_summary, self.text_encoder, self.dataset = data.summary, data.text_encoder, data.dataset
-        self.random_windows = data.random_windows
+        self.random_windows, self.empty_text = data.random_windows, data.empty_text
         over = batch_over_data(data.cache, data.epoch, config.data.batch_rows(self.dist.world_size if self.dist else 1)[1])
         if over is not None:  # said, and counted in report.json dataset.batch_over_data
             self.data_summary = {**self.data_summary, "batch_over_data": over}
@@ -357,6 +359,7 @@ class TrainingRun:
                     "precision": {**self.precision.to_dict(), "linear_layers": self.base.linear_layers,
                                   "quantized_linear_layers": self.base.quantized_linear_layers},
                     "attention_backend": list(self.kernels), "stopped": stopped,
+                    "optimizer": {"name": config.optimizer.name, "class": optimizer_class(ctx.optimizer)},
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
                     "compile": ctx.compiled.section(self.history) if ctx.compiled else None,

@@ -44,8 +44,11 @@ class StepMonitor:
             offload += (f"  weights in {record.weight_h2d_bytes / 2**20:.1f} MiB ({record.weight_copies} copies, "
                         f"stall {record.weight_stall_s:.3f} s), device peak {record.device_peak_bytes / 2**20:.1f} MiB "
                         f"with {record.resident_frozen_bytes / 2**20:.1f} MiB frozen resident")
+        clip = " (clipped)" if record.clipped else ""
+        dropped = f"  captions dropped {record.dropped_captions}" if self.config.data.caption_dropout else ""
         self.log(f"step {record.step:>4}/{self.config.steps}  loss {record.loss:.4f}  lr {record.lr:.2e}  "
-                 f"{record.seconds:.3f} s/step  peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
+                 f"grad norm {record.grad_norm:.3g}{clip}{dropped}  {record.seconds:.3f} s/step  "
+                 f"peak {record.peak_bytes / 2**20:.1f} MiB{offload}")
         if record.skipped:
             self.log(f"step {record.step}: update skipped: {record.skipped}")
         shape = "x".join(map(str, ctx.batch_shape))

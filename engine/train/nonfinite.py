@@ -34,11 +34,13 @@ class FiniteCheck:
         loss: the step's loss (mean over micro-batches; may be NaN/inf).
         loss_finite: whether it is finite.
         bad_module: the first LoRA module (model order) with a non-finite gradient, or None.
+        grad_norm: the gradients' total L2 norm before clipping (read in the same transfer), or None.
     """
 
     loss: float
     loss_finite: bool
     bad_module: str | None
+    grad_norm: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -56,21 +58,27 @@ def lora_module_name(parameter_name: str) -> str:
 
 
 def check_finite(loss: torch.Tensor, named_params: list[tuple[str, torch.nn.Parameter]],
-                 all_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FiniteCheck:
+                 all_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 grad_norm: torch.Tensor | None = None) -> FiniteCheck:
     """Check ``loss`` (0-d) and the ``.grad`` of every parameter with one synchronisation.
 
     Parameters without a gradient count as finite. Sharded gradients (FSDP's DTensors) are checked
     shard by shard; ``all_ranks`` (:meth:`~..model.distributed.Distributed.all_true`) then combines
     the flags of every rank, so that all ranks take the same decision (``loss`` must already be
-    the mean over ranks).
+    the mean over ranks). ``grad_norm`` (0-d, the same on every rank) is read in the same transfer.
     """
     graded = [(n, local_tensor(p.grad)) for n, p in named_params if p.grad is not None]
-    flags = torch.stack([loss.detach().float().reshape(())] + [g.isfinite().all().float() for _, g in graded])
-    if all_ranks is not None and len(flags) > 1:
-        flags = torch.cat([flags[:1], all_ranks(flags[1:])])
-    loss_value, *finite = flags.tolist()  # the one synchronisation
+    head = [loss.detach().float().reshape(())]
+    if grad_norm is not None:
+        head.append(grad_norm.float().reshape(()).to(loss.device))
+    flags = torch.stack(head + [g.isfinite().all().float() for _, g in graded])
+    if all_ranks is not None and len(flags) > len(head):
+        flags = torch.cat([flags[:len(head)], all_ranks(flags[len(head):])])
+    values = flags.tolist()  # the one synchronisation
+    (loss_value, *norm), finite = values[:len(head)], values[len(head):]
     bad = next((graded[i][0] for i, v in enumerate(finite) if v == 0.0), None)
-    return FiniteCheck(loss_value, math.isfinite(loss_value), lora_module_name(bad) if bad else None)
+    return FiniteCheck(loss_value, math.isfinite(loss_value), lora_module_name(bad) if bad else None,
+                       norm[0] if norm else None)
 
 
 def describe(check: FiniteCheck, step: int, context: dict) -> str:

@@ -14,6 +14,7 @@ from ..core.plan import ModelPlan
 from ..files.atomic import OutputWriteError, remove_stale_temporaries
 from ..model.distributed import full_optimizer_state
 from ..model.lora_files import LoraWeights, lora_paths, lora_state_dict, save_lora_files
+from .optim import optimizer_class
 from .report import REPORT_FILE, build_report, write_report
 from .state import STATE_FILE, TrainingState, save_state
 
@@ -103,7 +104,7 @@ class RunFiles:
             try:
                 save_state(TrainingState(step, position, lora, optimizer, rng, history,
                                          {**config.to_dict(), "processes": processes}, ctx.scaler.state_dict(),
-                                         self.inputs), self.output)
+                                         self.inputs, optimizer_class(ctx.optimizer)), self.output)
             except OutputWriteError as exc:
                 raise self._failed(exc) from exc
         self.saved_step = step

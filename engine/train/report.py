@@ -47,7 +47,11 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     is ``torch.cuda.max_memory_allocated`` (weights included); on the CPU it is the live-tensor
     tracker's peak of tensors created during the step (weights and the cached data excluded).
     ``totals.tokens_per_sample`` is the largest step's latent token count per sample (latent frames
-    x spatial patches per frame; each step's is its record's ``tokens``).
+    x spatial patches per frame; each step's is its record's ``tokens``). ``totals.clipped_steps``
+    counts the steps whose gradients ``max_grad_norm`` scaled down (each step's ``grad_norm`` is
+    the norm before), ``totals.dropped_captions`` the samples that trained with the empty caption
+    (``caption_dropout``; each step's ``dropped_captions``). ``optimizer`` (from the trainer): the
+    ``optimizer`` option and the class that implemented it.
     """
     measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
     setup = dict(setup or {})
@@ -79,6 +83,9 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
             "final_loss": history[-1]["loss"] if history else None,
             # latent tokens of one sample (latent frames x patches per frame), the largest batch's
             "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),
+            # max_grad_norm: the steps whose gradients were scaled down; caption_dropout: the samples
+            "clipped_steps": sum(bool(h.get("clipped")) for h in history),
+            "dropped_captions": sum(h.get("dropped_captions", 0) for h in history),
         },
         "memory": memory,
         **setup,

@@ -4,7 +4,7 @@
 2. ``prepare_data`` (:func:`~..data.prepare.prepare_run_data`) - the latent cache and the epoch;
 3. :func:`build_trainable` - the frozen base at its precision, the fp32 LoRA, and the checkpoint
    schedule through :func:`apply_checkpointing` (the plan, the runner installed, then sharding);
-4. :func:`build_optimizer` - AdamW, the loss scaler, the noise generator and the sampler, restored
+4. :func:`build_optimizer` - the optimizer, the loss scaler, the noise generator and the sampler, restored
    from the saved state when resuming.
 
 :func:`apply_checkpointing` is the one place that turns a schedule into a running plan; the
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import CheckpointSchedule, ShardingConfig, TrainConfig, derived_seed
+from ..config import CheckpointSchedule, ConfigError, ShardingConfig, TrainConfig, derived_seed
 from ..core.compiling import CompileReport, compile_blocks
 from ..core.plan import count_blocks, effective_plan
 from ..core.runner import SegmentRunner
@@ -32,7 +32,7 @@ from ..model.distributed import Distributed, shard_model, shard_optimizer_state
 from ..model.loading import load_bundle
 from ..model.lora_files import add_lora, load_lora_file, load_lora_state_dict
 from ..model.precision import BaseWeights, Precision, apply_base_precision, host_parameters, move_to
-from .optim import make_optimizer
+from .optim import load_optimizer_state, make_optimizer, optimizer_class
 from .state import TrainingState, set_rng_state
 
 
@@ -143,7 +143,7 @@ class Optimization:
     """What updates the LoRA (stage 4), restored from the saved state when resuming.
 
     Attributes:
-        optimizer: AdamW over the trainable parameters. scaler: fp16 loss scaling (off otherwise).
+        optimizer: the configured optimizer over the trainable parameters. scaler: fp16 loss scaling (off otherwise).
         noise_gen: the generator of the noise and timesteps. sampler: the data's batches.
         start: the first step's index (0, or the steps already done). history: their records.
     """
@@ -160,8 +160,13 @@ def build_optimizer(trainable: Trainable, config: TrainConfig, precision: Precis
                     cache: dict[str, torch.Tensor], epoch: list[int], state: TrainingState | None,
                     dist: Distributed | None) -> Optimization:
     """Stage 4: the optimizer, loss scaler, noise generator and sampler of the run; with ``state``,
-    each restored where the saved run stopped (so a resumed run continues bit for bit)."""
-    optimizer = make_optimizer(trainable.params, config.optimizer)
+    each restored where the saved run stopped (so a resumed run continues bit for bit).
+
+    Raises:
+        ConfigError: the optimizer's package is not installed; the saved optimizer state is another
+            implementation's (torchao's AdamW8bit saved, bitsandbytes' here).
+    """
+    optimizer = make_optimizer(trainable.params, config.optimizer, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
     noise_gen = torch.Generator().manual_seed(derived_seed(config.seed, 1))
     # every rank draws the global batch (same seed) and trains its rows of it (StepContext.dist)
@@ -170,8 +175,12 @@ def build_optimizer(trainable: Trainable, config: TrainConfig, precision: Precis
     torch.manual_seed(seed)  # dropout and anything else drawing from the global RNG
     if state is None:
         return Optimization(optimizer, scaler, noise_gen, sampler)
-    optimizer.load_state_dict(shard_optimizer_state(state.optimizer, trainable.params) if dist is not None
-                              else state.optimizer)
+    if state.optimizer_class and state.optimizer_class != optimizer_class(optimizer):
+        raise ConfigError(f"resume: the saved optimizer state is {state.optimizer_class}'s, but optimizer="
+                          f"{config.optimizer.name!r} is {optimizer_class(optimizer)} here; allowed the package the "
+                          "saved run used (install it), or start a new run")
+    load_optimizer_state(optimizer, shard_optimizer_state(state.optimizer, trainable.params) if dist is not None
+                         else state.optimizer)
     if state.grad_scaler and scaler.is_enabled():
         scaler.load_state_dict(state.grad_scaler)
     set_rng_state(state.rng, noise_gen)

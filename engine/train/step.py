@@ -1,9 +1,11 @@
 """One optimizer step of a training run, read top to bottom, and the learning-rate schedule.
 
-A step: set the learning rate -> for each micro-batch: noise the cached latents, forward (under
-autocast and the run's SDPA kernels), loss, backward (checkpointed regions recompute here, and
-offloaded inputs come back) -> the non-finite guard (one synchronisation) -> the optimizer step
-(or a skip) -> gradients released.
+A step: set the learning rate -> for each micro-batch: noise the cached latents, the captions'
+conditioning (some replaced by the empty caption's, ``caption_dropout``), forward (under autocast
+and the run's SDPA kernels), loss, backward (checkpointed regions recompute here, and offloaded
+inputs come back) -> fp16 unscaling, the gradients' norm and clipping (``max_grad_norm``) -> the
+non-finite guard (one synchronisation, which also reads the norm) -> the optimizer step (or a
+skip) -> gradients released.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ScheduleWarning
 from ..core.runner import RecomputeMismatch, SegmentRunner
 from ..data.buckets import latents_for
-from ..data.samplers import BucketSampler, EpochSampler
+from ..data.samplers import BucketSampler, EpochSampler, caption_dropout
 from ..data.windows import RandomWindows
 from ..families import FamilyAdapter, TextBatch
 from ..families.conditioning import guided_inputs
 from ..model.attention_kernels import sdpa_context
 from ..model.distributed import Distributed
-from ..model.precision import Precision
+from ..model.precision import Precision, tensor_bytes
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import NoiseSchedule
-from .optim import lr_factor
+from .optim import clip_gradients, clipped, lr_factor, set_learning_rate
 
 
 class RecomputeNotRepeatable(TrainingStopped):
@@ -71,6 +73,10 @@ class StepRecord:
             ``peak_bytes``; on the CPU ``peak_bytes`` plus the frozen bytes resident on the
             "device", the trainable parameters and the optimizer state that existed before the
             step (what a budget is compared with).
+        grad_norm: the LoRA gradients' total L2 norm before clipping (after fp16 unscaling; NaN or
+            inf when not finite). clipped: ``max_grad_norm`` scaled the gradients down this step.
+        dropped_captions: samples of the step (all micro-batches, the global batch) that trained
+            with the empty caption (``caption_dropout``).
     """
 
     step: int
@@ -103,6 +109,9 @@ class StepRecord:
     recomputed_attention_calls: int = 0
     unsaved_attention_regions: int = 0
     compiled_graphs: int = 0
+    grad_norm: float = 0.0
+    clipped: bool = False
+    dropped_captions: int = 0
 
 
 @dataclass
@@ -139,6 +148,8 @@ class StepContext:
     noise: NoiseSchedule | None = None
     """How the steps draw noise levels and weight the loss (default: the config's objective, the family's
     declared scheduler config; the run's set-up reads the model folder's)."""
+    empty_text: TextBatch | None = None
+    """``caption_dropout``: the empty caption's conditioning, ``(1, L, D)`` (``engine/data/prepare.py``)."""
     lr_factor: Callable[[int], float] = field(init=False)
     """The learning-rate multiplier of each step (:func:`~.optim.lr_factor`)."""
 
@@ -164,8 +175,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     """
     config, model, family, runner, device = ctx.config, ctx.model, ctx.family, ctx.runner, ctx.device
     lr = config.optimizer.learning_rate * ctx.lr_factor(step)
-    for group in ctx.optimizer.param_groups:
-        group["lr"] = lr
+    set_learning_rate(ctx.optimizer, lr)
     runner.stats.reset()
     if runner.saving:
         runner.saving.stats.reset()
@@ -180,15 +190,18 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     with ctx.memory.measure() as reading, ctx.timer.step():
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
+        dropped_captions = 0
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
-            for index, latents in batches:
+            for micro, (index, latents) in enumerate(batches):
                 noisy, sigmas, target = ctx.noise.noisy_latents(latents, ctx.noise_gen, family.shared_sigma)
+                dropped = caption_dropout(config.seed, step, micro, len(index), config.data.caption_dropout)
+                dropped_captions += int(dropped.sum())
                 if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
                     rows = ctx.dist.local_rows(len(index))
                     index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
-                text = TextBatch(ctx.cache["text_seq"][index], ctx.cache["text_mask"][index],
-                                 ctx.cache["text_pooled"][index] if "text_pooled" in ctx.cache else None).to(device)
+                    dropped = dropped[rows]
+                text = _text(ctx.cache, index, dropped, ctx.empty_text).to(device)
                 noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
                 ctx.batch_shape = tuple(noisy.shape)
                 with ctx.precision.autocast(device):
@@ -204,10 +217,12 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                                                                     step + 1)) from exc
                 loss_sum += loss.detach()
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
+        # the norm before clipping (sharded: the whole model's); gradients scaled to max_grad_norm
+        grad_norm = clip_gradients([p for _, p in ctx.named_params], config.optimizer.max_grad_norm)
         if ctx.dist is not None:  # the global batch's loss; every rank judges the gradients alike
             loss_sum = ctx.dist.mean(loss_sum)
-        check = check_finite(loss_sum, ctx.named_params,
-                             ctx.dist.all_true if ctx.dist is not None else None)  # the step's one synchronisation
+        check = check_finite(loss_sum, ctx.named_params, ctx.dist.all_true if ctx.dist is not None else None,
+                             grad_norm)  # the step's one synchronisation
         skipped = None
         if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
             ctx.updating = True  # from here an out-of-memory error leaves the LoRA half-updated
@@ -237,7 +252,27 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
                       reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak,
                       **_attention_counts(runner),
-                      compiled_graphs=compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0)
+                      compiled_graphs=compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0,
+                      grad_norm=check.grad_norm, clipped=clipped(config.optimizer.max_grad_norm, check.grad_norm),
+                      dropped_captions=dropped_captions)
+
+
+def _text(cache: dict[str, torch.Tensor], index: list[int], dropped: torch.Tensor,
+          empty: TextBatch | None) -> TextBatch:
+    """The conditioning of cache rows ``index``: each row's caption, or where ``dropped`` (``(B,)``
+    bool) the empty caption's (``empty``, ``(1, L, D)``: ``caption_dropout``)."""
+    text = TextBatch(cache["text_seq"][index], cache["text_mask"][index],
+                     cache["text_pooled"][index] if "text_pooled" in cache else None)
+    if not bool(dropped.any()):
+        return text
+    if empty is None:  # the run's checks refuse caption_dropout where no empty caption is encoded
+        raise ValueError("caption_dropout: no empty caption's conditioning was encoded for this run")
+
+    def pick(rows: torch.Tensor, blank: torch.Tensor) -> torch.Tensor:
+        return torch.where(dropped.view(-1, *[1] * (rows.ndim - 1)), blank.to(rows.dtype), rows)
+
+    return TextBatch(pick(text.seq, empty.seq), pick(text.mask, empty.mask),
+                     None if text.pooled is None else pick(text.pooled, empty.pooled))
 
 
 def _attention_counts(runner: SegmentRunner) -> dict[str, int]:
@@ -268,8 +303,8 @@ def _draw(ctx: StepContext) -> tuple[list[int], torch.Tensor]:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors (AdamW's two moments)."""
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+    """Bytes of the optimizer's state tensors (an 8-bit state's inner tensors: its codes and scales)."""
+    return sum(tensor_bytes(t) for state in optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor))
 
 

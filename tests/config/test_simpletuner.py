@@ -48,7 +48,10 @@ def test_a_web_ui_file_is_read_from_its_config(tmp_path):
     config, keys = TrainConfig.from_json_file(path)
     assert (config.steps, config.model.family, config.data.batch_size, config.outputs.output) == \
         (12, "qwenimage", 2, "out/models")
-    assert keys == {"steps": 12, "family": "qwenimage", "batch_size": 2, "output": "out/models"}
+    # its optimizer is a key of ours (issue 35), SimpleTuner's AdamW in bf16 read as torch's AdamW
+    assert keys == {"steps": 12, "family": "qwenimage", "batch_size": 2, "output": "out/models",
+                    "optimizer": "adamw_bf16"}
+    assert config.optimizer.name == "adamw"
     assert config.ignored_keys == ()
 
 
@@ -177,7 +180,7 @@ def test_alias_values_read_with_their_simpletuner_meaning():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"optimizer": "prodigy"}, r"^optimizer='prodigy' is invalid: allowed adamw, adamw_bf16, .*torch's AdamW"),
+    ({"optimizer": "lion"}, r"^optimizer='lion' is invalid: allowed adamw, adamw8bit, adafactor, prodigy\.$"),
     ({"model_type": "full"}, r"^model_type='full' is invalid: allowed lora \(this pack trains LoRAs\)"),
     ({"lora_type": "lycoris"}, r"^lora_type='lycoris' is invalid: allowed standard"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, r"^resume_from_checkpoint='out/checkpoint-100' is invalid: "

@@ -2,7 +2,8 @@
 
 Two families (Flux: two block lists; SD3: one), four schedules (none, layer, interval 2 with the
 unsloth offload backend, interval 2 stride 4),
-3 steps: per-step losses and the LoRA rank 0 saves equal the single-process run's within 1e-5 (the
+3 steps, every one's gradients clipped: per-step losses, gradient norms and the LoRA rank 0 saves equal
+the single-process run's within 1e-5 (the
 sharded runs train batch_size 1 per process, the single-process runs the same global batch of 2); a
 sharded run resumed after step 2 (its batch given as global_batch_size 2) continues exactly
 (bit-equal to the uninterrupted sharded run);
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="t
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 COMMON = {"resolution": 64, "batch_size": 2, "steps": 3, "timing_warmup_steps": 0, "watchdog_slowdown": 0,
-          "seed": 3}
+          "seed": 3, "max_grad_norm": 0.02}
+"""max_grad_norm: every step's gradients are clipped (the tiny models' norms are larger; the test checks it)."""
 SCHEDULES = {
     "none": {"gradient_checkpointing": False},
     "layer": {"gradient_checkpointing_interval": 1},
@@ -99,6 +101,10 @@ def test_sharded_losses_and_lora_equal_single_process(runs, schedule):
     one, two = root / f"one-{schedule}", root / f"fsdp-{schedule}"
     assert _losses(two) == pytest.approx(_losses(one), abs=1e-5, rel=0)
     assert len(_losses(two)) == 3
+    # the norm of the whole model's sharded gradients before clipping, and the clipping, as one process's
+    norms = [[step["grad_norm"] for step in json.loads((f / "report.json").read_text())["steps"]] for f in (one, two)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5, abs=0) and min(norms[0]) > COMMON["max_grad_norm"]
+    assert json.loads((two / "report.json").read_text())["totals"]["clipped_steps"] == 3
     single, sharded = _lora(one), _lora(two)
     assert sharded.keys() == single.keys() and len(single) > 0
     assert max((single[k] - sharded[k]).abs().max().item() for k in single) <= 1e-5

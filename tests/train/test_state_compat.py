@@ -16,16 +16,19 @@ from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, CheckpointSchedule
 
 RELEASE = Path(__file__).resolve().parent / "fixtures" / "release_c3f2e24"
-ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4", "--flow-shift", "1"]
-"""The release's options; ``--flow-shift 1``: it drew its noise levels unshifted (issue 35's default is auto)."""
+ARGS = ["--resolution", "32", "--rank", "2", "--interval", "2", "--stride", "4", "--flow-shift", "1",
+        "--max-grad-norm", "0"]
+"""The release's options; ``--flow-shift 1``: it drew its noise levels unshifted, ``--max-grad-norm 0``: it did
+not clip (issue 35's defaults are auto and 1)."""
 ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format",
          "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames",
          "compile_blocks", "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift",
-         "loss_weighting", "snr_gamma", "guidance_value"}
+         "loss_weighting", "snr_gamma", "guidance_value", "optimizer", "max_grad_norm", "caption_dropout"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
 what a resume does when the data changed; issue 23: which LoRA files a run writes; issue 24: the
-frame options of video families; issue 25: per-block compile; issue 35: the noise schedule)."""
+frame options of video families; issue 25: per-block compile; issue 35: the noise schedule, the
+optimizer, gradient clipping and caption dropout)."""
 REMOVED = {"validation_steps"}
 
 
@@ -33,21 +36,29 @@ def test_a_state_of_the_last_release_resumes(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     shutil.copy(RELEASE / "training_state.safetensors", out)
-    # it drew unshifted noise levels: today's default (auto: Flux's own shift) would change them mid-run
-    assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *ARGS[:-2]]) == 2
+    # it drew unshifted noise levels and did not clip: today's defaults (auto: Flux's own shift; max_grad_norm
+    # 1) would change the run mid-way
+    without_shift = [a for a in ARGS if a not in ("--flow-shift", "1")]
+    assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *without_shift]) == 2
     assert "resume: flow_shift='auto' differs from the saved run's '1.0'" in capsys.readouterr().err
+    without_clip = [a for a in ARGS if a not in ("--max-grad-norm", "0")]
+    assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *without_clip]) == 2
+    assert ("resume: max_grad_norm=1.0 differs from the saved run's 0.0; allowed the saved value"
+            in capsys.readouterr().err)
     assert cli.main(["train", "--steps", "3", "--resume", "--output", str(out), *ARGS]) == 0
     report = json.loads((out / "report.json").read_text())
     old = json.loads((RELEASE / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
-    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile"}
+    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile", "optimizer"}
     assert report["ignored_config_keys"] == [] and set(report["lora_files"]) == {"diffusers", "comfyui"}
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
     # the steps trained by this run and where it resumed are new since that release (a resume with nothing left)
-    # ... and the latent tokens per sample (issue 24)
-    assert set(report["totals"]) == set(old["totals"]) | {"trained_steps", "resumed_at_step", "tokens_per_sample"}
+    # ... and the latent tokens per sample (issue 24), the clipped steps and dropped captions (issue 35)
+    assert set(report["totals"]) == set(old["totals"]) | {"trained_steps", "resumed_at_step", "tokens_per_sample",
+                                                          "clipped_steps", "dropped_captions"}
+    assert report["optimizer"] == {"name": "adamw", "class": "torch.optim.adamw.AdamW"}
     assert (report["totals"]["trained_steps"], report["totals"]["resumed_at_step"]) == (1, 2)
     assert set(report["memory"]) == set(old["memory"])
 
