@@ -69,6 +69,9 @@ class FlowShift:
         mu_rule: ``"<module under diffusers.pipelines>:<function>"``, the pipeline's mu function.
         mu_steps: the rule takes ``(tokens, steps)`` (Flux.2's ``compute_empirical_mu`` at its pipeline's
             default steps); ``None``: ``(tokens, base_image_seq_len, max_image_seq_len, base_shift, max_shift)``.
+        mu_pixels_per_token: the rule takes ``(height=, width=, base_mu=)`` in pixels (Ideogram 4's
+            ``_resolution_aware_mu`` at its pipeline's default ``mu`` 0), one image token covering this many
+            pixels; only the area ``height * width`` enters the rule, so a square of the same area is passed.
         source: where the values come from (the released config, or the file read).
     """
 
@@ -82,6 +85,7 @@ class FlowShift:
     shift_terminal: float | None = None
     mu_rule: str = "flux.pipeline_flux:calculate_shift"
     mu_steps: int | None = None
+    mu_pixels_per_token: int | None = None
     source: str = ""
 
     def with_file(self, path: str | Path) -> "FlowShift":
@@ -100,7 +104,8 @@ class FlowShift:
         if "shift" not in values and values.get("flow_shift") is not None:
             values = {**values, "shift": values["flow_shift"]}
         read = {key: values[key] for key in SCHEDULER_KEYS if key in values}
-        config = replace(FlowShift(mu_rule=self.mu_rule, mu_steps=self.mu_steps), **read, source=str(path))
+        config = replace(FlowShift(mu_rule=self.mu_rule, mu_steps=self.mu_steps,
+                                   mu_pixels_per_token=self.mu_pixels_per_token), **read, source=str(path))
         bad = [key for key in NUMBERS if isinstance(getattr(config, key), bool)
                or not isinstance(getattr(config, key), (int, float)) or not math.isfinite(getattr(config, key))]
         bad += ["shift"] if "shift" not in bad and not config.shift > 0 else []
@@ -121,8 +126,13 @@ class FlowShift:
             return static_shift(self.shift)
         module, name = self.mu_rule.split(":")
         rule = import_attribute(f"diffusers.pipelines.{module}", name)
-        mu = (rule(tokens, self.mu_steps) if self.mu_steps is not None
-              else rule(tokens, self.base_image_seq_len, self.max_image_seq_len, self.base_shift, self.max_shift))
+        if self.mu_steps is not None:
+            mu = rule(tokens, self.mu_steps)
+        elif self.mu_pixels_per_token is not None:
+            side = math.sqrt(tokens * self.mu_pixels_per_token)
+            mu = rule(height=side, width=side, base_mu=0.0)
+        else:
+            mu = rule(tokens, self.base_image_seq_len, self.max_image_seq_len, self.base_shift, self.max_shift)
         return ResolvedShift(float(mu), self.time_shift_type, tokens, True)
 
     def describe(self) -> str:
@@ -133,6 +143,8 @@ class FlowShift:
             return f"shift {self.shift:g}{terminal}"
         if self.mu_steps is not None:
             return f"dynamic: {self.mu_rule.split(':')[1]}(tokens, {self.mu_steps} steps){kind}{terminal}"
+        if self.mu_pixels_per_token is not None:
+            return f"dynamic: {self.mu_rule.split(':')[1]}(height x width, base mu 0){kind}{terminal}"
         return (f"dynamic: mu {self.base_shift:g} at {self.base_image_seq_len} to {self.max_shift:g} at "
                 f"{self.max_image_seq_len} tokens{kind}{terminal}")
 

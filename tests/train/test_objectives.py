@@ -15,6 +15,7 @@ import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift as flux_mu
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigmas, _resolution_aware_mu
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift as ltx_mu
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift as qwen_mu
 from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -25,6 +26,7 @@ from segmented_checkpointing.engine.config.backends import BACKENDS
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
 from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.families.registry import family_names
 from segmented_checkpointing.engine.families.conditioning import guided_inputs
 from segmented_checkpointing.engine.families.limits import full_config
 from segmented_checkpointing.engine.families.shift import FlowShift, SchedulerConfigError, scheduler_settings
@@ -90,11 +92,11 @@ def test_flow_shift_1_draws_what_earlier_releases_drew():
 # family: (latent channels, pixels per latent cell, pixel frames per latent frame; None: an image family)
 SPECS = {"flux": (16, 8, None), "flux2": (32, 8, None), "qwenimage": (16, 8, None), "sd3": (16, 8, None),
          "zimage": (16, 8, None), "lumina2": (16, 8, None), "sana": (32, 32, None), "wan": (16, 8, 4),
-         "hunyuanvideo": (16, 8, 4), "ltxvideo": (128, 32, 8)}
+         "hunyuanvideo": (16, 8, 4), "ltxvideo": (128, 32, 8), "ideogram4": (32, 8, None)}
 RESOLVED = {  # the shift each resolves to at 512 and 1024 px (video: 480 x 832, 81 frames), to 4 places
     "flux": (1.8776, 3.1582), "flux2": (5.4847, 7.5636), "qwenimage": (1.7138, 2.0008), "sd3": (3.0, 3.0),
     "zimage": (3.0, 3.0), "lumina2": (6.0, 6.0), "sana": (3.0, 3.0), "wan": (3.0,), "hunyuanvideo": (7.0,),
-    "ltxvideo": (8.3267,)}
+    "ltxvideo": (8.3267,), "ideogram4": (1.0, 2.0)}
 
 
 def _pipeline_sigmas(name: str, height: int, width: int, frames: int, steps: int = 12) -> tuple[np.ndarray, np.ndarray]:
@@ -110,6 +112,10 @@ def _pipeline_sigmas(name: str, height: int, width: int, frames: int, steps: int
             scheduler.set_timesteps(steps)
             out.append(scheduler.sigmas[:-1].numpy())
         return out[0], out[1]
+    if name == "ideogram4":  # its logit-normal quantile sigmas around the resolution's mu (the clamped first left out)
+        mu = _resolution_aware_mu(height=height, width=width, base_mu=0.0)
+        return (_logit_normal_sigmas(steps, 0.0, std=1.0)[1:].double().numpy(),
+                _logit_normal_sigmas(steps, mu, std=1.0)[1:].double().numpy())
     static = {"sd3": 3.0, "zimage": 3.0, "lumina2": 6.0, "hunyuanvideo": 7.0}
     if name in static:
         scheduler = FlowMatchEulerDiscreteScheduler(shift=static[name])
@@ -147,6 +153,16 @@ def test_auto_shift_is_what_the_familys_pipeline_computes_for_inference(name):
         ours = shift_sigmas(torch.from_numpy(unshifted.astype(np.float32)), resolved).numpy()
         np.testing.assert_allclose(ours, oracle, rtol=0, atol=2e-6)
         assert resolved.shift == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_every_flow_familys_declared_shift_resolves_through_diffusers(name):
+    """Each declared mu rule exists in the installed diffusers and gives a finite shift >= 1 at 1024 tokens."""
+    shift = get_family(name).flow_shift
+    if shift is None:
+        pytest.skip(f"{name} is an epsilon family")
+    resolved = shift.resolve(1024)
+    assert math.isfinite(resolved.mu) and resolved.shift >= 1.0 and shift.describe()
 
 
 def test_buckets_and_frame_counts_get_their_own_shift():

@@ -80,8 +80,12 @@ IDEOGRAM4 = register_family(
     FamilyAdapter(
         name="ideogram4",
         model_class="Ideogram4Transformer2DModel",
-        flow_shift=FlowShift(use_dynamic_shifting=True, mu_rule="ideogram4.pipeline_ideogram4:calculate_shift",
-                             source="Ideogram 4 scheduler config, as ai-toolkit declares it"),
+        # The pipeline draws its inference sigmas as logit-normal quantiles around
+        # mu = _resolution_aware_mu(height, width, mu=0): an exponential time shift by that mu (16 px per token:
+        # the VAE's 8 x the 2x2 patch). Its std 1.5 is not carried over (logit_std stays the option's).
+        flow_shift=FlowShift(use_dynamic_shifting=True, mu_rule="ideogram4.pipeline_ideogram4:_resolution_aware_mu",
+                             mu_pixels_per_token=256,
+                             source="pipeline_ideogram4.py (diffusers 0.42): _resolution_aware_mu at mu 0"),
         block_lists=(BlockList("blocks", "layers", SINGLE, ffn=None, attention=None),),
         text=lambda cfg: TextSpec(cfg["llm_features_dim"]),
         make_inputs=_make_inputs,
