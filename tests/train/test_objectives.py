@@ -26,9 +26,9 @@ from segmented_checkpointing.engine.config.backends import BACKENDS
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.families.registry import family_names
 from segmented_checkpointing.engine.families.conditioning import guided_inputs
 from segmented_checkpointing.engine.families.limits import full_config
+from segmented_checkpointing.engine.families.registry import family_names
 from segmented_checkpointing.engine.families.shift import FlowShift, SchedulerConfigError, scheduler_settings
 from segmented_checkpointing.engine.families.timesteps import alphas_cumprod
 from segmented_checkpointing.engine.model.bundle import ModelLoadError
