@@ -25,7 +25,7 @@ PINNED = (
     "mixed_precision", "base_model_precision", "attention_backend", "compile_blocks",
     "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
     "batch_size", "global_batch_size",
-    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",
+    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout", "lora_type", "use_dora",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
     "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",

@@ -19,6 +19,8 @@ import torch
 from diffusers.loaders.lora_base import LoraBaseMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from helpers import random_batch
+from peft import LoHaConfig, inject_adapter_in_model
+from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -77,10 +79,10 @@ def trained(tmp_path_factory):
             torch.manual_seed(0)
             base = family.model_cls()(**family.tiny_config).float()
             model = copy.deepcopy(base)
-            add_lora(model, settings, family.lora_targets)
+            add_lora(model, settings, family.lora_targets, family)
             with torch.no_grad():
                 for key, p in model.named_parameters():
-                    if "lora_B" in key:
+                    if p.requires_grad and not p.any():  # LoRA's B, LoKr's w1, LoHa's w2_b start at zero
                         p.normal_(0, 0.05)
             batch = random_batch(family, model)
             path = tmp_path_factory.mktemp(name) / "lora.safetensors"
@@ -217,3 +219,35 @@ def test_header_carries_diffusers_metadata_as_diffusers_writes_it(tmp_path):
     assert set(ours) == set(theirs)  # same keys: no `.alpha` tensors
     for key, value in theirs.items():
         assert torch.equal(ours[key], 2 * value if ".lora_B." in key else value)
+
+
+ADAPTER_FILES = {
+    "dora": LoraSettings(rank=4, alpha=8, use_dora=True, init="gaussian"),
+    "lokr": LoraSettings(rank=4, alpha=8, lora_type="lokr"),
+    "loha": LoraSettings(rank=4, alpha=6, lora_type="loha"),
+}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan", "zimage"])
+@pytest.mark.parametrize("adapter", sorted(ADAPTER_FILES))
+def test_adapter_file_is_read_exactly_by_what_reads_its_type(trained, name, adapter):
+    """Issue 35. DoRA: diffusers' load_lora_weights (its metadata says use_dora). LoKr: the pipelines'
+    load_lora_weights refuse ``lokr`` keys but Z-Image's (and Flux.2's); the transformer's own
+    load_lora_adapter reads them for every family. LoHa: diffusers has no loader; peft reads it
+    (``LoHaConfig`` from the header's metadata, ``set_peft_model_state_dict``)."""
+    family, fresh, batch, want, plain, path = trained(name, ADAPTER_FILES[adapter])
+    if adapter == "dora" or adapter == "lokr" and name == "zimage":
+        with _diffusers_warnings() as warnings:
+            _pipeline(name, fresh).load_lora_weights(str(path))
+        assert not [w for w in warnings if "Loading adapter weights" in w]
+    elif adapter == "lokr":
+        with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+            _pipeline(name, copy.deepcopy(fresh)).load_lora_weights(str(path))
+        fresh.load_lora_adapter(str(path), prefix="transformer")
+    else:
+        with safe_open(str(path), "pt") as fh:
+            metadata = json.loads(fh.metadata()["lora_adapter_metadata"])
+        inject_adapter_in_model(LoHaConfig(**{k.removeprefix("transformer."): v for k, v in metadata.items()}), fresh)
+        result = set_peft_model_state_dict(fresh, {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()})
+        assert not result.unexpected_keys
+    _check(_forward(family, fresh, batch), want, plain)
