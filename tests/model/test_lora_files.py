@@ -24,9 +24,12 @@ from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config import ConfigError, LoraConfigError, LoraSettings
 from segmented_checkpointing.engine.families import family_names, get_family
+from segmented_checkpointing.engine.files.checks import safetensors_header
+from segmented_checkpointing.engine.model.adapters import adapter_layers
 from segmented_checkpointing.engine.model.lora_files import add_lora, lora_state_dict, save_lora
+from segmented_checkpointing.engine.model.lora_header import check_init_lora, check_not_a_lora
 
 TOL = 1e-5
 SETTINGS = LoraSettings(rank=4, alpha=8, init="gaussian")
@@ -251,3 +254,28 @@ def test_adapter_file_is_read_exactly_by_what_reads_its_type(trained, name, adap
         result = set_peft_model_state_dict(fresh, {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()})
         assert not result.unexpected_keys
     _check(_forward(family, fresh, batch), want, plain)
+
+
+def test_all_linear_adapts_every_linear_of_the_blocks_and_nothing_outside():
+    """The ``all-linear`` preset: each ``nn.Linear`` of Flux's double and single blocks (attention,
+    feed-forward, modulation; 14 and 6 per block), none of the embedders, final norm or output."""
+    family = get_family("flux")
+    model = family.model_cls()(**family.tiny_config)
+    expected = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                and n.startswith(("transformer_blocks.", "single_transformer_blocks."))}
+    add_lora(model, LoraSettings(rank=2, target_modules="all-linear"), family.lora_targets, family)
+    assert set(adapter_layers(model)) == expected and len(expected) == 8 * 14 + 8 * 6
+    with pytest.raises(LoraConfigError, match="all-linear' is invalid here"):
+        add_lora(family.model_cls()(**family.tiny_config), LoraSettings(target_modules="all-linear"), ("to_q",))
+
+
+def test_the_header_names_an_adapter_of_another_type_or_rank_before_any_model_loads(trained):
+    lokr, loha = trained("wan", ADAPTER_FILES["lokr"])[-1], trained("wan", ADAPTER_FILES["loha"])[-1]
+    with pytest.raises(ConfigError, match=r"holds a lokr adapter; this run's lora_type is 'lora': allowed a lora "
+                                          r"file, or set lora_type to lokr"):
+        check_init_lora(lokr, "wan", 4)
+    check_init_lora(lokr, "wan", 4, "lokr")  # its factors are full matrices at this size: no rank to compare
+    with pytest.raises(ConfigError, match=r"has rank 4 \(\d+ modules\); this run's lora_rank is 8"):
+        check_init_lora(loha, "wan", 8, "loha")
+    with pytest.raises(ConfigError, match=r"this file is a LoRA \(\d+ adapted modules"):
+        check_not_a_lora(loha, safetensors_header(loha, "model file", ""))
