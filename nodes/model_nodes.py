@@ -115,10 +115,11 @@ class ImageCaptionDataset:
 
 
 class LoRAConfig:
-    """LoRA rank, alpha, dropout and target modules (peft)."""
+    """The adapter: rank, alpha, dropout, target modules (a preset or names), type and DoRA (peft)."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
-    OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout"})
+    OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                           "lora_type": "lora_type", "use_dora": "use_dora"})
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -126,7 +127,10 @@ class LoRAConfig:
             "rank": widget("lora_rank"),
             "alpha": widget("lora_alpha"),
             "dropout": widget("lora_dropout"),
-            "target_modules": widget("lora_target_modules", extra=" Comma-separated; empty = default."),
+            "target_modules": widget("lora_target_modules", extra=" Comma-separated; empty = attention."),
+        }, "optional": {  # optional: workflows saved before they existed still validate
+            "lora_type": widget("lora_type"),
+            "use_dora": widget("use_dora"),
         }}
 
     @classmethod
@@ -134,6 +138,7 @@ class LoRAConfig:
         return cls.OPTIONS.validate(inputs)
 
     @public_errors
-    def build(self, rank, alpha, dropout, target_modules):
+    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
-        return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets),)
+        return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, lora_type=lora_type,
+                                 use_dora=use_dora),)

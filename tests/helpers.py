@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -10,8 +11,10 @@ from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan
 from segmented_checkpointing.engine.core.runner import SegmentRunner
+from segmented_checkpointing.engine.core.streaming import StreamingWarning
 from segmented_checkpointing.engine.families import TextBatch, get_family
 from segmented_checkpointing.engine.model.lora_files import add_lora
+from segmented_checkpointing.engine.model.precision import apply_base_precision, resolve_precision
 
 MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),
@@ -45,26 +48,37 @@ def verdict(cls, **inputs):
         return str(exc)
 
 
-def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0, **overrides):
-    """A tiny random-init model with a LoRA whose B is non-zero (so every LoRA weight gets a gradient).
+def tiny_model(family_name: str, dropout: float = 0.0, seed: int = 0, lora: LoraSettings | None = None,
+               base: str | None = None, **overrides):
+    """A tiny random-init model with an adapter whose zero-initialised tensors (LoRA's B, LoKr's w1,
+    LoHa's w2_b) are non-zero (so every adapter weight gets a gradient).
+
+    Args:
+        lora: the adapter (default: rank 4, alpha 8, ``dropout``). base: a ``base_model_precision``
+            applied on the CPU before the adapter is added, as a run does (default: fp32, none).
 
     Built once per argument set and deep-copied afterwards (building + LoRA injection costs ~1 s).
     """
-    key = (family_name, dropout, seed, tuple(sorted(overrides.items())))
+    key = (family_name, dropout, seed, lora, base, tuple(sorted(overrides.items())))
     if key not in _PROTOTYPES:
-        _PROTOTYPES[key] = _build(family_name, dropout, seed, overrides)
+        _PROTOTYPES[key] = _build(family_name, dropout, seed, lora, base, overrides)
     family, model = _PROTOTYPES[key]
     return family, copy.deepcopy(model)
 
 
-def _build(family_name, dropout, seed, overrides):
+def _build(family_name, dropout, seed, lora, base, overrides):
     family = get_family(family_name)
     torch.manual_seed(seed)
     model = family.model_cls()(**{**family.tiny_config, **overrides})
-    add_lora(model, LoraSettings(rank=4, alpha=8, dropout=dropout, init="gaussian"), family.lora_targets)
+    if base is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_base_precision(model, resolve_precision(base, "no", torch.device("cpu")), torch.device("cpu"))
+    lora = lora or LoraSettings(rank=4, alpha=8, dropout=dropout, init="gaussian")
+    add_lora(model, lora, family.lora_targets, family)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if p.requires_grad and not p.any():  # LoRA's B, LoKr's w1, LoHa's w2_b start at zero
                 p.normal_(0, 0.02)
     return family, model
 
@@ -82,12 +96,20 @@ def random_batch(family, model, batch: int = 2, size: int = 8, seed: int = 1):
     return latents, sigmas, TextBatch(seq, mask, pooled)
 
 
-def one_step(family_name: str, schedule: CheckpointSchedule, dropout: float = 0.0):
-    """Forward + backward of one batch; returns (LoRA grads by name, block calls, runner)."""
-    family, model = tiny_model(family_name, dropout)
+def one_step(family_name: str, schedule: CheckpointSchedule, dropout: float = 0.0, lora: LoraSettings | None = None,
+             base: str | None = None, strict_streaming: bool = False, **overrides):
+    """Forward + backward of one batch; returns (LoRA grads by name, block calls, runner).
+
+    Args:
+        lora, base, overrides: the adapter, base precision and config changes (:func:`tiny_model`).
+        strict_streaming: a streamed weight read outside its use is NaN (``engine/core/streaming.py``).
+    """
+    family, model = tiny_model(family_name, dropout, lora=lora, base=base, **overrides)
     latents, sigmas, text = random_batch(family, model)
     plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
-    runner = SegmentRunner(model, family, plan).install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StreamingWarning)  # a ring that saves nothing on a tiny model
+        runner = SegmentRunner(model, family, plan, strict_streaming=strict_streaming).install()
     calls: dict[tuple[str, int], int] = {}
     for bl in family.block_lists:
         for i, block in enumerate(family.blocks(model, bl)):

@@ -121,14 +121,13 @@ ALIASES: dict[str, Alias] = {a.key: a for a in (
     Alias("caption_dropout_probability", "caption_dropout", "the probability that a sample trains with the empty "
           "caption", _as("caption_dropout")),
     Alias("model_type", "(lora)", "lora; full is refused", _one_of("model_type", ("lora",), "this pack trains LoRAs")),
-    Alias("lora_type", "(peft LoRA)", "standard; lycoris is refused",
-          _one_of("lora_type", ("standard",), "this pack trains peft LoRAs")),
 )}
 """SimpleTuner keys with a meaning here, by SimpleTuner key; a key of ours given too wins over its alias."""
 
 SAME_KEYS = {
     "learning_rate": "", "lr_scheduler": "constant_with_warmup reads as constant, whose warm-up is lr_warmup_steps",
     "lr_warmup_steps": "", "gradient_accumulation_steps": "", "lora_rank": "", "lora_alpha": "", "lora_dropout": "",
+    "lora_type": "standard reads as lora; lycoris is refused: name its algorithm, lokr or loha", "use_dora": "",
     "seed": "", "resolution": "in pixels, the side of the square", "init_lora": "",
     "mixed_precision": "no reads as fp32, as in accelerate; fp16 and fp8 are refused",
     "base_model_precision": "no_change, int8-torchao, fp8-torchao; the quanto ones are refused",

@@ -109,6 +109,14 @@ class TrainConfig:
                               "not an image grid, so aspect ratios do not apply.")
         if self.sharding.fsdp:
             self._check_fsdp()
+        lora = self.lora
+        if self.model.model_file and self.model.model_file.lower().endswith(".gguf") and (
+                lora.lora_type != "lora" or lora.use_dora):
+            key, value = ("use_dora", True) if lora.use_dora else ("lora_type", lora.lora_type)
+            raise ConfigError(f"{key}={value!r} is invalid with a GGUF model_file ({self.model.model_file!r}): allowed "
+                              f"{'false' if lora.use_dora else 'lora'} (peft's {value if key == 'lora_type' else 'DoRA'}"
+                              " reads the base weight whole, and a GGUF weight stays quantized); or a .safetensors "
+                              "model file.")
 
     def _check_fsdp(self) -> None:
         """What runs sharded (README "Several GPUs"): refused here, before any process group."""

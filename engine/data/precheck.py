@@ -112,7 +112,7 @@ def check_paths(config: TrainConfig, family_known: bool = True) -> None:
             header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
             check_not_a_lora(model.model_file, header)
     if model.init_lora is not None and family_known and not config.outputs.resume:  # a resume continues its state
-        check_init_lora(model.init_lora, model.family, config.lora.rank)
+        check_init_lora(model.init_lora, model.family, config.lora.rank, config.lora.lora_type)
 
 
 def check_output_place(config: TrainConfig) -> None:

@@ -5,29 +5,16 @@ time shift ``mu = ln s``; a dynamic one (``use_dynamic_shifting``) takes ``mu`` 
 the tokens (Flux.2: ``compute_empirical_mu``), mapped by the scheduler's ``time_shift(mu, 1, t)``. Training
 draws are not stretched to ``shift_terminal`` (an inference schedule's last step; musubi-tuner and
 SimpleTuner do not stretch either); previews are. docs/FAMILIES.md "Noise schedule" lists the families'.
+A model folder's own config is read by ``scheduler_config.py``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from .lazy import import_attribute
-
-SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
-"""Where a diffusers pipeline folder keeps its scheduler's config."""
-TIME_SHIFT_TYPES = ("exponential", "linear")
-NUMBERS = ("shift", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
-SCHEDULER_KEYS = (*NUMBERS, "use_dynamic_shifting", "time_shift_type", "shift_terminal")
-"""The scheduler config keys :class:`FlowShift` reads from a file (UniPC's and DPM-Solver's ``flow_shift``
-reads as ``shift``)."""
-
-
-class SchedulerConfigError(ValueError):
-    """A model folder's scheduler config cannot be read; the message names the file and the key."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +47,7 @@ class FlowShift:
     """A flow family's scheduler config, as far as it shifts noise levels, and its pipeline's mu rule.
 
     The scheduler keys default to ``FlowMatchEulerDiscreteScheduler``'s (diffusers 0.42), which a config
-    file's missing keys take (``tests/train/test_objectives.py`` compares them).
+    file's missing keys take (``tests/train/test_objectives.py`` compares them); ``scheduler_config.py`` reads one.
 
     Attributes:
         shift: the static shift; use_dynamic_shifting: mu from the image tokens through :attr:`mu_rule`.
@@ -87,37 +74,6 @@ class FlowShift:
     mu_steps: int | None = None
     mu_pixels_per_token: int | None = None
     source: str = ""
-
-    def with_file(self, path: str | Path) -> "FlowShift":
-        """The scheduler config file ``path``: its keys over the scheduler's defaults (as ``from_config`` builds
-        it: the declared values fill no key the file leaves out); the mu rule stays this one's.
-
-        Raises:
-            SchedulerConfigError: not a JSON object, or a key of the wrong kind (named).
-        """
-        try:
-            values = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise SchedulerConfigError(f"scheduler config {path} could not be read as JSON: {exc}") from exc
-        if not isinstance(values, dict):
-            raise SchedulerConfigError(f"scheduler config {path} is not a JSON object")
-        if "shift" not in values and values.get("flow_shift") is not None:
-            values = {**values, "shift": values["flow_shift"]}
-        read = {key: values[key] for key in SCHEDULER_KEYS if key in values}
-        config = replace(FlowShift(mu_rule=self.mu_rule, mu_steps=self.mu_steps,
-                                   mu_pixels_per_token=self.mu_pixels_per_token), **read, source=str(path))
-        bad = [key for key in NUMBERS if isinstance(getattr(config, key), bool)
-               or not isinstance(getattr(config, key), (int, float)) or not math.isfinite(getattr(config, key))]
-        bad += ["shift"] if "shift" not in bad and not config.shift > 0 else []
-        if config.time_shift_type not in TIME_SHIFT_TYPES:
-            bad.append("time_shift_type")
-        if not isinstance(config.use_dynamic_shifting, bool):
-            bad.append("use_dynamic_shifting")
-        if bad:
-            raise SchedulerConfigError(f"scheduler config {path}: {bad[0]}={getattr(config, bad[0])!r} is invalid: "
-                                       f"allowed numbers ({', '.join(NUMBERS)}; shift > 0), time_shift_type "
-                                       f"{' or '.join(TIME_SHIFT_TYPES)}, use_dynamic_shifting true or false")
-        return config
 
     def resolve(self, tokens: int) -> ResolvedShift:
         """The shift of a sample of ``tokens`` image tokens: the static ``shift``, or with dynamic shifting
@@ -148,13 +104,3 @@ class FlowShift:
         return (f"dynamic: mu {self.base_shift:g} at {self.base_image_seq_len} to {self.max_shift:g} at "
                 f"{self.max_image_seq_len} tokens{kind}{terminal}")
 
-
-def scheduler_settings(declared: FlowShift | None, folder: str | Path) -> FlowShift | None:
-    """A pipeline folder's ``scheduler/scheduler_config.json`` (:meth:`FlowShift.with_file`, with the mu
-    rule of the family's ``declared`` config), or ``None`` when it has none (``declared`` applies).
-
-    Raises:
-        SchedulerConfigError: the file cannot be read.
-    """
-    path = Path(folder) / SCHEDULER_CONFIG
-    return (declared or FlowShift()).with_file(path) if path.is_file() else None

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..families import FamilyAdapter, family_for_class, get_family
-from ..families.shift import SchedulerConfigError, scheduler_settings
+from ..families.scheduler_config import SchedulerConfigError, scheduler_settings
 from ..files.checks import DamagedFileError, check_safetensors
 from .bundle import ModelBundle, ModelLoadError
 from .text_encoders import DeterministicTextEmbedder, load_text_encoders

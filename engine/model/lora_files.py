@@ -1,70 +1,81 @@
-"""LoRA: configuration, injection through peft, and the ``.safetensors`` file format.
+"""LoRA, DoRA, LoKr and LoHa: injection through peft, and the ``.safetensors`` file formats.
 
-Files are written in the diffusers key format with the ``transformer.`` prefix
-(``transformer.transformer_blocks.0.attn.to_q.lora_A.weight``), which both diffusers'
-``load_lora_weights`` and ComfyUI's own LoRA loader map (docs/SCHEDULES.md "LoRA files": bare
-peft keys load zero keys in ComfyUI 0.3.64). Keys never carry the peft adapter name.
+Files are written in peft's key format with the ``transformer.`` prefix
+(``transformer.transformer_blocks.0.attn.to_q.lora_A.weight``; ``...to_q.lokr_w1``, ``...to_q.hada_w1_a``,
+``...to_q.lora_magnitude_vector``: :mod:`.adapters`), which diffusers' ``load_lora_adapter`` and ComfyUI's
+LoRA loader map (docs/SCHEDULES.md "LoRA files": bare peft keys load zero keys in ComfyUI 0.3.64).
+Keys never carry the peft adapter name.
 
-The scale is folded into the weights: each module's ``lora_B`` is stored multiplied by peft's
-scaling (``alpha / rank``), no ``.alpha`` tensor is written, and the header's
-``lora_adapter_metadata`` (diffusers' own entry) says ``lora_alpha = r``. Every reader then
-applies scale 1 to the same product ``B @ A``:
+The scale is folded into the weights: one tensor of each module (``lora_B``, LoKr's ``w1``, LoHa's
+``w1_a``) is stored multiplied by peft's scaling (``alpha / rank``), no ``.alpha`` tensor is
+written, and the header's ``lora_adapter_metadata`` (diffusers' own entry) says alpha = r. Every
+reader then applies scale 1 to the same update:
 
-- ComfyUI (``comfy/lora.py`` ``load_lora``, ``comfy/weight_adapter/lora.py``
-  ``LoRAAdapter.calculate_weight``) uses ``<key>.alpha / rank`` when that tensor exists, else 1;
-  it does not read the header.
-- diffusers 0.42 builds the ``LoraConfig`` from ``lora_adapter_metadata`` when present
-  (``loaders/peft.py`` ``load_lora_adapter`` -> ``utils/peft_utils.py`` ``_create_lora_config``).
-  Its SD3, Wan, Sana, Qwen-Image, Lumina2, ... loaders refuse ``.alpha`` keys ("Invalid LoRA
-  checkpoint": every key must contain ``lora``), and Flux's refuses ``.alpha`` keys together
-  with metadata ("Both `network_alphas` and `metadata` cannot be specified"), so a file with
-  ``.alpha`` tensors cannot load everywhere.
+- ComfyUI (``comfy/lora.py`` ``load_lora``, ``comfy/weight_adapter/{lora,lokr,loha}.py``
+  ``calculate_weight``) uses ``<key>.alpha / rank`` when that tensor exists, else 1; it does not
+  read the header.
+- diffusers 0.42 builds the ``LoraConfig`` (or ``LoKrConfig``) from ``lora_adapter_metadata`` when
+  present (``loaders/peft.py`` ``load_lora_adapter`` -> ``utils/peft_utils.py``
+  ``_create_lora_config`` / ``_create_lokr_config``). Its SD3, Wan, Sana, Qwen-Image, Lumina2, ...
+  loaders refuse ``.alpha`` keys ("Invalid LoRA checkpoint": every key must contain ``lora``), and
+  Flux's refuses ``.alpha`` keys together with metadata ("Both `network_alphas` and `metadata`
+  cannot be specified"), so a file with ``.alpha`` tensors cannot load everywhere. The same rule
+  keeps LoKr files out of every pipeline's ``load_lora_weights`` but Z-Image's and Flux.2's (their
+  key check admits ``lokr``); the transformer's own ``load_lora_adapter`` reads them for every
+  family. diffusers has no LoHa loader: a LoHa file is read by peft (``set_peft_model_state_dict``
+  after ``LoHaConfig(**metadata)``), by ``init_lora`` here and by ComfyUI where it maps the
+  family's diffusers names.
 
-The trained settings (rank, alpha, targets, dropout) stay in the header as ``lora_settings``.
+The trained settings (rank, alpha, targets, dropout, type) stay in the header as ``lora_settings``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from diffusers.loaders.peft import PeftAdapterMixin
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
+from peft import inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from ..config.lora import LoraConfigError, LoraSettings
+from ..families import FamilyAdapter
 from ..files.checks import check_safetensors
 from ..files.tensors import atomic_save_file
-from .comfy_lora import base_shapes, from_comfy_keys, to_comfy_keys
+from .adapters import ADAPTER, adapter_layers, dora_norms, fold_scales, peft_config, target_modules
+from .comfy_lora import DIFFUSERS_PREFIX, base_shapes, from_comfy_keys, to_comfy_keys
 from .distributed import full_tensor, plain_name
 from .layouts import LayoutError, get_layout
+from .lora_header import KINDS, MAGNITUDE, kind_of, modules_of, split_key
 from .precision import quiet_torchao
 
 PREFIX = "transformer."
 """Key prefix of the files: diffusers' ``transformer_name``, which ComfyUI maps too."""
-ADAPTER = "default"
-"""The peft adapter name :func:`add_lora` creates (never written to the file)."""
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 """Header entry diffusers reads the ``LoraConfig`` from (``diffusers.loaders.lora_base``)."""
 
 
-def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tuple[str, ...]) -> list[torch.nn.Parameter]:
-    """Freeze ``model`` and inject a LoRA adapter with peft; return the trainable parameters.
+def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tuple[str, ...],
+             family: FamilyAdapter | None = None) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` and inject the adapter of ``settings`` (LoRA, DoRA, LoKr or LoHa) with peft;
+    return the trainable parameters.
+
+    Args:
+        default_targets: the family's attention projections (the ``attention`` preset).
+        family: the model's family, whose block lists ``all-linear`` reads (:func:`~.adapters.target_modules`).
 
     The adapter's weights are fp32 whatever the base's dtype (bf16, fp16, quantized): peft
-    creates them in the base layer's dtype, and bf16 LoRA updates lose small steps.
+    creates them in the base layer's dtype, and bf16 updates lose small steps.
 
     Raises:
-        LoraConfigError: no module of ``model`` matches the target names.
+        LoraConfigError: no module of ``model`` matches the target names; ``all-linear`` without a family.
     """
-    targets = list(settings.target_modules or default_targets)
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=targets, init_lora_weights=settings.init)
+    targets = target_modules(model, settings, default_targets, family)
+    config = peft_config(settings, targets)
     model.requires_grad_(False)
     try:
         with quiet_torchao():  # peft imports torchao (when installed) to recognise quantized layers
@@ -73,7 +84,8 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, default_targets: tu
             else:  # diffusers classes without PeftAdapterMixin (PixArt, OmniGen, DiT, ...)
                 inject_adapter_in_model(config, model)
     except ValueError as exc:
-        raise LoraConfigError(f"lora_target_modules={targets!r} matched no module of "
+        shown = targets if len(targets) <= 8 else targets[:8] + [f"... ({len(targets)} in all)"]
+        raise LoraConfigError(f"lora_target_modules={shown!r} matched no module of "
                               f"{type(model).__name__}: {exc}") from exc
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -109,31 +121,23 @@ def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tenso
 
 def adapter_scales(model: torch.nn.Module) -> dict[str, float]:
     """peft's scaling of each adapted module, by module name: ``alpha / rank`` (``alpha / sqrt(rank)``
-    with rsLoRA), the factor peft multiplies ``lora_B(lora_A(x))`` by in the forward."""
-    return {plain_name(name): float(module.scaling[ADAPTER]) for name, module in model.named_modules()
-            if isinstance(module, LoraLayer) and ADAPTER in module.scaling}
+    with rsLoRA), the factor peft multiplies the module's update by in the forward."""
+    return {name: float(layer.scaling[ADAPTER]) for name, layer in adapter_layers(model).items()}
 
 
 def to_file_keys(state: Mapping[str, torch.Tensor],
                  scales: Mapping[str, float]) -> dict[str, torch.Tensor]:
-    """Bare peft keys -> file keys: the ``transformer.`` prefix; each module's scale folded into its ``lora_B``.
+    """Bare peft keys -> file keys: the ``transformer.`` prefix; each module's scale folded into its
+    scaled tensor (:func:`~.adapters.fold_scales`: ``B' = scale * B``, so that ``B' @ A = scale * (B @ A)``).
 
     Args:
-        state: from :func:`lora_state_dict` (``<module>.lora_A.weight``, ``<module>.lora_B.weight``).
+        state: from :func:`lora_state_dict`.
         scales: from :func:`adapter_scales`.
 
     Raises:
-        KeyError: a ``lora_B`` tensor of a module that ``scales`` does not list.
+        KeyError: a module that ``scales`` does not list.
     """
-    out = {}
-    for key, value in state.items():
-        module, sep, _ = key.partition(".lora_B.")
-        if sep:
-            if module not in scales:
-                raise KeyError(f"LoRA key {key!r}: module {module!r} has no peft scaling in the model")
-            value = value * scales[module]  # B' = scale * B, so that B' @ A = scale * (B @ A)
-        out[PREFIX + key] = value
-    return out
+    return {PREFIX + k: v for k, v in fold_scales(state, scales).items()}
 
 
 def diffusers_metadata(model: torch.nn.Module) -> str:
@@ -148,44 +152,52 @@ def diffusers_metadata(model: torch.nn.Module) -> str:
     no rsLoRA): scale 1 everywhere.
     """
     config = model.peft_config[ADAPTER].to_dict()
-    config.update(lora_alpha=config["r"], alpha_pattern=dict(config["rank_pattern"]), use_rslora=False)
+    alpha = "lora_alpha" if "lora_alpha" in config else "alpha"  # LoraConfig's name, LoKr's and LoHa's
+    config.update({alpha: config["r"], "alpha_pattern": dict(config["rank_pattern"])})
+    if "use_rslora" in config:
+        config["use_rslora"] = False
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     return json.dumps({PREFIX + k: v for k, v in config.items()}, indent=2, sort_keys=True)
 
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """A trained LoRA without its model: all that :func:`save_lora_files` writes, as CPU tensors.
+    """A trained adapter without its model: all that :func:`save_lora_files` writes, as CPU tensors.
 
     A finished run hands it on instead of the trained model copy (whose frozen base weights, runner
     and host buffers a long-lived ComfyUI server would otherwise keep in its node cache, issue 34).
 
     Attributes:
-        state: :func:`lora_state_dict` of the model (bare peft keys; ``lora_A`` ``(r, in)``,
-            ``lora_B`` ``(out, r)``), on the CPU.
+        state: :func:`lora_state_dict` of the model (bare peft keys: LoRA ``lora_A`` ``(r, in)``,
+            ``lora_B`` ``(out, r)``, DoRA's ``lora_magnitude_vector`` ``(out,)``, LoKr's ``lokr_*``,
+            LoHa's ``hada_*``: :mod:`.adapters`), on the CPU.
         scales: :func:`adapter_scales` (``alpha / rank`` by module name).
         shapes: :func:`~.comfy_lora.base_shapes` (the base weights' shapes, for ComfyUI's fused keys).
         metadata: :func:`diffusers_metadata` (the ``lora_adapter_metadata`` header value).
+        norms: a DoRA adapter's row norms (:func:`~.adapters.dora_norms`, for ComfyUI's ``dora_scale``);
+            empty otherwise.
     """
 
     state: dict[str, torch.Tensor]
     scales: dict[str, float]
     shapes: dict[str, tuple[int, ...]]
     metadata: str
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, source: torch.nn.Module | LoraWeights) -> LoraWeights:
-        """The LoRA of a model with a peft adapter (from :func:`add_lora`); a :class:`LoraWeights` as it
+        """The adapter of a model with a peft adapter (from :func:`add_lora`); a :class:`LoraWeights` as it
         is. Of a sharded model this gathers (:func:`lora_state_dict`): every rank must call it."""
         if isinstance(source, LoraWeights):
             return source
         state = {k: v.cpu() for k, v in lora_state_dict(source).items()}
-        return cls(state, adapter_scales(source), base_shapes(source), diffusers_metadata(source))
+        scales = adapter_scales(source)
+        return cls(state, scales, base_shapes(source), diffusers_metadata(source), dora_norms(source, state, scales))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors."""
-        return sum(t.numel() * t.element_size() for t in self.state.values())
+        return sum(t.numel() * t.element_size() for t in (*self.state.values(), *self.norms.values()))
 
 
 def save_lora(model: torch.nn.Module | LoraWeights, path: str | Path, settings: LoraSettings,
@@ -194,7 +206,7 @@ def save_lora(model: torch.nn.Module | LoraWeights, path: str | Path, settings: 
 
     Both loaders change the base exactly as the trained adapter did (scale folded into ``lora_B``,
     see the module docstring); ``tests/model/test_lora_files.py`` checks it for every family (through
-    diffusers where the family has a LoRA loader there).
+    diffusers where the family has a LoRA loader there), and for DoRA, LoKr and LoHa.
 
     Args:
         model: a model with a peft adapter (from :func:`add_lora`), or its :class:`LoraWeights`.
@@ -216,15 +228,17 @@ def save_lora(model: torch.nn.Module | LoraWeights, path: str | Path, settings: 
     return atomic_save_file(tensors, path, header)
 
 
-def _from_comfy_file(model, path, tensors, family) -> dict[str, torch.Tensor]:
+def _from_comfy_file(model, path, tensors, family, settings: LoraSettings) -> dict[str, torch.Tensor]:
     """A ComfyUI-format file of this pack as ``transformer.``-prefixed bare keys (its scale is 1)."""
+    if any(k.startswith(DIFFUSERS_PREFIX) for k in tensors):  # a LoKr in diffusers names: peft's own keys
+        return dict(tensors)
     layout = get_layout(family) if family else None
     if layout is None:
         raise LoraConfigError(f"init_lora={str(path)!r} is a ComfyUI-format LoRA; family {family!r} has no released "
                               "layout to read it back: give the diffusers file (lora_format diffusers or both)")
-    modules = sorted(k[: -len(".lora_A.weight")] for k in lora_state_dict(model) if k.endswith(".lora_A.weight"))
     try:
-        bare = from_comfy_keys(tensors, layout, base_shapes(model), modules)
+        bare = from_comfy_keys(tensors, layout, base_shapes(model), modules_of(lora_state_dict(model)),
+                               settings.lora_type)
     except (LayoutError, ValueError) as exc:
         raise LoraConfigError(f"init_lora={str(path)!r} does not match this run's adapter: {exc}") from exc
     return {PREFIX + k: v for k, v in bare.items()}
@@ -261,80 +275,111 @@ def save_lora_files(model: torch.nn.Module | LoraWeights, path: str | Path, sett
     """Save the model's LoRA in the files of ``lora_format`` (:func:`lora_paths`); ``{format: file}``.
 
     The diffusers file is :func:`save_lora`'s; the ComfyUI file holds the same update in the
-    family's released-layout names (:func:`~.comfy_lora.to_comfy_keys`), its header the same
-    ``metadata`` and ``lora_settings`` and ``lora_format = comfyui`` (no ``lora_adapter_metadata``:
-    its keys are not diffusers'). Each file is written atomically, the diffusers one first.
+    family's released-layout names, or a LoKr on fused weights in the diffusers names ComfyUI maps
+    (:func:`~.comfy_lora.to_comfy_keys`), its header the same ``metadata`` and ``lora_settings``,
+    ``lora_format = comfyui`` and ``comfyui_names`` (``released`` or ``diffusers``; no
+    ``lora_adapter_metadata``: its keys are not diffusers'). Each file is written atomically, the
+    diffusers one first.
 
     Raises:
         OutputWriteError: a file could not be written.
-        LayoutError: an adapted module has no place in the released layout.
+        LayoutError: an adapted module has no place in the released layout; a LoKr ComfyUI cannot
+            apply exactly (:func:`~.comfy_lora.comfy_naming`, refused before training by
+            ``engine/train/checks.py``). Nothing is written then.
     """
     paths = lora_paths(path, lora_format, family, primary)
     weights = LoraWeights.of(model)  # gathered once (a collective of a sharded model)
+    comfy = None
+    if "comfyui" in paths:  # converted first: a refusal writes nothing
+        comfy = to_comfy_keys(fold_scales(weights.state, weights.scales), get_layout(family), weights.shapes,
+                              weights.norms)
     if "diffusers" in paths:
         save_lora(weights, paths["diffusers"], settings, {**(metadata or {}), "family": family}, write)
-    if "comfyui" in paths:
-        scales = weights.scales
-        bare = {k: v * scales[k.partition(".lora_B.")[0]] if ".lora_B." in k else v
-                for k, v in weights.state.items()}
-        tensors = to_comfy_keys(bare, get_layout(family), weights.shapes)
-        if write:
-            header = {k: v if isinstance(v, str) else json.dumps(v)
-                      for k, v in {**(metadata or {}), "family": family}.items()}
-            header.update({"format": "pt", "lora_format": "comfyui", "lora_settings": json.dumps(asdict(settings))})
-            atomic_save_file(tensors, paths["comfyui"], header)
+    if comfy is not None and write:
+        header = {k: v if isinstance(v, str) else json.dumps(v)
+                  for k, v in {**(metadata or {}), "family": family}.items()}
+        names = "diffusers" if any(k.startswith(DIFFUSERS_PREFIX) for k in comfy) else "released"
+        header.update({"format": "pt", "lora_format": "comfyui", "comfyui_names": names,
+                       "lora_settings": json.dumps(asdict(settings))})
+        atomic_save_file(comfy, paths["comfyui"], header)
     return paths
 
 
+def _file_scale(tensors: Mapping[str, torch.Tensor], module: str, metadata: Mapping[str, Any]) -> float:
+    """The scale a file applies to ``module``'s update: ``<module>.alpha`` over the rank as ComfyUI
+    reads it (``comfy/weight_adapter/*.py``: the first rank tensor of :attr:`~.lora_header.AdapterKind.rank`;
+    a LoKr of two full factors: 1), else the metadata's alpha / r, else 1."""
+    alpha = tensors.get(f"{PREFIX}{module}.alpha")
+    if alpha is not None:
+        kind = kind_of(k for k in tensors if k.startswith(f"{PREFIX}{module}."))
+        rank = next((tensors[f"{PREFIX}{module}.{t}"].shape[d] for t, d in kind.rank
+                     if f"{PREFIX}{module}.{t}" in tensors), None) if kind is not None else None
+        return float(alpha) / rank if rank else 1.0
+    alpha = metadata.get(PREFIX + "lora_alpha", metadata.get(PREFIX + "alpha"))
+    return float(alpha) / metadata[PREFIX + "r"] if alpha is not None and PREFIX + "r" in metadata else 1.0
+
+
+def _check_kind(path, tensors: Mapping[str, torch.Tensor], settings: LoraSettings) -> None:
+    """Refuse a file of another adapter type than the run's (or DoRA where the run has none, or the reverse)."""
+    found = kind_of(tensors) or (KINDS["lora"] if any(k.endswith(".lora_up.weight") for k in tensors) else None)
+    if found is not None and found.name != settings.lora_type:
+        raise LoraConfigError(f"init_lora={str(path)!r} holds a {found.name} adapter; this run's lora_type is "
+                              f"{settings.lora_type!r}: set lora_type to {found.name}")
+    dora = any(k.endswith(("." + MAGNITUDE, ".dora_scale")) for k in tensors)
+    if found is not None and dora != settings.use_dora:
+        raise LoraConfigError(f"init_lora={str(path)!r} holds a {'DoRA' if dora else 'LoRA without DoRA'}; this run's "
+                              f"use_dora is {settings.use_dora}: set use_dora to {dora}")
+
+
 def load_lora_file(model: torch.nn.Module, path: str | Path, settings: LoraSettings, family: str | None = None) -> int:
-    """Start the model's adapter from a LoRA file: one this pack saved (either ``lora_format``), or
+    """Start the model's adapter from an adapter file: one this pack saved (either ``lora_format``), or
     a diffusers/kohya-style file with ``transformer.`` keys (``.alpha`` tensors or
-    ``lora_adapter_metadata`` give its scale). A ComfyUI-format file of this pack (header
-    ``lora_format = comfyui``) is split back into the adapter's modules exactly
+    ``lora_adapter_metadata`` give its scale). A ComfyUI-format LoRA, LoHa or LoKr file of this pack
+    (header ``lora_format = comfyui``) is split back into the adapter's modules exactly
     (:func:`~.comfy_lora.from_comfy_keys`; needs ``family``).
 
-    The file's effective update ``file_scale * B @ A`` is kept exactly: ``B`` is loaded as
-    ``B_file * file_scale / run_scale`` (``run_scale`` = the run's alpha / rank).
+    The file's effective update is kept exactly: the scaled tensor (``B``, LoKr's ``w1``, LoHa's
+    ``w1_a``) is loaded as ``file tensor * file_scale / run_scale`` (``run_scale`` = the run's alpha / rank).
 
     Returns:
         The number of adapted modules loaded.
 
     Raises:
         DamagedFileError: the file is missing or damaged.
-        LoraConfigError: its rank differs from the run's, or its modules differ from the adapter's.
+        LoraConfigError: another adapter type, DoRA or not, another rank, or modules that differ
+            from the adapter's.
     """
     header = check_safetensors(path, "init_lora", "give another LoRA file or none")
     tensors = load_file(str(path))
     metadata = json.loads(header.get(LORA_ADAPTER_METADATA_KEY, "{}") or "{}")
+    _check_kind(path, tensors, settings)
     if header.get("lora_format") == "comfyui":
-        tensors = _from_comfy_file(model, path, tensors, family)
-    meta_scale = (metadata.get(PREFIX + "lora_alpha", 1.0) / metadata.get(PREFIX + "r", 1.0)
-                  if PREFIX + "r" in metadata else 1.0)
+        tensors = _from_comfy_file(model, path, tensors, family, settings)
     scales = adapter_scales(model)
     state = {}
     for key, value in tensors.items():
         if not key.startswith(PREFIX) or key.endswith(".alpha"):
             continue
         bare = key[len(PREFIX):]
-        module, sep, _ = bare.partition(".lora_B.")
-        if sep:
-            down = tensors.get(f"{PREFIX}{module}.lora_A.weight")
-            alpha = tensors.get(f"{PREFIX}{module}.alpha")
-            file_scale = float(alpha) / down.shape[0] if alpha is not None and down is not None else meta_scale
-            if module not in scales:
-                raise LoraConfigError(f"init_lora={str(path)!r}: module {module!r} is not adapted in this run "
-                                      f"(lora_target_modules={list(settings.target_modules or [])!r})")
-            value = value * (file_scale / scales[module])
-        elif bare.endswith(".lora_A.weight") and value.shape[0] != settings.rank:
-            raise LoraConfigError(f"init_lora={str(path)!r} has rank {value.shape[0]} ({bare}); "
-                                  f"allowed lora_rank={settings.rank}, the run's: set lora_rank to {value.shape[0]}")
+        found = split_key(bare)
+        ranks = dict(found[2].rank) if found is not None else {}
+        if found is not None and found[1] in ranks and value.shape[ranks[found[1]]] != settings.rank:
+            rank = value.shape[ranks[found[1]]]
+            raise LoraConfigError(f"init_lora={str(path)!r} has rank {rank} ({bare}); "
+                                  f"allowed lora_rank={settings.rank}, the run's: set lora_rank to {rank}")
         state[bare] = value
     if not state:
-        raise LoraConfigError(f"init_lora={str(path)!r} holds no 'transformer.'-prefixed lora_A/lora_B weights")
+        raise LoraConfigError(f"init_lora={str(path)!r} holds no 'transformer.'-prefixed adapter weights "
+                              "(lora_A/lora_B, lokr_*, hada_*)")
+    unknown = [m for m in modules_of(state) if m not in scales]
+    if unknown:
+        raise LoraConfigError(f"init_lora={str(path)!r}: module {unknown[0]!r} is not adapted in this run "
+                              f"(lora_target_modules={list(settings.target_modules or [])!r})")
+    state = fold_scales(state, {m: _file_scale(tensors, m, metadata) / scales[m] for m in modules_of(state)})
     expected = set(lora_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state))[:3], sorted(set(state) - expected)[:3]
         raise LoraConfigError(f"init_lora={str(path)!r} does not match this run's adapter: missing {missing}, "
                               f"unexpected {extra}")
     load_lora_state_dict(model, state)
-    return len(state) // 2
+    return len(modules_of(state))

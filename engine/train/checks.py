@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -18,7 +19,11 @@ from ..data.windows import check_clip_frames
 from ..families import get_family
 from ..families.comfyui import LAYOUT_MODULES
 from ..files.checks import is_gguf
+from ..model.adapters import adapter_layers
 from ..model.bundle import ModelBundle
+from ..model.comfy_lora import base_shapes, comfy_naming
+from ..model.layouts import LayoutError, get_layout
+from ..model.lora_files import add_lora
 from ..model.quantized.gguf_file import check_transformer, open_gguf
 from ..model.single_file import transformer_keys
 from .state import read_state_header
@@ -73,6 +78,30 @@ def check_lora_format(config: TrainConfig, bundle: ModelBundle | None = None) ->
         raise ConfigError(f"lora_format='comfyui' is invalid for family {family!r}: its released layout is not mapped "
                           f"here (comfyui files: {', '.join(sorted(LAYOUT_MODULES))}); allowed diffusers or both "
                           "(see segckpt families, column 'LoRA applied in ComfyUI')")
+    if config.lora.lora_type == "lokr" and config.outputs.lora_format != "diffusers" and family in LAYOUT_MODULES:
+        _check_comfy_lokr(config, bundle)
+
+
+def _check_comfy_lokr(config: TrainConfig, bundle: ModelBundle | None) -> None:
+    """Refuse a LoKr whose ComfyUI file could not apply it exactly (a fused or reordered weight of a
+    family whose diffusers names ComfyUI does not map: ``engine/model/comfy_lora.py`` ``comfy_naming``),
+    from the model's config on the ``meta`` device: no weight is read.
+
+    Raises:
+        ConfigError: naming the weight and the formats that can hold the adapter.
+    """
+    shape = model_shape(config, bundle)
+    if shape is None:
+        return  # the loader names what is wrong with the model's files
+    family = shape.family
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = family.model_cls().from_config(shape.config)
+        add_lora(model, config.lora, family.lora_targets, family)
+    try:
+        comfy_naming(get_layout(family.name), base_shapes(model), list(adapter_layers(model)), "lokr")
+    except LayoutError as exc:
+        raise ConfigError(f"lora_format={config.outputs.lora_format!r} is invalid: {exc}") from None
 
 
 def check_guidance(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
@@ -161,6 +190,8 @@ def check_output(config: TrainConfig) -> None:
         if key == "data" and "data" in header["inputs"]:  # the fingerprint compares the folder's content
             continue
         before = saved.get(key, defaults.get(key))
+        if isinstance(before, dict):  # a nested component (lora) saved before one of its keys existed
+            before = {**defaults.get(key, {}), **before}
         if _path(key, before) != _path(key, now.get(key)):
             raise ConfigError(f"resume: {key}={now.get(key)!r} differs from the saved run's "
                               f"{before!r}; allowed the saved value (or start a new run)")

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..model.distributed import local_tensor
+from ..model.lora_header import KINDS
 
 
 class TrainingStopped(ValueError):
@@ -49,11 +50,13 @@ class FiniteCheck:
 
 
 def lora_module_name(parameter_name: str) -> str:
-    """``blocks.0.attn.to_k.lora_B.default.weight`` -> ``blocks.0.attn.to_k (lora_B)``."""
-    for part in (".lora_A.", ".lora_B."):
-        if part in parameter_name:
-            module, _, rest = parameter_name.partition(part)
-            return f"{module} ({part.strip('.')})"
+    """``blocks.0.attn.to_k.lora_B.default.weight`` -> ``blocks.0.attn.to_k (lora_B)``; the same for
+    every adapter tensor (``lokr_w1``, ``hada_w2_b``, ``lora_magnitude_vector``: ``engine/model/lora_header.py``)."""
+    for kind in KINDS.values():
+        for tensor in kind.tensors:
+            part = "." + tensor.removesuffix(".weight") + "."
+            if part in parameter_name:
+                return f"{parameter_name.partition(part)[0]} ({part.strip('.')})"
     return parameter_name
 
 

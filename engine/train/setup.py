@@ -113,7 +113,7 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
     # peft initialises lora_A from torch's global generator: seed it, or two runs with one
     # seed in one process (a ComfyUI server, a sweep) would start from different adapters
     torch.manual_seed(config.seed)
-    add_lora(model, config.lora, bundle.family.lora_targets)
+    add_lora(model, config.lora, bundle.family.lora_targets, bundle.family)
     if config.model.init_lora and state is None:
         log(f"init_lora: {load_lora_file(model, config.model.init_lora, config.lora, bundle.family.name)} modules from "
             f"{config.model.init_lora}")

@@ -25,7 +25,7 @@ PINNED = (
     "mixed_precision", "base_model_precision", "attention_backend", "compile_blocks",
     "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
     "batch_size", "global_batch_size", "caption_dropout",
-    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout",
+    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout", "lora_type", "use_dora",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "optimizer", "max_grad_norm",
     "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",
@@ -130,3 +130,26 @@ def test_a_workflow_with_a_64_bit_seed_is_accepted():
     graph["5"]["inputs"]["seed"] = SEED_MAX + 1
     with pytest.raises(ValueError, match="seed"):
         validate(graph)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"lora_type": "lokr", "use_dora": True}, r"^use_dora=True is invalid with lora_type='lokr': allowed false"),
+    ({"lora_type": "loha", "lora_dropout": 0.1}, r"^lora_dropout=0.1 is invalid with lora_type='loha': allowed 0"),
+    ({"lora_target_modules": ["all-linear", "to_q"]},
+     r"^lora_target_modules=\['all-linear', 'to_q'\] is invalid: the preset 'all-linear' stands alone"),
+    ({"lora_type": "oft"}, r"^lora_type='oft' is invalid: allowed lora, lokr, loha\.$"),
+    ({"model_file": "m.gguf", "lora_type": "lokr"}, r"^lora_type='lokr' is invalid with a GGUF model_file \('m.gguf'\)"),
+    ({"model_file": "m.gguf", "use_dora": True}, r"^use_dora=True is invalid with a GGUF model_file \('m.gguf'\): "
+                                                 r"allowed false"),
+])
+def test_adapter_options_that_cannot_run_are_refused_by_name(changes, message):
+    """Issue 35: peft's LoKr and LoHa have no DoRA and no input dropout; a preset stands alone; a GGUF
+    weight stays quantized, and LoKr, LoHa and DoRA read the base weight whole."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.create(**changes)
+
+
+def test_target_presets_and_simpletuner_standard():
+    assert TrainConfig.create(lora_target_modules="attention").lora.target_modules is None  # the default
+    assert TrainConfig.create(lora_target_modules="all-linear").lora.target_modules == ("all-linear",)
+    assert TrainConfig.create(lora_type="standard").lora.lora_type == "lora"  # SimpleTuner's plain LoRA

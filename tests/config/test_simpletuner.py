@@ -182,7 +182,7 @@ def test_alias_values_read_with_their_simpletuner_meaning():
 @pytest.mark.parametrize("values, message", [
     ({"optimizer": "lion"}, r"^optimizer='lion' is invalid: allowed adamw, adamw8bit, adafactor, prodigy\.$"),
     ({"model_type": "full"}, r"^model_type='full' is invalid: allowed lora \(this pack trains LoRAs\)"),
-    ({"lora_type": "lycoris"}, r"^lora_type='lycoris' is invalid: allowed standard"),
+    ({"lora_type": "lycoris"}, r"^lora_type='lycoris' is invalid: allowed lora, lokr, loha \(SimpleTuner's lycoris"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, r"^resume_from_checkpoint='out/checkpoint-100' is invalid: "
                                                        r"allowed latest"),
     ({"attention_mechanism": "xformers"}, r"^attention_mechanism='xformers' is invalid: allowed diffusers, "),

@@ -19,12 +19,17 @@ import torch
 from diffusers.loaders.lora_base import LoraBaseMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from helpers import random_batch
+from peft import LoHaConfig, inject_adapter_in_model
+from peft.utils import set_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from segmented_checkpointing.engine.config import LoraSettings
+from segmented_checkpointing.engine.config import ConfigError, LoraConfigError, LoraSettings
 from segmented_checkpointing.engine.families import family_names, get_family
+from segmented_checkpointing.engine.files.checks import safetensors_header
+from segmented_checkpointing.engine.model.adapters import adapter_layers
 from segmented_checkpointing.engine.model.lora_files import add_lora, lora_state_dict, save_lora
+from segmented_checkpointing.engine.model.lora_header import check_init_lora, check_not_a_lora
 
 TOL = 1e-5
 SETTINGS = LoraSettings(rank=4, alpha=8, init="gaussian")
@@ -77,10 +82,10 @@ def trained(tmp_path_factory):
             torch.manual_seed(0)
             base = family.model_cls()(**family.tiny_config).float()
             model = copy.deepcopy(base)
-            add_lora(model, settings, family.lora_targets)
+            add_lora(model, settings, family.lora_targets, family)
             with torch.no_grad():
                 for key, p in model.named_parameters():
-                    if "lora_B" in key:
+                    if p.requires_grad and not p.any():  # LoRA's B, LoKr's w1, LoHa's w2_b start at zero
                         p.normal_(0, 0.05)
             batch = random_batch(family, model)
             path = tmp_path_factory.mktemp(name) / "lora.safetensors"
@@ -217,3 +222,60 @@ def test_header_carries_diffusers_metadata_as_diffusers_writes_it(tmp_path):
     assert set(ours) == set(theirs)  # same keys: no `.alpha` tensors
     for key, value in theirs.items():
         assert torch.equal(ours[key], 2 * value if ".lora_B." in key else value)
+
+
+ADAPTER_FILES = {
+    "dora": LoraSettings(rank=4, alpha=8, use_dora=True, init="gaussian"),
+    "lokr": LoraSettings(rank=4, alpha=8, lora_type="lokr"),
+    "loha": LoraSettings(rank=4, alpha=6, lora_type="loha"),
+}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan", "zimage"])
+@pytest.mark.parametrize("adapter", sorted(ADAPTER_FILES))
+def test_adapter_file_is_read_exactly_by_what_reads_its_type(trained, name, adapter):
+    """Issue 35. DoRA: diffusers' load_lora_weights (its metadata says use_dora). LoKr: the pipelines'
+    load_lora_weights refuse ``lokr`` keys but Z-Image's (and Flux.2's); the transformer's own
+    load_lora_adapter reads them for every family. LoHa: diffusers has no loader; peft reads it
+    (``LoHaConfig`` from the header's metadata, ``set_peft_model_state_dict``)."""
+    family, fresh, batch, want, plain, path = trained(name, ADAPTER_FILES[adapter])
+    if adapter == "dora" or adapter == "lokr" and name == "zimage":
+        with _diffusers_warnings() as warnings:
+            _pipeline(name, fresh).load_lora_weights(str(path))
+        assert not [w for w in warnings if "Loading adapter weights" in w]
+    elif adapter == "lokr":
+        with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+            _pipeline(name, copy.deepcopy(fresh)).load_lora_weights(str(path))
+        fresh.load_lora_adapter(str(path), prefix="transformer")
+    else:
+        with safe_open(str(path), "pt") as fh:
+            metadata = json.loads(fh.metadata()["lora_adapter_metadata"])
+        inject_adapter_in_model(LoHaConfig(**{k.removeprefix("transformer."): v for k, v in metadata.items()}), fresh)
+        result = set_peft_model_state_dict(fresh, {k.removeprefix("transformer."): v for k, v in load_file(str(path)).items()})
+        assert not result.unexpected_keys
+    _check(_forward(family, fresh, batch), want, plain)
+
+
+def test_all_linear_adapts_every_linear_of_the_blocks_and_nothing_outside():
+    """The ``all-linear`` preset: each ``nn.Linear`` of Flux's double and single blocks (attention,
+    feed-forward, modulation; 14 and 6 per block), none of the embedders, final norm or output."""
+    family = get_family("flux")
+    model = family.model_cls()(**family.tiny_config)
+    expected = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                and n.startswith(("transformer_blocks.", "single_transformer_blocks."))}
+    add_lora(model, LoraSettings(rank=2, target_modules="all-linear"), family.lora_targets, family)
+    assert set(adapter_layers(model)) == expected and len(expected) == 8 * 14 + 8 * 6
+    with pytest.raises(LoraConfigError, match="all-linear' is invalid here"):
+        add_lora(family.model_cls()(**family.tiny_config), LoraSettings(target_modules="all-linear"), ("to_q",))
+
+
+def test_the_header_names_an_adapter_of_another_type_or_rank_before_any_model_loads(trained):
+    lokr, loha = trained("wan", ADAPTER_FILES["lokr"])[-1], trained("wan", ADAPTER_FILES["loha"])[-1]
+    with pytest.raises(ConfigError, match=r"holds a lokr adapter; this run's lora_type is 'lora': allowed a lora "
+                                          r"file, or set lora_type to lokr"):
+        check_init_lora(lokr, "wan", 4)
+    check_init_lora(lokr, "wan", 4, "lokr")  # its factors are full matrices at this size: no rank to compare
+    with pytest.raises(ConfigError, match=r"has rank 4 \(\d+ modules\); this run's lora_rank is 8"):
+        check_init_lora(loha, "wan", 8, "loha")
+    with pytest.raises(ConfigError, match=r"this file is a LoRA \(\d+ adapted modules"):
+        check_not_a_lora(loha, safetensors_header(loha, "model file", ""))

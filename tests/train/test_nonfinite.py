@@ -109,3 +109,12 @@ def test_advice_fits_the_cause(check, step, changes, advice):
     context = {"device": "cpu", "precision": precision, "attention_backend": ("flash", "efficient", "math"),
                "learning_rate": 1e-3, "lora_alpha": 32.0, "lora_rank": 16, **changes}
     assert advice in describe(check, step, context)
+
+
+def test_a_bad_gradient_is_named_by_its_module_and_adapter_tensor():
+    from segmented_checkpointing.engine.train.nonfinite import lora_module_name
+
+    assert lora_module_name("blocks.0.attn.to_k.lora_B.default.weight") == "blocks.0.attn.to_k (lora_B)"
+    assert lora_module_name("blocks.0.attn.to_k.lokr_w1_a.default") == "blocks.0.attn.to_k (lokr_w1_a)"
+    assert lora_module_name("blocks.0.ff.net.2.hada_w2_b.default") == "blocks.0.ff.net.2 (hada_w2_b)"
+    assert lora_module_name("a.to_q.lora_magnitude_vector.default.weight") == "a.to_q (lora_magnitude_vector)"

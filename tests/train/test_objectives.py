@@ -29,7 +29,8 @@ from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.families.conditioning import guided_inputs
 from segmented_checkpointing.engine.families.limits import full_config
 from segmented_checkpointing.engine.families.registry import family_names
-from segmented_checkpointing.engine.families.shift import FlowShift, SchedulerConfigError, scheduler_settings
+from segmented_checkpointing.engine.families.scheduler_config import SchedulerConfigError, scheduler_settings
+from segmented_checkpointing.engine.families.shift import FlowShift
 from segmented_checkpointing.engine.families.timesteps import alphas_cumprod
 from segmented_checkpointing.engine.model.bundle import ModelLoadError
 from segmented_checkpointing.engine.model.folders import load_model_folder

@@ -98,24 +98,30 @@ class Rows:
         rows: ``(out,)`` int64 indices: row ``i`` of the diffusers weight is row ``rows[i]`` of
             the original one.
         total: the original weight's number of rows.
+        ndim: the original weight's number of dimensions (a conv's 4 where diffusers' Linear has 2).
     """
 
     key: str
     rows: torch.Tensor
     total: int
+    ndim: int = 2
 
 
 def row_map(layout: OriginalLayout, shapes: Mapping[str, tuple[int, ...]],
-            only: Iterable[str] | None = None) -> dict[str, Rows]:
+            only: Iterable[str] | None = None, strict: bool = True) -> dict[str, Rows]:
     """For the diffusers weights ``only`` (default: all) of ``shapes`` (``{key: shape}``, the
     diffusers layout), the original weight and rows each becomes under ``layout.to_original``.
 
     Runs ``to_original`` on a probe of one column per tensor (row ``i`` of tensor ``n`` holds a
     number unique to ``(n, i)``), so it costs the rows only, at any model size.
 
+    Args:
+        strict: a weight of ``only`` that is not wholly in one original weight raises; with
+            False it is left out of the result.
+
     Raises:
-        LayoutError: ``to_original`` fails on the probe, a weight of ``only`` is missing from the
-            released layout, or lands in two original weights.
+        LayoutError: ``to_original`` fails on the probe; with ``strict``, a weight of ``only`` is
+            missing from the released layout, lands in two original weights or loses rows.
     """
     keys = list(shapes)
     sizes = [shapes[k][0] if shapes[k] else 1 for k in keys]
@@ -141,6 +147,9 @@ def row_map(layout: OriginalLayout, shapes: Mapping[str, tuple[int, ...]],
     out = {}
     for key in wanted.values():
         found = parts.get(key, [])
+        whole = len(found) == 1 and len(found[0][1]) == (shapes[key][0] if shapes[key] else 1)
+        if not strict and not whole:
+            continue
         if len(found) != 1:
             raise LayoutError(f"{layout.family}: {key} is {'split over ' if found else 'missing from'} the released "
                               f"layout{' ' + str(sorted(f[0] for f in found)) if found else ''}")
@@ -150,7 +159,7 @@ def row_map(layout: OriginalLayout, shapes: Mapping[str, tuple[int, ...]],
         placed = torch.empty(len(rows), dtype=torch.int64)
         placed[rows] = at
         total = int(original[okey].shape[0]) if original[okey].dim() else 1
-        out[key] = Rows(okey, placed, total)
+        out[key] = Rows(okey, placed, total, original[okey].dim())
     return out
 
 
