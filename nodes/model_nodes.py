@@ -115,11 +115,12 @@ class ImageCaptionDataset:
 
 
 class LoRAConfig:
-    """The adapter: rank, alpha, dropout, target modules (a preset or names), type and DoRA (peft)."""
+    """The adapter: rank, alpha, dropout, target modules (a preset or names), type, DoRA and LoKr's
+    factor (peft)."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
     OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                           "lora_type": "lora_type", "use_dora": "use_dora"})
+                           "lora_type": "lora_type", "use_dora": "use_dora", "lokr_factor": "lokr_factor"})
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -131,6 +132,7 @@ class LoRAConfig:
         }, "optional": {  # optional: workflows saved before they existed still validate
             "lora_type": widget("lora_type"),
             "use_dora": widget("use_dora"),
+            "lokr_factor": widget("lokr_factor"),
         }}
 
     @classmethod
@@ -138,7 +140,7 @@ class LoRAConfig:
         return cls.OPTIONS.validate(inputs)
 
     @public_errors
-    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False):
+    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False, lokr_factor=-1):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
         return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, lora_type=lora_type,
-                                 use_dora=use_dora),)
+                                 use_dora=use_dora, factor=lokr_factor),)

@@ -13,9 +13,9 @@ from .objective import ObjectiveConfig
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option
 from .outputs import OutputConfig, ValidationConfig
+from .peers.simpletuner import ALIASES
 from .schedule import CheckpointSchedule, ScheduleError
 from .sharding import ShardingConfig
-from .simpletuner import ALIASES
 from .train import (
     DEMO_SCHEDULE,
     NO_GUARDRAILS,

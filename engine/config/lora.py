@@ -66,11 +66,14 @@ class LoraSettings:
         lora_type: ``lora``, ``lokr`` or ``loha`` (:data:`LORA_TYPES`).
         use_dora: DoRA (Liu et al., 2024; peft's ``use_dora``): the LoRA's weight is split into a
             trained magnitude per output row and a direction. LoRA only.
+        factor: LoKr's Kronecker factor (peft's ``decompose_factor``, LyCORIS' ``factor``); -1: the
+            factorization nearest the square root. LoKr only.
         init: peft ``init_lora_weights`` / ``init_weights`` (``True`` = the update starts at zero).
 
     Raises:
         LoraConfigError: rank < 1, alpha <= 0, dropout outside [0, 1), an empty target list, a
-            preset beside module names; DoRA or dropout with ``lokr`` / ``loha``.
+            preset beside module names; DoRA or dropout with ``lokr`` / ``loha``; a factor of 0, or one
+            other than -1 without ``lokr``.
     """
 
     rank: int = option(16, "LoRA rank r.", "--rank", key="lora_rank", min=1, max=4096)
@@ -87,6 +90,10 @@ class LoraSettings:
                             parse=_lora_type)
     use_dora: bool = option(False, "DoRA: a LoRA whose update is split into a magnitude per output row and a "
                             "direction (peft's use_dora); lora_type lora only.", "--use-dora", key="use_dora")
+    factor: int = option(-1, "LoKr's Kronecker factor (LyCORIS' factor, peft's decompose_factor): each weight's "
+                         "factor matrix w1 has at most this many rows and columns; -1: the factorization nearest "
+                         "the square root. lora_type lokr only.", "--lokr-factor", key="lokr_factor", min=-1,
+                         max=65536)
     init: bool | str = True
 
     def __post_init__(self) -> None:
@@ -95,6 +102,9 @@ class LoraSettings:
             raise LoraConfigError(f"use_dora=True is invalid with lora_type={self.lora_type!r}: allowed false (DoRA "
                                   "decomposes a LoRA; peft's LoKr and LoHa have no magnitude vector), or lora_type "
                                   "lora.")
+        if self.factor == 0 or self.factor != -1 and self.lora_type != "lokr":
+            raise LoraConfigError(f"lokr_factor={self.factor!r} is invalid with lora_type={self.lora_type!r}: allowed "
+                                  "-1 (the default), or a factor >= 1 with lora_type lokr.")
         if self.lora_type != "lora" and self.dropout:
             raise LoraConfigError(f"lora_dropout={self.dropout!r} is invalid with lora_type={self.lora_type!r}: "
                                   "allowed 0 (peft's LoKr and LoHa drop ranks or whole modules, not inputs; "

@@ -7,7 +7,7 @@ root checks the rules that span components. Outside, an option is one flat key (
 the node input, the ``segckpt`` flag's destination): :data:`OPTIONS` lists them, in the tree's
 order, and :meth:`TrainConfig.from_dict` / :meth:`TrainConfig.to_dict` map flat keys to the tree
 and back, so config files, ``report.json`` and the saved state keep their flat keys. A config
-file may also use SimpleTuner's keys (:data:`~.simpletuner.ALIASES`).
+file may also use SimpleTuner's keys (:data:`~.peers.simpletuner.ALIASES`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from .objective import ObjectiveConfig, check_objective
 from .optim import OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
 from .outputs import OutputConfig, ValidationConfig
+from .peers.simpletuner import describe_ignored, flat_keys, read_keys
 from .schedule import CheckpointSchedule, check_supported, coerce_key
 from .sharding import ShardingConfig
-from .simpletuner import describe_ignored, flat_keys, read_keys
 
 SEED_RANGE = 2**64
 """Seeds are integers in [0, 2**64), the range ComfyUI's seed widgets give; seeds derived from a
@@ -98,6 +98,9 @@ class TrainConfig:
                                       "--timing-warmup-steps", min=0, max=10**6, long_run=True)
     ignored_keys: tuple[str, ...] = field(default=(), compare=False)
     """The config file's keys that mean nothing here (:meth:`from_json_file`); not an option."""
+    simpletuner_defaults: tuple[str, ...] = field(default=(), compare=False)
+    """SimpleTuner's defaults taken for the keys its config file left out (``key=value``;
+    ``engine/config/peers/recipe.py``); not an option."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -190,19 +193,19 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], base: "TrainConfig | None" = None) -> tuple["TrainConfig", list[str]]:
         """Build from a mapping of flat keys, SimpleTuner's keys (with or without their leading
-        ``--``; ``engine/config/simpletuner.py``), schedule keys and whole components (by field name).
+        ``--``; ``engine/config/peers/simpletuner.py``), schedule keys and whole components (by field name).
 
         Returns:
             ``(config, ignored_keys)``.
 
         Raises:
             ConfigError, ScheduleError, LoraConfigError: an invalid value; a key that is a near miss
-                of one of ours (``lora_rnak``: "did you mean lora_rank?", ``engine/config/simpletuner.py``).
+                of one of ours (``lora_rnak``: "did you mean lora_rank?", ``engine/config/peers/simpletuner.py``).
         """
         base = base or cls()
         by_key = {opt.key: opt for opt in options_for(cls)}
         # a component's field name may also be a flat key ("optimizer": the component, or its name)
-        components = {f.name for f in fields(cls) if not f.metadata.get("option") and f.name != "ignored_keys"}
+        components = {f.name for f in fields(cls) if not f.metadata.get("option") and f.name not in NOT_OPTIONS}
         changes: dict[str, dict[str, Any]] = {}
         whole: dict[str, Any] = {}
         values = flat_keys(values)
@@ -211,19 +214,21 @@ class TrainConfig:
                 whole[key] = value
         flags = {opt.cli.lstrip("-").replace("-", "_"): opt.key for opt in by_key.values()
                  if opt.cli is not None and opt.type is not bool}  # a bool's flag may say the opposite
-        values, ignored = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key), flags)
+        values, ignored, taken = read_keys({k: v for k, v in values.items() if k not in whole}, set(by_key), flags,
+                                           flow=lambda name: _flow_family(name or base.model.family))
         for key, value in values.items():
             opt = by_key[key]
             value = _number(opt, value)
             group = opt.path[0] if len(opt.path) > 1 else ""
             changes.setdefault(group, {})[opt.path[-1]] = value
-        return _apply(base, whole, changes), ignored
+        config = _apply(base, whole, changes)
+        return (replace(config, simpletuner_defaults=tuple(taken)) if taken else config), ignored
 
     @classmethod
     def from_json_file(cls, path: str | Path,
                        base: "TrainConfig | None" = None) -> tuple["TrainConfig", dict[str, Any]]:
         """:meth:`from_dict` on a JSON config file (ours, or SimpleTuner's: ``--`` keys, its web UI's
-        wrapper; ``engine/config/simpletuner.py``). The keys it ignores are named in one
+        wrapper; ``engine/config/peers/simpletuner.py``). The keys it ignores are named in one
         :class:`~.options.ConfigWarning` and kept in the config's :attr:`ignored_keys` (the report's
         ``ignored_config_keys``).
 
@@ -243,8 +248,25 @@ class TrainConfig:
         if ignored:
             warnings.warn(f"config {path}: ignored keys (no meaning here): {describe_ignored(ignored)}",
                           ConfigWarning, stacklevel=2)
-        keys = read_keys(values, {opt.key for opt in options_for(cls)})[0]
+        if config.simpletuner_defaults:
+            warnings.warn(f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves "
+                          f"out (README \"SimpleTuner configs\"): {', '.join(config.simpletuner_defaults)}",
+                          ConfigWarning, stacklevel=2)
+        keys = read_keys(values, {opt.key for opt in options_for(cls)},
+                         flow=lambda name: _flow_family(name or (base or cls()).model.family))[0]
         return replace(config, ignored_keys=tuple(ignored)), keys
+
+
+NOT_OPTIONS = ("ignored_keys", "simpletuner_defaults")
+"""Fields of :class:`TrainConfig` that record how a file was read (neither options nor components)."""
+
+
+def _flow_family(name: Any) -> bool:
+    """Whether ``name`` is a flow family (an unknown one is refused later, by the family check)."""
+    try:
+        return get_family(str(name)).objective == "flow"
+    except KeyError:
+        return False
 
 
 def _number(opt: Option, value: Any) -> Any:

@@ -43,7 +43,7 @@ def peft_config(settings: LoraSettings, targets: list[str]) -> PeftConfig:
     equal to a target or ending in ``.<target>``)."""
     if settings.lora_type == "lokr":
         return LoKrConfig(r=settings.rank, alpha=settings.alpha, target_modules=targets,
-                          init_weights=bool(settings.init))
+                          init_weights=bool(settings.init), decompose_factor=settings.factor)
     if settings.lora_type == "loha":
         return LoHaConfig(r=settings.rank, alpha=settings.alpha, target_modules=targets,
                           init_weights=bool(settings.init))

@@ -64,6 +64,7 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     return {
         "config": config.to_dict(),
         "ignored_config_keys": list(config.ignored_keys),  # the config file's keys with no meaning here
+        "simpletuner_defaults": list(config.simpletuner_defaults),  # SimpleTuner defaults taken for keys left out
         "model": {"family": plan.family, "source": source},
         "plan": plan.to_dict(),
         "steps": history,

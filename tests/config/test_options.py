@@ -25,7 +25,7 @@ PINNED = (
     "mixed_precision", "base_model_precision", "attention_backend", "compile_blocks",
     "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
     "batch_size", "global_batch_size", "caption_dropout",
-    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout", "lora_type", "use_dora",
+    "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout", "lora_type", "use_dora", "lokr_factor",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "optimizer", "max_grad_norm",
     "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",

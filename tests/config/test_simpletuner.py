@@ -13,13 +13,26 @@ import torch
 
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import OPTIONS, CheckpointSchedule, ConfigError, ConfigWarning, TrainConfig
-from segmented_checkpointing.engine.config.simpletuner import ALIASES, FAMILY_NAMES, IGNORED, NEEDS, SAME_KEYS
+from segmented_checkpointing.engine.config.peers.simpletuner import ALIASES, FAMILY_NAMES, IGNORED, NEEDS, SAME_KEYS
 from segmented_checkpointing.engine.config.table import ST_BEGIN, ST_END, readme_with_table, simpletuner_table
 from segmented_checkpointing.engine.families import family_names
 from segmented_checkpointing.engine.model.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {opt.key for opt in OPTIONS}
+
+
+TAKEN = {"learning_rate": 4e-7, "batch_size": 4, "resolution": 1024, "weight_decay": 0.01, "max_grad_norm": 2.0,
+         "caption_dropout": 0.1, "flow_shift": 3.0, "lora_dropout": 0.1, "lora_alpha": 16}
+"""SimpleTuner's defaults a flow family's file takes, by our key (README's table, restated)."""
+
+
+def _taken_warning(path, **changed) -> str:
+    taken = {"learning_rate": 4e-7, "train_batch_size": 4, "resolution": 1024, "adam_weight_decay": 0.01,
+             "max_grad_norm": 2.0, "caption_dropout_probability": 0.1, "flow_schedule_shift": 3.0, "lora_dropout": 0.1,
+             "lora_alpha": 16, **changed}
+    return (f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves out (README "
+            f"\"SimpleTuner configs\"): {', '.join(f'{k}={v!r}' for k, v in taken.items() if v is not None)}")
 
 
 def _file(tmp_path, values, name="config.json") -> Path:
@@ -49,8 +62,9 @@ def test_a_web_ui_file_is_read_from_its_config(tmp_path):
     assert (config.steps, config.model.family, config.data.batch_size, config.outputs.output) == \
         (12, "qwenimage", 2, "out/models")
     # its optimizer is a key of ours (issue 35), SimpleTuner's AdamW in bf16 read as torch's AdamW
+    # the keys it leaves out take SimpleTuner's defaults (issue 35), read as the file's own
     assert keys == {"steps": 12, "family": "qwenimage", "batch_size": 2, "output": "out/models",
-                    "optimizer": "adamw_bf16"}
+                    "optimizer": "adamw_bf16", **{k: v for k, v in TAKEN.items() if k != "batch_size"}}
     assert config.optimizer.name == "adamw"
     assert config.ignored_keys == ()
 
@@ -89,7 +103,8 @@ def test_ignored_keys_are_named_in_one_warning_and_recorded(tmp_path):
         warnings.simplefilter("always")
         config, _ = TrainConfig.from_json_file(path)
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    assert messages == [f"config {path}: ignored keys (no meaning here): use_ema (no EMA copy is kept), frobnicate"]
+    assert messages == [f"config {path}: ignored keys (no meaning here): use_ema (no EMA copy is kept), frobnicate",
+                        _taken_warning(path)]
     assert config.steps == 3 and config.ignored_keys == ("use_ema", "frobnicate")
     # options given after the file keep the record (the report writes it as ignored_config_keys)
     assert config.replace(steps=5).ignored_keys == ("use_ema", "frobnicate")
@@ -116,7 +131,7 @@ def test_simpletuner_and_unknown_keys_keep_their_one_warning_and_no_simpletuner_
         config, _ = TrainConfig.from_json_file(path)
     assert [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)] == [
         f"config {path}: ignored keys (no meaning here): framerate (the frame rate of its validation videos; clips "
-        "are resampled with frame_rate), local_rank, crepa_scheduler, frobnicate"]
+        "are resampled with frame_rate), local_rank, crepa_scheduler, frobnicate", _taken_warning(path)]
     assert config.ignored_keys == ("framerate", "local_rank", "crepa_scheduler", "frobnicate")
 
 
@@ -143,6 +158,13 @@ def test_the_report_lists_the_ignored_keys(tmp_path):
     train(config.replace(timing_warmup_steps=0), log=lambda line: None)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["ignored_config_keys"] == ["use_ema", "frobnicate"] and len(report["steps"]) == 1
+    # it trained with SimpleTuner's defaults for what it left out (the resolution and rank it set are its own)
+    assert report["simpletuner_defaults"] == ["learning_rate=4e-07", "train_batch_size=4", "adam_weight_decay=0.01",
+                                              "max_grad_norm=2.0", "caption_dropout_probability=0.1",
+                                              "flow_schedule_shift=3.0", "lora_dropout=0.1", "lora_alpha=2"]
+    ran = report["config"]
+    assert (ran["learning_rate"], ran["batch_size"], ran["max_grad_norm"], ran["caption_dropout"], ran["flow_shift"],
+            ran["resolution"], ran["lora"]["alpha"]) == (4e-7, 4, 2.0, 0.1, "3.0", 32, 2)
 
 
 def test_the_cli_reads_a_simpletuner_file_and_warns_once(tmp_path, capsys):
@@ -153,7 +175,7 @@ def test_the_cli_reads_a_simpletuner_file_and_warns_once(tmp_path, capsys):
     assert (config.steps, config.model.mixed_precision, config.validation.validation_every, config.lora.rank) == \
         (4, "fp32", 2, 4)
     assert [str(w.message) for w in caught] == [f"config {path}: ignored keys (no meaning here): report_to (no "
-                                                "trackers)"]
+                                                "trackers)", _taken_warning(path)]
     bad = _file(tmp_path, {"--frobnicate": 1}, "bad.json")
     assert cli.main(["train", "--config", str(bad)]) == 2
     assert "it sets no key this pack reads (frobnicate)" in capsys.readouterr().err
@@ -182,7 +204,8 @@ def test_alias_values_read_with_their_simpletuner_meaning():
 @pytest.mark.parametrize("values, message", [
     ({"optimizer": "lion"}, r"^optimizer='lion' is invalid: allowed adamw, adamw8bit, adafactor, prodigy\.$"),
     ({"model_type": "full"}, r"^model_type='full' is invalid: allowed lora \(this pack trains LoRAs\)"),
-    ({"lora_type": "lycoris"}, r"^lora_type='lycoris' is invalid: allowed lora, lokr, loha \(SimpleTuner's lycoris"),
+    ({"lora_type": "lycoris"}, r"^lycoris_config='config/lycoris_config.json' is invalid: allowed a readable "
+                               r"LyCORIS JSON file"),
     ({"resume_from_checkpoint": "out/checkpoint-100"}, r"^resume_from_checkpoint='out/checkpoint-100' is invalid: "
                                                        r"allowed latest"),
     ({"attention_mechanism": "xformers"}, r"^attention_mechanism='xformers' is invalid: allowed diffusers, "),
@@ -223,3 +246,85 @@ def test_numbers_written_as_strings_are_read_as_numbers():
     for bad in ({"resolution": "32.5"}, {"resolution": "big"}, {"steps": "1e2"}):
         with pytest.raises(ConfigError, match=f"={next(iter(bad.values()))!r} is invalid"):
             TrainConfig.from_dict(bad)
+
+
+def _lycoris(tmp_path, **values) -> str:
+    path = tmp_path / "lycoris_config.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+def test_each_recipe_key_reads_with_its_simpletuner_meaning(tmp_path):
+    """Issue 35: SimpleTuner's noise-schedule, guidance, clipping, dropout, optimizer and LyCORIS keys."""
+    def read(**values):
+        return TrainConfig.from_dict({"model_family": "flux", **values})[0]
+    shift = lambda **values: read(**values).objective.flow_shift  # noqa: E731
+    assert shift(flow_schedule_shift=2.5) == "2.5"
+    assert shift(flow_schedule_shift=2.5, flow_schedule_auto_shift=True) == "2.5"  # a static shift > 0 wins
+    assert shift(flow_schedule_shift=0, flow_schedule_auto_shift=True) == "auto"
+    assert shift(flow_schedule_auto_shift="true") == "auto"  # not the static default
+    assert shift(flow_schedule_shift=0) == "1.0" and shift() == "3.0"  # 0: none; left out: SimpleTuner's 3
+    objective = read(flow_use_uniform_schedule=True, flow_sigmoid_scale=0.8, flux_guidance_value=3.5).objective
+    assert (objective.timestep_sampling, objective.logit_std, objective.guidance_value) == ("uniform", 0.8, 3.5)
+    config = read(max_grad_norm=0.5, caption_dropout_probability=0.25, optimizer="bnb-adamw8bit", use_dora=True)
+    assert (config.optimizer.max_grad_norm, config.data.caption_dropout, config.optimizer.name, config.lora.use_dora) \
+        == (0.5, 0.25, "adamw8bit", True)
+    lokr = read(lora_type="lycoris", lycoris_config=_lycoris(tmp_path, algo="lokr", linear_dim=8, linear_alpha=4,
+                                                             factor=4, multiplier=1.0, bypass_mode=True)).lora
+    assert (lokr.lora_type, lokr.rank, lokr.alpha, lokr.factor, lokr.dropout) == ("lokr", 8, 4, 4, 0)
+    loha = read(lora_type="lycoris", lycoris_config=_lycoris(tmp_path, algo="loha", linear_dim=4)).lora
+    assert (loha.lora_type, loha.rank, loha.alpha) == ("loha", 4, 4)  # alpha left out: SimpleTuner's, the rank
+    assert read(lora_type="standard", lycoris_config="unread.json").lora.lora_type == "lora"
+
+
+@pytest.mark.parametrize("lycoris, message", [
+    ({"algo": "locon"}, r"algo='locon' is invalid: allowed lokr or loha"),
+    ({"algo": "lokr", "full_matrix": True}, r"full_matrix=True is invalid: allowed false"),
+    ({"algo": "lokr", "apply_preset": {"module_algo_map": {"Attention": {"factor": 16}}}},
+     r"apply_preset=.* is invalid: allowed no module_algo_map"),
+    ({"algo": "lokr", "linear_dim": 10000}, r"linear_dim=10000 is invalid: allowed an integer from 1 to 4096"),
+    ({"algo": "loha", "factor": 8}, r"factor=8 is invalid: allowed -1 with algo loha"),
+    ({"algo": "lokr", "dropout": 0.1}, r"dropout=0.1 is invalid: allowed only algo, linear_dim"),
+])
+def test_a_lycoris_config_this_pack_cannot_train_is_refused_naming_the_key(tmp_path, lycoris, message):
+    path = _lycoris(tmp_path, **lycoris)
+    with pytest.raises(ConfigError, match=rf"^lycoris_config {path}: {message}"):
+        TrainConfig.from_dict({"lora_type": "lycoris", "lycoris_config": path})
+
+
+@pytest.mark.parametrize("scheme, sampling, weighting", [
+    ("logit_normal", "logit_normal", "none"), ("mode", "mode", "none"), ("none", "uniform", "none"),
+    ("sigma_sqrt", "uniform", "sigma_sqrt"), ("cosmap", "uniform", "cosmap")])
+def test_diffusers_script_names_read_as_their_scripts_mean_them(scheme, sampling, weighting):
+    config = TrainConfig.from_dict({"weighting_scheme": scheme, "logit_mean": 0.5, "mode_scale": 1.0,
+                                    "guidance_scale": 3.5, "family": "flux"})[0]
+    objective = config.objective
+    assert (objective.timestep_sampling, objective.loss_weighting, objective.logit_mean, objective.mode_scale,
+            objective.guidance_value) == (sampling, weighting, 0.5, 1.0, 3.5)
+    assert config.simpletuner_defaults == () and config.optimizer.learning_rate == 1e-3  # not a SimpleTuner file
+    with pytest.raises(ConfigError, match=r"^weighting_scheme='karras' is invalid: allowed none, logit_normal, mode"):
+        TrainConfig.from_dict({"weighting_scheme": "karras"})
+
+
+def _ours(config: TrainConfig, key: str):
+    return config.to_dict()["lora"][key.removeprefix("lora_")] if key.startswith("lora_") else config.to_dict()[key]
+
+
+@pytest.mark.parametrize("family", ["flux", "unet2dcondition"])
+def test_a_file_that_leaves_keys_out_takes_simpletuners_defaults_from_the_table(family):
+    """The defaults table (README, generated from ``DEFAULTS``) is what a file that sets none of
+    its keys trains with; the flow shift only for a flow family, the rank's alpha for the rank."""
+    from segmented_checkpointing.engine.config.peers.recipe import DEFAULTS
+
+    config = TrainConfig.from_dict({"model_family": family, "lora_rank": 8})[0]
+    for default in DEFAULTS:
+        ours = default.ours.split()[0]
+        if default.key == "flow_schedule_shift" and family != "flux":
+            assert _ours(config, ours) == "auto"  # an epsilon family takes no flow default
+        elif default.key == "lora_alpha":
+            assert _ours(config, ours) == 8  # None in SimpleTuner: the rank
+        else:
+            assert float(_ours(config, ours)) == default.value, default
+    assert len(config.simpletuner_defaults) == len(DEFAULTS) - (family != "flux")
+    kept = TrainConfig.from_dict({"model_family": family, "learning_rate": 1e-4, "train_batch_size": 1})[0]
+    assert (kept.optimizer.learning_rate, kept.data.batch_size) == (1e-4, 1)  # what a file sets is its own

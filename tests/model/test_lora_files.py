@@ -279,3 +279,23 @@ def test_the_header_names_an_adapter_of_another_type_or_rank_before_any_model_lo
         check_init_lora(loha, "wan", 8, "loha")
     with pytest.raises(ConfigError, match=r"this file is a LoRA \(\d+ adapted modules"):
         check_not_a_lora(loha, safetensors_header(loha, "model file", ""))
+
+
+def test_lokr_factor_reaches_peft_and_shapes_the_kronecker_factors():
+    """Issue 35 (SimpleTuner's LyCORIS factor): ``lokr_factor`` is peft's ``decompose_factor``; the
+    LoRA Config node passes it."""
+    from peft import get_peft_model
+
+    from segmented_checkpointing.engine.model.adapters import peft_config
+    from segmented_checkpointing.nodes.model_nodes import LoRAConfig
+
+    settings = LoRAConfig().build(rank=2, alpha=2, dropout=0.0, target_modules="proj", lora_type="lokr",
+                                  lokr_factor=2)[0]
+    assert settings.factor == 2 and peft_config(settings, ["proj"]).decompose_factor == 2
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(16, 32))
+    layer = get_peft_model(model, peft_config(settings, ["proj"])).base_model.model.proj
+    assert tuple(layer.lokr_w1["default"].shape) == (2, 2)  # out 32 = 2 x 16, in 16 = 2 x 8: w1 takes the factor
+    default = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 32)),
+                             peft_config(LoraSettings(rank=2, alpha=2, lora_type="lokr"), ["0"]))
+    assert tuple(default.base_model.model[0].lokr_w1["default"].shape) == (4, 4)  # -1: 32 = 4 x 8, 16 = 4 x 4

@@ -50,7 +50,8 @@ def test_a_state_of_the_last_release_resumes(tmp_path, capsys):
     old = json.loads((RELEASE / "report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
-    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile", "optimizer"}
+    assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile", "optimizer",
+                                      "simpletuner_defaults"}
     assert report["ignored_config_keys"] == [] and set(report["lora_files"]) == {"diffusers", "comfyui"}
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
@@ -68,8 +69,8 @@ def test_the_saved_config_keeps_the_flat_keys_of_the_last_release():
         saved = json.loads(state.metadata()["config"])
     current = TrainConfig.create(resolution=32, lora_rank=2, steps=2).to_dict()
     assert set(saved) == set(current) - ADDED | REMOVED
-    # the adapter type and DoRA (issue 35) are new since that release; its LoRA reads as a plain LoRA
-    assert set(current["lora"]) - set(saved["lora"]) == {"lora_type", "use_dora"} and set(saved["lora"]) < set(current["lora"])
+    # the adapter type, DoRA and the LoKr factor (issue 35) are new since that release; its LoRA reads as a plain LoRA
+    assert set(current["lora"]) - set(saved["lora"]) == {"lora_type", "use_dora", "factor"} and set(saved["lora"]) < set(current["lora"])
     # the three weight-streaming keys (issue 21) and save_attention (issue 25) are new since that release;
     # its schedule reads as not streaming and keeping no attention outputs
     assert set(current["schedule"]) - set(saved["schedule"]) == set(STREAM_KEYS) | {"gradient_checkpointing_save_attention"}

@@ -8,9 +8,9 @@ into ours: :data:`ALIASES` (a SimpleTuner key with a meaning here, and how its v
 with no meaning here, and why); any other key is not one of ours and is ignored too, unless it is
 a near miss of one of ours (:func:`near_miss`: ``lora_rnak``, ``Lora-Rank``, the flag name ``rank``),
 which is refused with the key it meant. Every ignored key is returned by name, so the caller warns
-once and records them (:meth:`~.train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
+once and records them (:meth:`~..train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
 options documentation; README's table of them is generated from these tables
-(:func:`~.table.simpletuner_table`).
+(:func:`~..table.simpletuner_table`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .options import UNSET_WORDS, ConfigError
-from .schedule import SWAP_ALIAS, swap_alias
+from ..options import UNSET_WORDS, ConfigError
+from ..schedule import SWAP_ALIAS, swap_alias
+from .recipe import grouped_keys, take_defaults, uniform_schedule, weighting_scheme
 
 FAMILY_NAMES = {"ace_step": "acestep", "cosmos2image": "cosmos", "ernie": "ernieimage", "kandinsky5_image": "kandinsky5",
                 "kandinsky5-image": "kandinsky5", "longcat_image": "longcatimage", "ltxvideo2": "ltx2video",
@@ -40,13 +41,15 @@ class Alias:
     Attributes:
         key: SimpleTuner's key. ours: the key(s) it sets here (README). meaning: what it does here (README).
         read: ``value -> {our key: value}`` (``{}``: accepted, nothing to set); raises
-            :class:`~.options.ConfigError` naming the key, the value and what is allowed.
+            :class:`~..options.ConfigError` naming the key, the value and what is allowed.
+        peer: whose name it is: ``SimpleTuner``, or ``diffusers`` (its training scripts' flags).
     """
 
     key: str
     ours: str
     meaning: str
     read: Callable[[Any], dict[str, Any]]
+    peer: str = "SimpleTuner"
 
 
 def _refuse(key: str, value: Any, allowed: str) -> ConfigError:
@@ -121,13 +124,31 @@ ALIASES: dict[str, Alias] = {a.key: a for a in (
     Alias("caption_dropout_probability", "caption_dropout", "the probability that a sample trains with the empty "
           "caption", _as("caption_dropout")),
     Alias("model_type", "(lora)", "lora; full is refused", _one_of("model_type", ("lora",), "this pack trains LoRAs")),
+    Alias("flow_schedule_shift", "flow_shift", "a static shift > 0 (it wins over flow_schedule_auto_shift, as "
+          "SimpleTuner applies them); 0: none, or auto with flow_schedule_auto_shift", dict),
+    Alias("flow_schedule_auto_shift", "flow_shift", "true: auto, the family's own resolution-dependent shift "
+          "(SimpleTuner takes Flux's calculate_shift for every family); set without flow_schedule_shift it trains "
+          "auto here, where SimpleTuner's static default 3.0 would win (it applies a shift > 0 first)", dict),
+    Alias("flow_use_uniform_schedule", "timestep_sampling", "true: uniform", uniform_schedule),
+    Alias("flow_sigmoid_scale", "logit_std", "the logit-normal draw's scale", _as("logit_std")),
+    Alias("flux_guidance_value", "guidance_value", "the guidance a distilled model trains at", _as("guidance_value")),
+    Alias("lycoris_config", "lora_type, lora_rank, lora_alpha, lokr_factor", "with lora_type lycoris: a LyCORIS "
+          "JSON file's algo (lokr, loha), linear_dim, linear_alpha, factor (full_matrix and per-module factors are "
+          "refused); without it SimpleTuner's config/lycoris_config.json; other lora_types do not read it",
+          lambda value: {}),
+    Alias("weighting_scheme", "timestep_sampling, loss_weighting", "diffusers' scripts: logit_normal, mode: that "
+          "sampling; sigma_sqrt, cosmap: uniform sampling with that weighting; none: uniform", weighting_scheme,
+          "diffusers"),
+    Alias("guidance_scale", "guidance_value", "diffusers' Flux script: the guidance a distilled model trains at",
+          _as("guidance_value"), "diffusers"),
 )}
 """SimpleTuner keys with a meaning here, by SimpleTuner key; a key of ours given too wins over its alias."""
 
 SAME_KEYS = {
     "learning_rate": "", "lr_scheduler": "constant_with_warmup reads as constant, whose warm-up is lr_warmup_steps",
     "lr_warmup_steps": "", "gradient_accumulation_steps": "", "lora_rank": "", "lora_alpha": "", "lora_dropout": "",
-    "lora_type": "standard reads as lora; lycoris is refused: name its algorithm, lokr or loha", "use_dora": "",
+    "lora_type": "standard reads as lora; lycoris reads lycoris_config", "use_dora": "",
+    "logit_mean": "diffusers' scripts", "logit_std": "diffusers' scripts", "mode_scale": "diffusers' scripts",
     "seed": "", "resolution": "in pixels, the side of the square", "init_lora": "",
     "mixed_precision": "no reads as fp32, as in accelerate; fp16 and fp8 are refused",
     "base_model_precision": "no_change, int8-torchao, fp8-torchao; the quanto ones are refused",
@@ -205,46 +226,80 @@ def near_miss(key: str, spellings: Mapping[str, str]) -> str | None:
     return None
 
 
-def read_keys(values: Mapping[str, Any], ours: set[str],
-              spellings: Mapping[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Our keys of a config mapping: ``(values by our key, ignored keys)``.
+def is_simpletuner(values: Mapping[str, Any]) -> bool:
+    """Whether flat keys ``values`` are a SimpleTuner config: one of its own keys (an alias of
+    SimpleTuner's or a key it ignores here) is set; keys spelled alike say nothing."""
+    return any(key in ALIASES and ALIASES[key].peer == "SimpleTuner" or key in IGNORED for key in values)
+
+
+def read_keys(values: Mapping[str, Any], ours: set[str], spellings: Mapping[str, str] | None = None,
+              flow: Callable[[Any], bool] | None = None) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Our keys of a config mapping: ``(values by our key, ignored keys, SimpleTuner defaults taken)``.
 
     Args:
         values: flat keys (:func:`flat_keys` first); a key in ``ours`` is kept as it is, a
-            SimpleTuner alias is read by its :class:`Alias`, a near miss of ours is refused, any
-            other key is ignored.
+            SimpleTuner alias is read by its :class:`Alias` (the flow shift pair and ``lora_type``
+            lycoris together, ``recipe.grouped_keys``), a near miss of ours is refused,
+            any other key is ignored. A SimpleTuner config (:func:`is_simpletuner`) takes
+            SimpleTuner's defaults for the keys it leaves out (``recipe.DEFAULTS``).
         ours: our flat keys and component names.
         spellings: other names that stand for a key of ours (a flag's name: ``{"rank": "lora_rank"}``).
+        flow: ``family (None: the default) -> whether it is a flow family``, for the flow defaults.
 
     Raises:
         ConfigError: an alias's value is refused, two aliases set the same key, an ignored key of
             :data:`NEEDS` without the key it needs, or a near miss of one of our keys (all named
             with their values; a near miss with the key it meant).
     """
-    read = {k: v for k, v in values.items() if k in ours}
+    read, ignored = _read(values, ours, spellings or {})
+    if not is_simpletuner(values):
+        return read, ignored, []
+    with_defaults, taken = take_defaults(values, read, bool(flow and flow(read.get("family"))))
+    if taken:
+        read, ignored = _read(with_defaults, ours, spellings or {})
+    return read, ignored, taken
+
+
+def _read(values: Mapping[str, Any], ours: set[str], spellings: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """:func:`read_keys` without the defaults."""
+    grouped, used = grouped_keys(values)
+    read = {k: v for k, v in values.items() if k in ours and k not in used}
     from_alias: dict[str, str] = {}
     ignored = []
     for key, value in values.items():
-        if key in ours:
+        if key in ours or key in used:
             continue
         if key not in ALIASES:
-            _refuse_near_miss(key, value, ours, spellings or {})
+            _refuse_near_miss(key, value, ours, spellings)
             ignored.append(key)
             continue
         mapped = ALIASES[key].read(value)
         if set(mapped) & set(values):  # a key of ours given too wins over the alias
             ignored.append(key)
             continue
-        for target, target_value in mapped.items():
-            if target in from_alias:
-                raise ConfigError(f"{key}={value!r} is invalid with {from_alias[target]}="
-                                  f"{values[from_alias[target]]!r}: both set {target}; allowed one of them")
-            read[target], from_alias[target] = target_value, key
+        _merge(read, from_alias, values, key, mapped)
+    given = {key for key in grouped if key in values and key not in used}  # ours given too wins
+    ignored += sorted(k for k in used if k.startswith("flow_schedule") and "flow_shift" in given)
+    _merge(read, from_alias, values, sorted(used)[0] if used else "", {k: v for k, v in grouped.items() if k not in given})
     for key, needed in NEEDS.items():
         if key in values and needed not in read:
             raise ConfigError(f"{key}={values[key]!r} is not read here ({IGNORED[key]}): allowed together with "
                               f"{needed}, or leave it out")
     return read, ignored
+
+
+def _merge(read: dict[str, Any], from_alias: dict[str, str], values: Mapping[str, Any], key: str,
+           mapped: Mapping[str, Any]) -> None:
+    """Put an alias's ``mapped`` keys into ``read``.
+
+    Raises:
+        ConfigError: two aliases set the same key of ours.
+    """
+    for target, target_value in mapped.items():
+        if target in from_alias:
+            raise ConfigError(f"{key}={values.get(key)!r} is invalid with {from_alias[target]}="
+                              f"{values[from_alias[target]]!r}: both set {target}; allowed one of them")
+        read[target], from_alias[target] = target_value, key
 
 
 def _refuse_near_miss(key: str, value: Any, ours: set[str], spellings: Mapping[str, str]) -> None:
