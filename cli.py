@@ -260,8 +260,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
                   f"continue with the same options and --resume", file=sys.stderr)
             return 130
+        graph = Path(result.report_path).parent / "loss.png"  # the Loss Graph node's two plots
+        api.atomic_write_bytes(graph, api.loss_graph_png(result.history, f"{result.plan.family} - {result.plan.mode}",
+                                                         result.report.get("loss_by_noise_level")))
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
+        print(f"loss graph: {graph}")
         print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
               f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
               f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
