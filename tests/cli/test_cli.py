@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import refuse_to_build_models
@@ -105,6 +106,12 @@ def test_families_matrix_matches_the_committed_docs(capsys):
 
 def _short(out, *extra):
     return ["train", "--steps", "2", "--resolution", "64", "--output", str(out), *extra]
+
+
+def test_recipes_match_the_committed_docs(capsys):
+    assert cli.main(["recipes"]) == 0
+    committed = (Path(__file__).resolve().parents[2] / "docs" / "RECIPES.md").read_text()
+    assert capsys.readouterr().out == committed, "docs/RECIPES.md is stale: regenerate with `segckpt recipes > docs/RECIPES.md`"
 
 
 def test_existing_run_is_not_overwritten_and_resume_must_match(tmp_path, capsys):
