@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="Also the model limits table (largest grid, frames, text per family), read from the "
                                "diffusers classes' default configs (imports them): docs/FAMILIES.md is this output.")
     sub.add_parser("options", help="Print README's options table (generated from the options' metadata).")
+    sub.add_parser("recipes", help="Print docs/RECIPES.md: each family's default recipe and the peers' defaults "
+                                   "(imports diffusers: the families' model configs).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
                                        "and attention offload the family supports) for a few steps after warm-up "
@@ -260,8 +262,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
                   f"continue with the same options and --resume", file=sys.stderr)
             return 130
+        graph = Path(result.report_path).parent / "loss.png"  # the Loss Graph node's two plots
+        api.atomic_write_bytes(graph, api.loss_graph_png(result.history, f"{result.plan.family} - {result.plan.mode}",
+                                                         result.report.get("loss_by_noise_level")))
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
+        print(f"loss graph: {graph}")
         print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
               f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
               f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
@@ -277,6 +283,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "options":
         print(api.options_table(), end="")
+        return 0
+    if args.command == "recipes":
+        print(api.recipes_markdown(), end="")
         return 0
     return 2  # pragma: no cover (argparse rejects unknown commands)
 

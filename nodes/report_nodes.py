@@ -16,8 +16,9 @@ from .payloads import CATEGORY, RUN
 
 
 class LossGraph:
-    """The loss per optimizer step as an IMAGE (``(1, H, W, 3)`` float in [0, 1]), also saved as
-    ``loss.png`` in the run folder and shown on the node."""
+    """The loss per optimizer step and beneath it the loss by noise level (report.json's
+    ``loss_by_noise_level``: mean unweighted loss and sample count per sigma bin) as an IMAGE
+    (``(1, H, W, 3)`` float in [0, 1]), also saved as ``loss.png`` in the run folder and shown on the node."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "plot", ("IMAGE",), ("image",)
     OUTPUT_NODE = True
@@ -29,7 +30,8 @@ class LossGraph:
     @public_errors
     def plot(self, run):
         result = run
-        rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.plan.mode}")
+        rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.plan.mode}",
+                                 noise_levels=result.report.get("loss_by_noise_level"))
         run_dir = Path(result.config.outputs.output)
         png = io.BytesIO()
         Image.fromarray(rgb).save(png, format="PNG")

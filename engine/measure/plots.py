@@ -1,4 +1,5 @@
-"""Plots with matplotlib (headless Agg backend): a run's loss curve, a sweep's memory/speed map."""
+"""Plots with matplotlib (headless Agg backend): a run's loss curve and its loss by noise level, a sweep's
+memory/speed map."""
 
 from __future__ import annotations
 
@@ -10,31 +11,68 @@ import numpy as np
 from ..families.lazy import lazy_imports
 
 
-def loss_curve_rgb(history: list[dict[str, Any]], title: str = "", width_px: int = 640,
-                   height_px: int = 360) -> np.ndarray:
-    """Render loss per optimizer step: ``(H, W, 3)`` uint8 array.
+def loss_figure(history: list[dict[str, Any]], title: str = "", noise_levels: dict[str, Any] | None = None,
+                width_px: int = 640, height_px: int = 360):
+    """The loss per optimizer step and, given ``noise_levels``, beneath it the mean loss per noise-level
+    bin with each bin's sample count: a matplotlib ``Figure`` (Agg canvas attached, 100 dpi).
 
     Args:
         history: per-step records with ``step`` and ``loss`` (report.json's ``steps``).
         title: plot title (e.g. family and schedule mode).
-        width_px, height_px: image size in pixels.
+        noise_levels: report.json's ``loss_by_noise_level`` (``engine/train/report.py``); None: the
+            loss curve alone.
+        width_px, height_px: the size of each plot in pixels (the figure is twice as tall with two).
     """
     with lazy_imports():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(width_px / 100, height_px / 100), dpi=100)
-    canvas = FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    steps = [h["step"] for h in history]
-    axes.plot(steps, [h["loss"] for h in history], marker="o", markersize=3, linewidth=1.2)
+    rows = 1 if noise_levels is None else 2
+    figure = Figure(figsize=(width_px / 100, rows * height_px / 100), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(rows, 1, 1)
+    axes.plot([h["step"] for h in history], [h["loss"] for h in history], marker="o", markersize=3, linewidth=1.2)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss")
     axes.set_title(title)
     axes.grid(alpha=0.3)
+    if noise_levels is not None:
+        _noise_level_bars(figure.add_subplot(rows, 1, 2), noise_levels)
     figure.tight_layout()
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    return figure
+
+
+def _noise_level_bars(axes, noise_levels: dict[str, Any]) -> None:
+    """The mean loss of each non-empty noise-level bin as a bar over its span, its count above it."""
+    full = [b for b in noise_levels["bins"] if b["count"]]
+    bars = axes.bar([b["low"] for b in full], [b["mean_loss"] for b in full],
+                    width=[b["high"] - b["low"] for b in full], align="edge", edgecolor="white", alpha=0.8)
+    axes.bar_label(bars, labels=[f"n={b['count']}" for b in full], fontsize=7, padding=2)
+    axes.set_xlim(0, 1)
+    axes.margins(y=0.15)
+    axes.set_xlabel("noise level (sigma; epsilon families t/1000)")
+    axes.set_ylabel("mean loss (unweighted MSE)")
+    axes.set_title(f"loss by noise level ({noise_levels['samples']} samples)")
+    axes.grid(alpha=0.3, axis="y")
+
+
+def loss_curve_rgb(history: list[dict[str, Any]], title: str = "", width_px: int = 640,
+                   height_px: int = 360, noise_levels: dict[str, Any] | None = None) -> np.ndarray:
+    """Render :func:`loss_figure`: ``(H, W, 3)`` uint8 array (``H`` is ``2 * height_px`` with ``noise_levels``)."""
+    figure = loss_figure(history, title, noise_levels, width_px, height_px)
+    figure.canvas.draw()
+    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
+
+
+def loss_graph_png(history: list[dict[str, Any]], title: str = "",
+                   noise_levels: dict[str, Any] | None = None) -> bytes:
+    """:func:`loss_figure` as PNG bytes; its tEXt chunk ``segckpt:noise_bins`` holds the number of
+    noise-level bars drawn (for tools and tests)."""
+    figure = loss_figure(history, title, noise_levels)
+    drawn = len(figure.axes[1].patches) if noise_levels is not None else 0
+    out = io.BytesIO()
+    figure.savefig(out, format="png", metadata={"segckpt:noise_bins": str(drawn)})
+    return out.getvalue()
 
 
 LABEL_POINTS = 6

@@ -25,7 +25,7 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..core.memory import PeakMemory, StepTimer
 from ..core.plan import ModelPlan
-from ..data.buckets import sample_latent_shape
+from ..data.buckets import sample_latent_shape, shape_classes
 from ..data.comfy_data import PreparedData
 from ..data.fingerprint import input_changes, input_fingerprint
 from ..data.prepare import prepare_run_data
@@ -45,7 +45,7 @@ from .optim import optimizer_class
 from .outputs import LORA_FILE, RunFiles, TrainResult
 from .previews import PreviewSource, preview_source_for
 from .recovery import NextSchedule, first_cheaper, step_with_recovery
-from .report import memory_section
+from .report import memory_section, recipe_line, recipe_section
 from .setup import build_optimizer, build_trainable, load_model
 from .state import load_state, read_state_header, rng_state
 from .step import StepContext, StepRecord
@@ -301,6 +301,9 @@ class TrainingRun:
             random_windows=self.random_windows, compiled=trainable.compiled, empty_text=self.empty_text,
             noise=NoiseSchedule(self.bundle.family, config.objective, self.bundle.inference_shift,
                                 dict(self.bundle.transformer.config)))
+        for shape, _rows in shape_classes(cache):  # the shift of every bucket, before the first draw
+            self.context.noise.shift_for(shape)
+        log(recipe_line(recipe_section(config, self.context.noise, self.history, optimizer_class(opt.optimizer))))
         if config.validation.validation_every:
             caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
             self.preview_source = preview_source_for(config, self.bundle, sample_latent_shape(cache), device,
@@ -360,6 +363,7 @@ class TrainingRun:
                                   "quantized_linear_layers": self.base.quantized_linear_layers},
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "optimizer": {"name": config.optimizer.name, "class": optimizer_class(ctx.optimizer)},
+                    "recipe": recipe_section(config, ctx.noise, self.history, optimizer_class(ctx.optimizer)),
                     "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
                     "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
                     "compile": ctx.compiled.section(self.history) if ctx.compiled else None,

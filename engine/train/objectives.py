@@ -49,6 +49,12 @@ def shift_sigmas(sigmas: torch.Tensor, resolved: ResolvedShift) -> torch.Tensor:
     return scheduler.time_shift(resolved.mu, 1.0, sigmas)
 
 
+def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean squared error, ``(B,)`` fp32, of ``prediction`` and ``target`` (both ``(B, ...)``),
+    unweighted (the loss by noise level of ``report.json`` records it detached)."""
+    return (prediction.float() - target.float()).pow(2).reshape(prediction.shape[0], -1).mean(dim=1)
+
+
 @dataclass
 class NoiseSchedule:
     """How one run draws noise levels and weights its loss (built once by the run's set-up).
@@ -139,7 +145,7 @@ class NoiseSchedule:
             weights = torch.clamp(snr, max=self.config.snr_gamma) / snr  # min(SNR, gamma) / SNR (epsilon target)
         else:
             weights = compute_loss_weighting_for_sd3(weighting, sigmas.float())
-        per_sample = (prediction.float() - target.float()).pow(2).reshape(prediction.shape[0], -1).mean(dim=1)
+        per_sample = per_sample_mse(prediction, target)
         return (weights.to(per_sample) * per_sample).mean()
 
     def summary(self) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""``report.json``: the config, the effective plan per block list, per-step records and totals."""
+"""``report.json``: the config, the effective plan per block list, per-step records and totals; the
+run's training recipe (:func:`recipe_section`, printed as one line at the start by :func:`recipe_line`)
+and its loss by noise level (:func:`loss_by_noise_level`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import json
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,7 +17,12 @@ from ..core.plan import ModelPlan
 from ..files.atomic import atomic_write_text
 from ..model.precision import tensor_bytes
 
+if TYPE_CHECKING:  # its module imports diffusers
+    from .objectives import NoiseSchedule
+
 REPORT_FILE = "report.json"
+NOISE_BINS = 10
+"""Equal bins of the noise level on ``[0, 1]`` that :func:`loss_by_noise_level` counts the samples in."""
 
 
 def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: StepTimer,
@@ -51,7 +58,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     counts the steps whose gradients ``max_grad_norm`` scaled down (each step's ``grad_norm`` is
     the norm before), ``totals.dropped_captions`` the samples that trained with the empty caption
     (``caption_dropout``; each step's ``dropped_captions``). ``optimizer`` (from the trainer): the
-    ``optimizer`` option and the class that implemented it.
+    ``optimizer`` option and the class that implemented it. ``recipe`` (from the trainer):
+    :func:`recipe_section`. ``loss_by_noise_level``: :func:`loss_by_noise_level` of the history.
     """
     measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
     setup = dict(setup or {})
@@ -85,9 +93,10 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
             # latent tokens of one sample (latent frames x patches per frame), the largest batch's
             "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),
             # max_grad_norm: the steps whose gradients were scaled down; caption_dropout: the samples
-            "clipped_steps": sum(bool(h.get("clipped")) for h in history),
-            "dropped_captions": sum(h.get("dropped_captions", 0) for h in history),
+            "clipped_steps": clipped_steps(history),
+            "dropped_captions": dropped_captions(history),
         },
+        "loss_by_noise_level": loss_by_noise_level(history),
         "memory": memory,
         **setup,
         "skipped_steps": [h["step"] for h in history if h.get("skipped")],
@@ -113,3 +122,114 @@ def memory_section(ctx, base, validation_peak: int) -> dict[str, int]:
 def write_report(report: dict[str, Any], output: str | Path) -> Path:
     """Write ``report.json`` into ``output`` atomically; return its path."""
     return atomic_write_text(Path(output) / REPORT_FILE, json.dumps(report, indent=2, default=str) + "\n")
+
+
+def clipped_steps(history: list[dict[str, Any]]) -> int:
+    """The steps of ``history`` whose gradients ``max_grad_norm`` scaled down."""
+    return sum(bool(h.get("clipped")) for h in history)
+
+
+def dropped_captions(history: list[dict[str, Any]]) -> int:
+    """The samples of ``history`` that trained with the empty caption (``caption_dropout``)."""
+    return sum(h.get("dropped_captions", 0) for h in history)
+
+
+def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]] | None = None,
+                   optimizer_class: str | None = None) -> dict[str, Any]:
+    """``report.json``'s ``recipe``: what the run trains with, in one place (also :func:`recipe_line`).
+
+    Args:
+        config: the run's ``TrainConfig``. noise: its :class:`~.objectives.NoiseSchedule`, whose
+            ``shifts`` hold the shift resolved per token count (one per bucket and frame count) so far.
+        history: the steps so far (the clipped steps and dropped captions are counted); None: none yet.
+        optimizer_class: the class that implements ``optimizer`` (None before it is built).
+
+    Returns:
+        ``sampling`` (``timestep_sampling`` and its parameters; epsilon families: uniform DDPM steps),
+        ``flow_shift`` and ``scheduler`` (the config it resolves, its source), ``shifts`` (per token
+        count: ``shift``, ``mu``, ``time_shift_type``, ``dynamic``), ``loss_weighting``
+        (+ ``snr_gamma`` with ``min_snr``), ``guidance``, ``clipping``, ``caption_dropout``,
+        ``optimizer`` and ``adapter`` (``targets``: a preset name or the module names).
+    """
+    summary, objective, opt, lora = noise.summary(), config.objective, config.optimizer, config.lora
+    flow = summary["objective"] == "flow"
+    sampling = {"name": summary["timestep_sampling"]}
+    if flow and objective.timestep_sampling == "logit_normal":
+        sampling.update(logit_mean=objective.logit_mean, logit_std=objective.logit_std)
+    elif flow and objective.timestep_sampling == "mode":
+        sampling["mode_scale"] = objective.mode_scale
+    weighting = {"name": objective.loss_weighting}
+    if objective.loss_weighting == "min_snr":
+        weighting["snr_gamma"] = objective.snr_gamma
+    targets = lora.target_modules
+    history = history or []
+    return {
+        "objective": summary["objective"], "sampling": sampling, "flow_shift": summary["flow_shift"],
+        "scheduler": summary["scheduler"],
+        "shifts": [{"tokens": int(tokens), **{k: v for k, v in shift.items() if k != "tokens"}}
+                   for tokens, shift in summary["shifts"].items()] if flow else [],
+        "loss_weighting": weighting,
+        "guidance": {"value": objective.guidance_value, "input": noise.family.guidance_input},
+        "clipping": {"max_grad_norm": opt.max_grad_norm, "clipped_steps": clipped_steps(history)},
+        "caption_dropout": {"probability": config.data.caption_dropout, "dropped_captions": dropped_captions(history)},
+        "optimizer": {"name": opt.name, "class": optimizer_class, "learning_rate": opt.learning_rate,
+                      "weight_decay": opt.weight_decay, "lr_scheduler": opt.lr_scheduler,
+                      "lr_warmup_steps": opt.lr_warmup_steps},
+        "adapter": {"lora_type": lora.lora_type, "use_dora": lora.use_dora, "rank": lora.rank, "alpha": lora.alpha,
+                    "dropout": lora.dropout,
+                    "targets": "attention" if targets is None else targets[0] if targets == ("all-linear",)
+                    else list(targets)},
+    }
+
+
+def recipe_line(recipe: dict[str, Any]) -> str:
+    """:func:`recipe_section` as the one line a run prints at its start, e.g. ``recipe: logit_normal(0, 1),
+    flow_shift auto (dynamic: ...): 1.63 at 256 tokens, loss none, guidance 1, clip 1, caption_dropout 0,
+    adamw lr 0.001 wd 0, lora r16 a16 attention``."""
+    sampling = recipe["sampling"]
+    params = [v for k, v in sampling.items() if k != "name"]
+    parts = [sampling["name"] + (f"({', '.join(f'{v:g}' for v in params)})" if params else "")]
+    if recipe["objective"] == "flow":
+        scheduler = f" ({recipe['scheduler']['config']})" if recipe["flow_shift"] == "auto" and recipe["scheduler"] else ""
+        shifts = ", ".join(f"{s['shift']:.4g} at {s['tokens']} tokens" for s in recipe["shifts"])
+        parts.append(f"flow_shift {recipe['flow_shift']}{scheduler}" + (f": {shifts}" if shifts else ""))
+    weighting = recipe["loss_weighting"]
+    parts.append(f"loss {weighting['name']}" + (f"(gamma {weighting['snr_gamma']:g})" if "snr_gamma" in weighting else ""))
+    opt, adapter = recipe["optimizer"], recipe["adapter"]
+    kind = adapter["lora_type"] + ("+dora" if adapter["use_dora"] else "")
+    targets = adapter["targets"] if isinstance(adapter["targets"], str) else ",".join(adapter["targets"])
+    parts += [f"guidance {recipe['guidance']['value']:g}", f"clip {recipe['clipping']['max_grad_norm']:g}",
+              f"caption_dropout {recipe['caption_dropout']['probability']:g}",
+              f"{opt['name']} lr {opt['learning_rate']:g} wd {opt['weight_decay']:g}",
+              f"{kind} r{adapter['rank']} a{adapter['alpha']:g} {targets}"]
+    return "recipe: " + ", ".join(parts)
+
+
+def loss_by_noise_level(history: list[dict[str, Any]], bins: int = NOISE_BINS) -> dict[str, Any]:
+    """Each trained sample's loss binned by its noise level (rebuilt from the steps' records, so a
+    resumed run's bins equal an uninterrupted one's).
+
+    The loss is the sample's unweighted mean squared error (before ``loss_weighting``): what the model
+    gets wrong at each noise level. The noise level is the flow sigma in ``[0, 1]``; for epsilon
+    families the normalized DDPM step ``t / 1000``.
+
+    Args:
+        history: per-step records with ``noise_levels`` and ``sample_losses`` (one per sample, ``(B,)``
+            lists; records without them, from earlier releases, count nothing).
+        bins: equal bins on ``[0, 1]``: bin ``k`` holds ``[k / bins, (k + 1) / bins)``, the last one 1 too.
+
+    Returns:
+        ``{"measure", "samples", "bins": [{"low", "high", "count", "mean_loss"}]}`` (``mean_loss`` None
+        for an empty bin).
+    """
+    sums, counts = [0.0] * bins, [0] * bins
+    for record in history:
+        for sigma, loss in zip(record.get("noise_levels", ()), record.get("sample_losses", ())):
+            k = min(int(sigma * bins), bins - 1)
+            sums[k] += loss
+            counts[k] += 1
+    return {"measure": "per-sample mean squared error before loss_weighting; noise level: sigma (flow), "
+                       "t / 1000 (epsilon)",
+            "samples": sum(counts),
+            "bins": [{"low": k / bins, "high": (k + 1) / bins, "count": counts[k],
+                      "mean_loss": sums[k] / counts[k] if counts[k] else None} for k in range(bins)]}

@@ -32,7 +32,7 @@ from ..model.attention_kernels import sdpa_context
 from ..model.distributed import Distributed
 from ..model.precision import Precision, tensor_bytes
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
-from .objectives import NoiseSchedule
+from .objectives import NoiseSchedule, per_sample_mse
 from .optim import clip_gradients, clipped, lr_factor, set_learning_rate
 
 
@@ -77,6 +77,9 @@ class StepRecord:
             inf when not finite). clipped: ``max_grad_norm`` scaled the gradients down this step.
         dropped_captions: samples of the step (all micro-batches, the global batch) that trained
             with the empty caption (``caption_dropout``).
+        noise_levels, sample_losses: each sample of the step's global batch (micro-batches in order): its
+            noise level (flow sigma; epsilon ``t / 1000``) and its unweighted mean squared error
+            (``report.json``'s ``loss_by_noise_level`` bins them).
     """
 
     step: int
@@ -112,6 +115,8 @@ class StepRecord:
     grad_norm: float = 0.0
     clipped: bool = False
     dropped_captions: int = 0
+    noise_levels: list[float] = field(default_factory=list)
+    sample_losses: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -190,13 +195,15 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     with ctx.memory.measure() as reading, ctx.timer.step():
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
-        dropped_captions = 0
+        dropped_captions, levels, errors = 0, [], []
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
             for micro, (index, latents) in enumerate(batches):
                 noisy, sigmas, target = ctx.noise.noisy_latents(latents, ctx.noise_gen, family.shared_sigma)
                 dropped = caption_dropout(config.seed, step, micro, len(index), config.data.caption_dropout)
                 dropped_captions += int(dropped.sum())
+                levels.append(sigmas)
+                rows = None
                 if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
                     rows = ctx.dist.local_rows(len(index))
                     index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
@@ -216,11 +223,15 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                     raise RecomputeNotRepeatable(_recompute_message(ctx, runner.recompute_mismatch(exc),
                                                                     step + 1)) from exc
                 loss_sum += loss.detach()
+                # each sample's unweighted error (after backward: its temporary adds nothing to the peak)
+                errors.append(_sample_errors(prediction, target, len(levels[-1]), rows))
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
         # the norm before clipping (sharded: the whole model's); gradients scaled to max_grad_norm
         grad_norm = clip_gradients([p for _, p in ctx.named_params], config.optimizer.max_grad_norm)
+        errors = torch.cat(errors)
         if ctx.dist is not None:  # the global batch's loss; every rank judges the gradients alike
             loss_sum = ctx.dist.mean(loss_sum)
+            errors = ctx.dist.mean(errors) * ctx.dist.world_size  # each row's error is on one rank only
         check = check_finite(loss_sum, ctx.named_params, ctx.dist.all_true if ctx.dist is not None else None,
                              grad_norm)  # the step's one synchronisation
         skipped = None
@@ -254,7 +265,19 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       **_attention_counts(runner),
                       compiled_graphs=compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0,
                       grad_norm=check.grad_norm, clipped=clipped(config.optimizer.max_grad_norm, check.grad_norm),
-                      dropped_captions=dropped_captions)
+                      dropped_captions=dropped_captions, noise_levels=torch.cat(levels).tolist(),
+                      sample_losses=errors.tolist())
+
+
+def _sample_errors(prediction: torch.Tensor, target: torch.Tensor, batch: int, rows: slice | None) -> torch.Tensor:
+    """Each sample's unweighted mean squared error, ``(batch,)`` fp32 (``loss_by_noise_level``): a sharded
+    run's ``rows`` hold this rank's, the other rows 0 (summed over ranks at the end of the step)."""
+    error = per_sample_mse(prediction.detach(), target)
+    if rows is None:
+        return error
+    full = torch.zeros(batch, device=error.device)
+    full[rows] = error
+    return full
 
 
 def _text(cache: dict[str, torch.Tensor], index: list[int], dropped: torch.Tensor,

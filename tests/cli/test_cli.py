@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import refuse_to_build_models
+from PIL import Image
 from safetensors.torch import load_file
 
 from segmented_checkpointing import cli
@@ -66,6 +68,14 @@ def test_short_real_run(tmp_path, capsys):
     lora = load_file(out / "lora.safetensors")
     assert lora and not any(".default." in k for k in lora)
     assert (out / "training_state.safetensors").is_file()
+    # the recipe line first; loss.png draws the loss and, beneath it, each non-empty noise-level bin
+    assert printed.index("recipe: logit_normal(0, 1), flow_shift auto") < printed.index("step    1/3")
+    assert f"loss graph: {out / 'loss.png'}" in printed
+    bins = report["loss_by_noise_level"]["bins"]
+    assert sum(b["count"] for b in bins) == 3 and report["loss_by_noise_level"]["samples"] == 3
+    with Image.open(out / "loss.png") as graph:
+        assert graph.text["segckpt:noise_bins"] == str(sum(1 for b in bins if b["count"]))
+        assert graph.size == (640, 720)
 
 
 def test_offload_backend_run_reports_offload(tmp_path, capsys):
@@ -96,6 +106,12 @@ def test_families_matrix_matches_the_committed_docs(capsys):
 
 def _short(out, *extra):
     return ["train", "--steps", "2", "--resolution", "64", "--output", str(out), *extra]
+
+
+def test_recipes_match_the_committed_docs(capsys):
+    assert cli.main(["recipes"]) == 0
+    committed = (Path(__file__).resolve().parents[2] / "docs" / "RECIPES.md").read_text()
+    assert capsys.readouterr().out == committed, "docs/RECIPES.md is stale: regenerate with `segckpt recipes > docs/RECIPES.md`"
 
 
 def test_existing_run_is_not_overwritten_and_resume_must_match(tmp_path, capsys):

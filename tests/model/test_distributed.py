@@ -121,6 +121,12 @@ def test_sharded_losses_and_lora_equal_single_process(runs, schedule):
     assert {step["shape"].split("x")[0] for step in json.loads((one / "report.json").read_text())["steps"]} == {"2"}
     checkpoint_calls = [step["checkpoint_calls"] for step in report["steps"]]
     assert (checkpoint_calls[0] == 0) == (schedule == "none")
+    # every sample of the global batch in the loss by noise level, its error from the rank that trained it
+    plain = json.loads((one / "report.json").read_text())
+    for ours, theirs in zip(report["steps"], plain["steps"], strict=True):
+        assert ours["noise_levels"] == theirs["noise_levels"] and len(ours["sample_losses"]) == 2
+        assert ours["sample_losses"] == pytest.approx(theirs["sample_losses"], abs=1e-5, rel=0)
+    assert report["loss_by_noise_level"]["samples"] == plain["loss_by_noise_level"]["samples"] == 6
 
 
 def test_sharded_run_resumes_exactly(runs):

@@ -74,6 +74,7 @@ def test_node_functions_return_the_declared_types(base):
     assert shown["ui"]["images"][0]["subfolder"] == "segckpt/nodes_test_00001"  # numbered: one folder a queue
     assert (base / "output" / "segckpt" / "nodes_test_00001" / "loss.png").is_file()
     assert image.ndim == 4 and image.shape[0] == 1 and image.shape[-1] == 3 and 0 <= image.min() <= image.max() <= 1
+    assert image.shape[1:3] == (720, 640)  # the loss curve and beneath it the loss by noise level
     report = NODES["SegCkptRunReport"]().report(run)
     assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
     saved = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from helpers import full_and_resumed, refuse_to_build_models
@@ -57,6 +58,22 @@ def _grads(seed: int) -> list[torch.nn.Parameter]:
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 3
     return params
+
+
+def _check_loss_by_noise_level(report) -> None:
+    """``loss_by_noise_level`` counts every sample of the run once, in the bin of its noise level, with the
+    mean of their losses; each step's samples' losses average to the step's loss (weighting none)."""
+    samples = [(s, x) for h in report["steps"] for s, x in zip(h["noise_levels"], h["sample_losses"], strict=True)]
+    assert len(samples) == 12 and all(len(h["noise_levels"]) == 2 for h in report["steps"])
+    for h in report["steps"]:
+        assert sum(h["sample_losses"]) / 2 == pytest.approx(h["loss"], rel=1e-6)
+    counts, edges = np.histogram([s for s, _ in samples], bins=10, range=(0, 1))
+    sums, _ = np.histogram([s for s, _ in samples], bins=10, range=(0, 1), weights=[x for _, x in samples])
+    section = report["loss_by_noise_level"]
+    assert section["samples"] == 12 and [b["count"] for b in section["bins"]] == counts.tolist()
+    assert [b["low"] for b in section["bins"]] == pytest.approx(edges[:-1].tolist(), abs=1e-15)
+    assert [b["mean_loss"] for b in section["bins"]] == [pytest.approx(t / n, rel=1e-12) if n else None
+                                                         for t, n in zip(sums.tolist(), counts.tolist())]
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
@@ -113,6 +130,13 @@ def test_each_optimizer_resumes_bit_exactly_with_clipping_and_caption_dropout(da
     assert [s["dropped_captions"] for s in resumed.report["steps"]] == draws and 0 < sum(draws) < 12
     assert full.report["totals"]["dropped_captions"] == sum(draws) and full.report["totals"]["clipped_steps"] == 6
     assert resumed.report["optimizer"]["name"] == name
+    recipe = resumed.report["recipe"]  # the recipe counts what the run did; the resumed run's whole history
+    assert recipe["clipping"] == {"max_grad_norm": RECIPE["max_grad_norm"], "clipped_steps": 6}
+    assert recipe["caption_dropout"] == {"probability": RECIPE["caption_dropout"], "dropped_captions": sum(draws)}
+    assert recipe["optimizer"]["name"] == name and recipe["optimizer"]["class"] == resumed.report["optimizer"]["class"]
+    assert recipe == full.report["recipe"]
+    _check_loss_by_noise_level(full.report)
+    assert resumed.report["loss_by_noise_level"] == full.report["loss_by_noise_level"]
     with safe_open(str(resumed.state_path), "pt") as fh:
         header, keys = fh.metadata(), set(fh.keys())
     assert header["optimizer_class"] == resumed.report["optimizer"]["class"]
