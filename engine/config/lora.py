@@ -81,7 +81,8 @@ class LoraSettings:
                           above=0, max=1e30)
     target_modules: tuple[str, ...] | None = option(
         None, "Module names to adapt, or a preset: attention (the family's attention projections, the default) or "
-        "all-linear (every Linear layer inside the transformer blocks).", "--targets",
+        "all-linear (every Linear layer inside the transformer blocks); docs/RECIPES.md says which peer trains "
+        "which by default.", "--targets",
         key="lora_target_modules", parse=_module_names)
     dropout: float = option(0.0, "LoRA dropout probability.", "--lora-dropout", key="lora_dropout", min=0, below=1,
                             step=0.01)

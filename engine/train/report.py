@@ -176,7 +176,7 @@ def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]]
                       "weight_decay": opt.weight_decay, "lr_scheduler": opt.lr_scheduler,
                       "lr_warmup_steps": opt.lr_warmup_steps},
         "adapter": {"lora_type": lora.lora_type, "use_dora": lora.use_dora, "rank": lora.rank, "alpha": lora.alpha,
-                    "dropout": lora.dropout,
+                    "dropout": lora.dropout, "lokr_factor": lora.factor,
                     "targets": "attention" if targets is None else targets[0] if targets == ("all-linear",)
                     else list(targets)},
     }
@@ -197,6 +197,7 @@ def recipe_line(recipe: dict[str, Any]) -> str:
     parts.append(f"loss {weighting['name']}" + (f"(gamma {weighting['snr_gamma']:g})" if "snr_gamma" in weighting else ""))
     opt, adapter = recipe["optimizer"], recipe["adapter"]
     kind = adapter["lora_type"] + ("+dora" if adapter["use_dora"] else "")
+    kind += f"(factor {adapter['lokr_factor']})" if adapter.get("lokr_factor", -1) != -1 else ""
     targets = adapter["targets"] if isinstance(adapter["targets"], str) else ",".join(adapter["targets"])
     parts += [f"guidance {recipe['guidance']['value']:g}", f"clip {recipe['clipping']['max_grad_norm']:g}",
               f"caption_dropout {recipe['caption_dropout']['probability']:g}",

@@ -27,6 +27,7 @@ def test_the_recipe_line_and_section_of_flux_at_1024_px():
     assert recipe["caption_dropout"] == {"probability": 0.0, "dropped_captions": 3}
     assert recipe["guidance"] == {"value": 1.0, "input": True}
     assert recipe["adapter"] == {"lora_type": "lora", "use_dora": False, "rank": 16, "alpha": 16.0, "dropout": 0.0,
+                                 "lokr_factor": -1,
                                  "targets": "attention"}
     assert recipe_line(recipe) == (
         "recipe: logit_normal(0, 1), flow_shift auto (dynamic: mu 0.5 at 256 to 1.15 at 4096 tokens): 3.158 at 4096 "
@@ -37,13 +38,14 @@ def test_the_recipe_of_an_epsilon_family_with_min_snr_and_a_lokr_on_named_module
     family = get_family("pixart")
     config = TrainConfig.create(family="pixart", loss_weighting="min_snr", snr_gamma=5.0, optimizer="adafactor",
                                 max_grad_norm=0, caption_dropout=0.1,
-                                lora=LoraSettings(rank=8, alpha=4.0, lora_type="lokr", target_modules=("to_q", "to_k")))
+                                lora=LoraSettings(rank=8, alpha=4.0, lora_type="lokr", factor=4,
+                                                  target_modules=("to_q", "to_k")))
     recipe = recipe_section(config, NoiseSchedule(family, config.objective))
     assert recipe["sampling"] == {"name": "uniform DDPM steps"} and recipe["shifts"] == []
     assert recipe["loss_weighting"] == {"name": "min_snr", "snr_gamma": 5.0}
     assert recipe["adapter"]["targets"] == ["to_q", "to_k"]
     assert recipe_line(recipe) == ("recipe: uniform DDPM steps, loss min_snr(gamma 5), guidance 1, clip 0, "
-                                   "caption_dropout 0.1, adafactor lr 0.001 wd 0, lokr r8 a4 to_q,to_k")
+                                   "caption_dropout 0.1, adafactor lr 0.001 wd 0, lokr(factor 4) r8 a4 to_q,to_k")
 
 
 def test_mode_sampling_a_static_shift_and_all_linear_dora():
