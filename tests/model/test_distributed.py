@@ -175,8 +175,9 @@ def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
     assert report["receipt"]["schedule"] == "fsdp-layer"
     # the runner checkpointed nothing: checkpoint_wrapper did
     assert all(step["checkpoint_calls"] == 0 for step in report["steps"])
-    assert sorted(p.name for p in out.iterdir()) == [".segckpt.lock", "cache", "lora.safetensors", "lora_comfyui.safetensors", "report.json",
-                                                    "sample_data", "training_state.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".segckpt.lock", "cache", "lora.safetensors",
+                                                     "lora_comfyui.safetensors", "loss.png", "report.json",
+                                                     "sample_data", "training_state.safetensors"]
 
 
 # --- the options, without a process group -------------------------------------------------------------------
