@@ -52,7 +52,7 @@ _ON_FIRST_USE = {
     ".core.plan_query": ("PlanQueryError", "plan_for_query"),
     ".data.checks": ("check_dataset",),
     ".data.comfy_data": ("PreparedData", "prepare_comfy_data"),
-    ".data.precheck": ("precheck", "cuda_absent"),
+    ".data.precheck": ("precheck", "cuda_absent", "check_optimizer"),
     ".data.comfy_frames": ("batch_encoder", "prepare_image_batch", "image_batch_multiple"),
     ".data.folder": ("write_sample_dataset",),
     ".data.video": ("write_sample_clip",),
@@ -104,6 +104,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "FRAME_KEYS",
     "HostBudgetError", "host_budget", "usable_cores", "precheck", "cuda_absent", "OutputWriteError", "check_writable", "FolderInUseError",
+    "check_optimizer",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
     "GuardrailsConfig", "LoraSettings", "ObjectiveConfig", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",

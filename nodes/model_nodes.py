@@ -70,10 +70,11 @@ class LoadDiffusionModel:
 
 class ImageCaptionDataset:
     """A folder of images and clips (video files, animated GIF / WebP) with same-name ``.txt``
-    captions under ComfyUI's input folder, and the frame options of the video families."""
+    captions under ComfyUI's input folder, the frame options of the video families and the
+    caption dropout."""
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (DATASET,), ("dataset",)
-    OPTIONS = NodeOptions({name: name for name in ("resolution", "buckets") + api.FRAME_KEYS},
+    OPTIONS = NodeOptions({name: name for name in ("resolution", "buckets") + api.FRAME_KEYS + ("caption_dropout",)},
                           zero_unset=("frame_rate", "min_frames"))
 
     @classmethod
@@ -84,9 +85,10 @@ class ImageCaptionDataset:
                                      "the video families).", default=BUILTIN_DATA)),
             "resolution": widget("resolution"),
             "buckets": widget("buckets"),
-        }, "optional": {name: widget(name, zero_unset=name in cls.OPTIONS.zero_unset,
-                                     extra=" 0 = unset." if name in cls.OPTIONS.zero_unset else "")
-                        for name in api.FRAME_KEYS}}
+        }, "optional": {**{name: widget(name, zero_unset=name in cls.OPTIONS.zero_unset,
+                                        extra=" 0 = unset." if name in cls.OPTIONS.zero_unset else "")
+                           for name in api.FRAME_KEYS},
+                        "caption_dropout": widget("caption_dropout")}}  # last: saved widgets_values map by position
 
     @classmethod
     def VALIDATE_INPUTS(cls, folder, **inputs):
@@ -103,7 +105,7 @@ class ImageCaptionDataset:
         return True
 
     @public_errors
-    def build(self, folder, resolution, buckets=False, **frames):
+    def build(self, folder, resolution, buckets=False, **options):
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
             path = str(api.write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
@@ -111,7 +113,7 @@ class ImageCaptionDataset:
             path = str(api.write_sample_clip(host.output_dir / "segckpt" / "sample_clip"))
         else:
             path = str(contained(host.input_dir, folder, "folder"))
-        return (self.OPTIONS.config({"resolution": resolution, "buckets": buckets, **frames}, data=path).data,)
+        return (self.OPTIONS.config({"resolution": resolution, "buckets": buckets, **options}, data=path).data,)
 
 
 class LoRAConfig:

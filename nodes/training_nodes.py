@@ -47,7 +47,8 @@ from .widgets import NodeOptions, tip, widget
 OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_scheduler": "lr_scheduler",
                        "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
                        "seed": "seed", "attention_backend": "attention_backend", "on_nonfinite": "on_nonfinite",
-                       "preview_every": "validation_every", "compile_blocks": "compile_blocks"})
+                       "preview_every": "validation_every", "compile_blocks": "compile_blocks",
+                       "optimizer": "optimizer", "max_grad_norm": "max_grad_norm"})
 """Train LoRA's widgets that are engine options (``preview_every`` is ``validation_every``)."""
 messages.register({"run_name": "output"})  # the node's run_name makes the engine's output folder
 
@@ -95,8 +96,9 @@ def run_folder(run_name: str, resume: bool) -> Path:
 def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedule=None,
                find_run: bool = True) -> api.TrainConfig:
     """The engine config of Train LoRA's inputs: its widgets, the connected LoRA config, noise
-    schedule, offload options, weight-offload options, guardrails and dataset, and the model's
-    family and base precision.
+    schedule, offload options, weight-offload options, guardrails and dataset (its folder, size,
+    frames and caption dropout), and the model's family and base precision; the optimizer's package
+    must be installed (refused here, before the model loads).
 
     The schedule's keys are overridden by the activation offload options' (``offload``), then by the
     weight offload options' (``weight_offload``).
@@ -106,7 +108,8 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
             ``False`` (the prompt's validation): only check that the name stays inside the folder.
 
     Raises:
-        ConfigError, ScheduleError, PathError: an input is invalid (named).
+        ConfigError, ScheduleError, PathError: an input is invalid (named); ``optimizer``'s package
+            is not installed.
     """
     guardrails = inputs.get("guardrails") or api.GuardrailsConfig()
     nonfinite = inputs.get("on_nonfinite")
@@ -121,7 +124,7 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
     if isinstance(inputs.get("dataset"), api.DataConfig):
         data = inputs["dataset"]
         components |= {"data": data.folder, "resolution": data.resolution, "buckets": data.buckets,
-                       **{key: getattr(data, key) for key in api.FRAME_KEYS}}
+                       **{key: getattr(data, key) for key in ("caption_dropout",) + api.FRAME_KEYS}}
     if model is not None:
         components |= {"family": model.family.name, "base_model_precision": model.base_precision or "auto"}
     if schedule is not None:
@@ -129,7 +132,9 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
         for override in (inputs.get("offload"), inputs.get("weight_offload")):  # in this order
             chosen = override.apply(chosen) if override else chosen
         components["schedule"] = chosen
-    return OPTIONS.config({k: v for k, v in inputs.items() if k != "on_nonfinite"}, **components)
+    config = OPTIONS.config({k: v for k, v in inputs.items() if k != "on_nonfinite"}, **components)
+    api.check_optimizer(config)  # a missing package: refused when queued, not after the model loads
+    return config
 
 
 class TrainLoRA:
@@ -183,6 +188,9 @@ class TrainLoRA:
                                         "+ conditioning, connect the VAE that encoded them."),
                 "vae": ("VAE", tip("Optional: decodes the previews of a run on ComfyUI latents (the VAE of VAE "
                                    "Encode).")),
+                # after the widgets above: a saved workflow's widgets_values map by position
+                "optimizer": widget("optimizer"),
+                "max_grad_norm": widget("max_grad_norm"),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }

@@ -77,8 +77,7 @@ def precheck(config: TrainConfig, prepared: bool = False, family_known: bool = T
         raise ConfigError(f"caption_dropout={config.data.caption_dropout!r} is invalid with prepared data (ComfyUI "
                           "conditioning): allowed 0; the empty caption must be encoded by the text encoder that "
                           "encoded the captions, which needs an image folder (dataset)")
-    # a missing package of the optimizer, named with its pip command before any import
-    optimizer_provider(config.optimizer.name, "cpu" if config.model.device == "cpu" or cuda_absent() else "cuda")
+    check_optimizer(config)
     check_paths(config, family_known)
     check_output_place(config)
     if config.data.folder is not None:
@@ -87,6 +86,18 @@ def precheck(config: TrainConfig, prepared: bool = False, family_known: bool = T
         check_frame_counts(config, get_family(config.model.family))
     _need(config.model.device != "cuda" or not cuda_absent(), "device", config.model.device,
           "auto or cpu (CUDA is not available here: this machine has no NVIDIA, WSL or ROCm GPU device)")
+
+
+def check_optimizer(config: TrainConfig) -> None:
+    """Refuse an ``optimizer`` whose package is not installed here, on the run's device (``cpu``
+    when ``device`` is cpu or this machine has no CUDA, :func:`cuda_absent`; else ``cuda``): found,
+    not imported (``engine/config/optim.py`` ``optimizer_provider``). The Train LoRA node asks it
+    when queued, before its model loads.
+
+    Raises:
+        ConfigError: one line naming ``optimizer``, its value and the pip command that installs it.
+    """
+    optimizer_provider(config.optimizer.name, "cpu" if config.model.device == "cpu" or cuda_absent() else "cuda")
 
 
 def check_paths(config: TrainConfig, family_known: bool = True) -> None:

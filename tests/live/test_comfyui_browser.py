@@ -205,7 +205,7 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
         page.close()
         return
     known = set(server.get("/history"))
-    previews = any(n["type"] == "SegCkptTrainLoRA" and n["widgets_values"][-1] for n in workflow["nodes"])
+    previews = any(n["type"] == "SegCkptTrainLoRA" and n["widgets_values_named"]["preview_every"] for n in workflow["nodes"])
     page.evaluate(SET_WIDGETS, {"steps": 3, "resolution": 64, "measured_steps": 1, "width": 64, "height": 64,
                                 "run_name": f"browser_{uuid.uuid4().hex[:8]}", **({"preview_every": 3} if previews else {})})
     page.evaluate("() => window.app.queuePrompt(0, 1)")

@@ -254,3 +254,30 @@ def test_the_noise_schedule_node_reaches_the_run_config_and_refuses_by_name(base
     sd3 = ModelSource(config.replace(family="sd3", guidance_value=1.0))  # guidance 3.5 on sd3: refused, one line
     with pytest.raises(ValueError, match="guidance_value=3.5 is invalid for family 'sd3'"):
         run_config({"run_name": "run", "noise_schedule": objective}, sd3, find_run=False)
+
+
+def test_optimizer_clipping_and_caption_dropout_widgets_reach_the_run_config_and_refuse_by_name(base, monkeypatch):
+    """Train LoRA's optimizer and max_grad_norm and the dataset node's caption_dropout: appended
+    after each node's earlier widgets (a saved workflow's widgets_values map by position), in the
+    run's config, a bad value refused by the input's name when queued, before the model loads."""
+    from segmented_checkpointing.engine.config import optim
+    from segmented_checkpointing.nodes.training_nodes import run_config
+
+    train, data = NODES["SegCkptTrainLoRA"], NODES["SegCkptImageCaptionDataset"]
+    assert list(train.INPUT_TYPES()["optional"])[-2:] == ["optimizer", "max_grad_norm"]
+    assert list(data.INPUT_TYPES()["optional"])[-1] == "caption_dropout"
+    (dataset,) = data().build("(built-in sample photos)", 64, caption_dropout=0.25)
+    config = run_config({"run_name": "run", "optimizer": "adafactor", "max_grad_norm": 0.5, "dataset": dataset},
+                        find_run=False)
+    assert (config.optimizer.name, config.optimizer.max_grad_norm, config.data.caption_dropout) == ("adafactor", 0.5,
+                                                                                                   0.25)
+    assert verdict(train, run_name="run", optimizer="sgd") == (
+        "optimizer='sgd' is invalid: allowed adamw, adamw8bit, adafactor, prodigy.")
+    assert verdict(train, run_name="run", max_grad_norm=-1.0) == (
+        "max_grad_norm=-1.0 is invalid: allowed a finite number > 0 and <= 1e+06, or 0 (off).")
+    assert verdict(data, folder="(built-in sample photos)", caption_dropout=1.5) == (
+        "caption_dropout=1.5 is invalid: allowed a finite number from 0 to 1.")
+    found = optim.importlib.util.find_spec
+    monkeypatch.setattr(optim.importlib.util, "find_spec", lambda name, *a: None if name == "prodigyopt" else found(name, *a))
+    assert verdict(train, run_name="run", optimizer="prodigy").startswith(
+        "optimizer='prodigy' needs prodigyopt (pip install prodigyopt), which is not installed here")
