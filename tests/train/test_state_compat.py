@@ -51,7 +51,7 @@ def test_a_state_of_the_last_release_resumes(tmp_path, capsys):
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert [s["loss"] for s in report["steps"][:2]] == [s["loss"] for s in old["steps"]]  # the saved history
     assert set(report) == set(old) | {"ignored_config_keys", "resume", "lora_files", "compile", "optimizer",
-                                      "simpletuner_defaults"}
+                                      "simpletuner_defaults", "recipe", "loss_by_noise_level"}
     assert report["ignored_config_keys"] == [] and set(report["lora_files"]) == {"diffusers", "comfyui"}
     assert report["resume"] is None  # a state saved before fingerprints: nothing to compare, nothing changed
     assert set(report["config"]) == set(old["config"]) - REMOVED | ADDED
