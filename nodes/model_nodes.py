@@ -122,7 +122,8 @@ class LoRAConfig:
 
     CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
     OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                           "lora_type": "lora_type", "use_dora": "use_dora", "lokr_factor": "lokr_factor"})
+                           "lora_type": "lora_type", "use_dora": "use_dora", "lokr_factor": "lokr_factor",
+                           "lokr_full_matrix": "lokr_full_matrix"})
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -135,6 +136,7 @@ class LoRAConfig:
             "lora_type": widget("lora_type"),
             "use_dora": widget("use_dora"),
             "lokr_factor": widget("lokr_factor"),
+            "lokr_full_matrix": widget("lokr_full_matrix"),
         }}
 
     @classmethod
@@ -142,7 +144,9 @@ class LoRAConfig:
         return cls.OPTIONS.validate(inputs)
 
     @public_errors
-    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False, lokr_factor=-1):
+    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False, lokr_factor=-1,
+              lokr_full_matrix=False):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
         return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, lora_type=lora_type,
-                                 use_dora=use_dora, factor=lokr_factor),)
+                                 use_dora=use_dora, factor=lokr_factor,
+                                 full_matrix=lokr_full_matrix),)

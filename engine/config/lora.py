@@ -68,12 +68,14 @@ class LoraSettings:
             trained magnitude per output row and a direction. LoRA only.
         factor: LoKr's Kronecker factor (peft's ``decompose_factor``, LyCORIS' ``factor``); -1: the
             factorization nearest the square root. LoKr only.
+        full_matrix: LoKr's factors both whole (LyCORIS' ``full_matrix``), scaled by 1: rank and alpha
+            unused (``engine/model/adapters.py`` ``FULL_RANK``). LoKr only.
         init: peft ``init_lora_weights`` / ``init_weights`` (``True`` = the update starts at zero).
 
     Raises:
         LoraConfigError: rank < 1, alpha <= 0, dropout outside [0, 1), an empty target list, a
             preset beside module names; DoRA or dropout with ``lokr`` / ``loha``; a factor of 0, or one
-            other than -1 without ``lokr``.
+            other than -1, or a full matrix, without ``lokr``.
     """
 
     rank: int = option(16, "LoRA rank r.", "--rank", key="lora_rank", min=1, max=4096)
@@ -95,6 +97,10 @@ class LoraSettings:
                          "factor matrix w1 has at most this many rows and columns; -1: the factorization nearest "
                          "the square root. lora_type lokr only.", "--lokr-factor", key="lokr_factor", min=-1,
                          max=65536)
+    full_matrix: bool = option(False, "LoKr with both Kronecker factors as full matrices (LyCORIS' full_matrix, as "
+                               "SimpleTuner's LoKr examples train): no low-rank factor, the update scaled by 1, so "
+                               "lora_rank and lora_alpha are not used. lora_type lokr only.", "--lokr-full-matrix",
+                               key="lokr_full_matrix")
     init: bool | str = True
 
     def __post_init__(self) -> None:
@@ -103,6 +109,9 @@ class LoraSettings:
             raise LoraConfigError(f"use_dora=True is invalid with lora_type={self.lora_type!r}: allowed false (DoRA "
                                   "decomposes a LoRA; peft's LoKr and LoHa have no magnitude vector), or lora_type "
                                   "lora.")
+        if self.full_matrix and self.lora_type != "lokr":
+            raise LoraConfigError(f"lokr_full_matrix=True is invalid with lora_type={self.lora_type!r}: allowed false, "
+                                  "or lora_type lokr.")
         if self.factor == 0 or self.factor != -1 and self.lora_type != "lokr":
             raise LoraConfigError(f"lokr_factor={self.factor!r} is invalid with lora_type={self.lora_type!r}: allowed "
                                   "-1 (the default), or a factor >= 1 with lora_type lokr.")

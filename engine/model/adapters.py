@@ -38,12 +38,20 @@ ADAPTER = "default"
 """The peft adapter name :func:`~.lora_files.add_lora` creates (never written to a file)."""
 
 
+FULL_RANK = 2**16
+"""The rank and alpha a full-matrix LoKr is built with: peft keeps ``w1`` whole unless ``decompose_both``
+and ``w2`` whole when ``r >= max(w2's shape) / 2`` (``peft/tuners/lokr/layer.py`` ``update_layer``), so no
+layer narrower than 131072 gets a low-rank factor, and the scale ``alpha / r`` is 1, as LyCORIS scales
+full matrices (its ``full_matrix``) and ComfyUI applies a LoKr file without low-rank factors."""
+
+
 def peft_config(settings: LoraSettings, targets: list[str]) -> PeftConfig:
     """The peft config of ``settings`` adapting the modules ``targets`` (peft's matching: a name
     equal to a target or ending in ``.<target>``)."""
     if settings.lora_type == "lokr":
-        return LoKrConfig(r=settings.rank, alpha=settings.alpha, target_modules=targets,
-                          init_weights=bool(settings.init), decompose_factor=settings.factor)
+        rank, alpha = (FULL_RANK, FULL_RANK) if settings.full_matrix else (settings.rank, settings.alpha)
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, init_weights=bool(settings.init),
+                          decompose_factor=settings.factor)
     if settings.lora_type == "loha":
         return LoHaConfig(r=settings.rank, alpha=settings.alpha, target_modules=targets,
                           init_weights=bool(settings.init))

@@ -177,6 +177,7 @@ def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]]
                       "lr_warmup_steps": opt.lr_warmup_steps},
         "adapter": {"lora_type": lora.lora_type, "use_dora": lora.use_dora, "rank": lora.rank, "alpha": lora.alpha,
                     "dropout": lora.dropout, "lokr_factor": lora.factor,
+                    "lokr_full_matrix": lora.full_matrix,
                     "targets": "attention" if targets is None else targets[0] if targets == ("all-linear",)
                     else list(targets)},
     }
@@ -198,6 +199,7 @@ def recipe_line(recipe: dict[str, Any]) -> str:
     opt, adapter = recipe["optimizer"], recipe["adapter"]
     kind = adapter["lora_type"] + ("+dora" if adapter["use_dora"] else "")
     kind += f"(factor {adapter['lokr_factor']})" if adapter.get("lokr_factor", -1) != -1 else ""
+    kind += "(full matrix)" if adapter.get("lokr_full_matrix") else ""
     targets = adapter["targets"] if isinstance(adapter["targets"], str) else ",".join(adapter["targets"])
     parts += [f"guidance {recipe['guidance']['value']:g}", f"clip {recipe['clipping']['max_grad_norm']:g}",
               f"caption_dropout {recipe['caption_dropout']['probability']:g}",

@@ -26,6 +26,7 @@ PINNED = (
     "data", "resolution", "buckets", "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames",
     "batch_size", "global_batch_size", "caption_dropout",
     "lora_rank", "lora_alpha", "lora_target_modules", "lora_dropout", "lora_type", "use_dora", "lokr_factor",
+    "lokr_full_matrix",
     "learning_rate", "lr_scheduler", "lr_warmup_steps", "weight_decay", "gradient_accumulation_steps",
     "optimizer", "max_grad_norm",
     "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",

@@ -275,14 +275,18 @@ def test_each_recipe_key_reads_with_its_simpletuner_meaning(tmp_path):
     loha = read(lora_type="lycoris", lycoris_config=_lycoris(tmp_path, algo="loha", linear_dim=4)).lora
     assert (loha.lora_type, loha.rank, loha.alpha) == ("loha", 4, 4)  # alpha left out: SimpleTuner's, the rank
     assert read(lora_type="standard", lycoris_config="unread.json").lora.lora_type == "lora"
+    # SimpleTuner's LoKr examples: full matrices (rank and alpha unused, as LyCORIS ignores them there)
+    for full in ({"full_matrix": True, "linear_alpha": 1}, {"linear_dim": 10000, "linear_alpha": 1}):
+        lokr = read(lora_type="lycoris", lycoris_config=_lycoris(tmp_path, algo="lokr", factor=16, **full)).lora
+        assert (lokr.lora_type, lokr.full_matrix, lokr.factor) == ("lokr", True, 16)
 
 
 @pytest.mark.parametrize("lycoris, message", [
     ({"algo": "locon"}, r"algo='locon' is invalid: allowed lokr or loha"),
-    ({"algo": "lokr", "full_matrix": True}, r"full_matrix=True is invalid: allowed false"),
+    ({"algo": "loha", "full_matrix": True}, r"full_matrix=True is invalid: allowed true or false; true with algo lokr"),
     ({"algo": "lokr", "apply_preset": {"module_algo_map": {"Attention": {"factor": 16}}}},
      r"apply_preset=.* is invalid: allowed no module_algo_map"),
-    ({"algo": "lokr", "linear_dim": 10000}, r"linear_dim=10000 is invalid: allowed an integer from 1 to 4096"),
+    ({"algo": "loha", "linear_dim": 10000}, r"linear_dim=10000 is invalid: allowed an integer from 1 to 4096"),
     ({"algo": "loha", "factor": 8}, r"factor=8 is invalid: allowed -1 with algo loha"),
     ({"algo": "lokr", "dropout": 0.1}, r"dropout=0.1 is invalid: allowed only algo, linear_dim"),
 ])

@@ -228,6 +228,7 @@ def test_cli_trains_two_steps_and_writes_both_files_of_one_update(tmp_path, fami
 ADAPTERS = {  # every Linear of the blocks: fused, reordered and plain released weights alike
     "dora": LoraSettings(rank=4, alpha=8, use_dora=True, init="gaussian", target_modules="all-linear"),
     "lokr": LoraSettings(rank=2, alpha=8, lora_type="lokr", target_modules="all-linear"),
+    "lokr_full": LoraSettings(lora_type="lokr", full_matrix=True, factor=4, target_modules="all-linear"),
     "loha": LoraSettings(rank=2, alpha=6, lora_type="loha", target_modules="all-linear"),
 }
 
@@ -258,7 +259,7 @@ def test_comfyui_file_of_each_adapter_changes_the_weights_by_the_trained_update(
     bare = fold_scales(weights.state, weights.scales)
     lora = to_comfy_keys(bare, layout, weights.shapes, weights.norms)
     in_diffusers_names = all(k.startswith("transformer.") for k in lora)
-    assert in_diffusers_names == (adapter == "lokr" and name != "wan")  # Wan's weights are released unfused
+    assert in_diffusers_names == (adapter.startswith("lokr") and name != "wan")  # Wan's weights are released unfused
     if in_diffusers_names:
         got = dict(base.state_dict())
         assert comfyui_apply(got, lora, "transformer.") == set(lora)
@@ -273,7 +274,7 @@ def test_comfyui_file_of_each_adapter_changes_the_weights_by_the_trained_update(
     changed = sum(not torch.equal(value, base.state_dict()[key]) for key, value in want.items())
     assert changed == len(modules_of(bare)) > 0
     if adapter != "dora" and not in_diffusers_names:
-        back = from_comfy_keys(lora, layout, weights.shapes, modules_of(bare), adapter)
+        back = from_comfy_keys(lora, layout, weights.shapes, modules_of(bare), ADAPTERS[adapter].lora_type)
         assert back.keys() == bare.keys() and all(torch.equal(back[k], bare[k]) for k in bare)
 
 

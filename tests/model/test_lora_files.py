@@ -227,6 +227,7 @@ def test_header_carries_diffusers_metadata_as_diffusers_writes_it(tmp_path):
 ADAPTER_FILES = {
     "dora": LoraSettings(rank=4, alpha=8, use_dora=True, init="gaussian"),
     "lokr": LoraSettings(rank=4, alpha=8, lora_type="lokr"),
+    "lokr_full": LoraSettings(lora_type="lokr", full_matrix=True),
     "loha": LoraSettings(rank=4, alpha=6, lora_type="loha"),
 }
 
@@ -239,11 +240,11 @@ def test_adapter_file_is_read_exactly_by_what_reads_its_type(trained, name, adap
     load_lora_adapter reads them for every family. LoHa: diffusers has no loader; peft reads it
     (``LoHaConfig`` from the header's metadata, ``set_peft_model_state_dict``)."""
     family, fresh, batch, want, plain, path = trained(name, ADAPTER_FILES[adapter])
-    if adapter == "dora" or adapter == "lokr" and name == "zimage":
+    if adapter == "dora" or adapter.startswith("lokr") and name == "zimage":
         with _diffusers_warnings() as warnings:
             _pipeline(name, fresh).load_lora_weights(str(path))
         assert not [w for w in warnings if "Loading adapter weights" in w]
-    elif adapter == "lokr":
+    elif adapter.startswith("lokr"):
         with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
             _pipeline(name, copy.deepcopy(fresh)).load_lora_weights(str(path))
         fresh.load_lora_adapter(str(path), prefix="transformer")
@@ -299,3 +300,22 @@ def test_lokr_factor_reaches_peft_and_shapes_the_kronecker_factors():
     default = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 32)),
                              peft_config(LoraSettings(rank=2, alpha=2, lora_type="lokr"), ["0"]))
     assert tuple(default.base_model.model[0].lokr_w1["default"].shape) == (4, 4)  # -1: 32 = 4 x 8, 16 = 4 x 4
+
+
+def test_a_full_matrix_lokr_keeps_both_factors_whole_and_scales_by_one():
+    """LyCORIS' ``full_matrix`` (SimpleTuner's LoKr examples): no low-rank factor, the update
+    ``w1 kron w2`` unscaled; rank and alpha are not used. The LoRA Config node passes it."""
+    from peft import get_peft_model
+
+    from segmented_checkpointing.engine.model.adapters import FULL_RANK, peft_config
+    from segmented_checkpointing.nodes.model_nodes import LoRAConfig
+
+    settings = LoRAConfig().build(rank=2, alpha=1, dropout=0.0, target_modules="0", lora_type="lokr", lokr_factor=4,
+                                  lokr_full_matrix=True)[0]
+    assert settings.full_matrix and peft_config(settings, ["0"]).r == peft_config(settings, ["0"]).alpha == FULL_RANK
+    layer = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), peft_config(settings, ["0"])).base_model.model[0]
+    assert set(layer.lokr_w1) == set(layer.lokr_w2) == {"default"} and not layer.lokr_w2_a  # both whole
+    assert tuple(layer.lokr_w1["default"].shape) == (4, 4) and tuple(layer.lokr_w2["default"].shape) == (24, 16)
+    assert layer.scaling["default"] == 1.0
+    with pytest.raises(LoraConfigError, match=r"^lokr_full_matrix=True is invalid with lora_type='loha': allowed false"):
+        LoraSettings(lora_type="loha", full_matrix=True)

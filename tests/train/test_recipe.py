@@ -27,7 +27,7 @@ def test_the_recipe_line_and_section_of_flux_at_1024_px():
     assert recipe["caption_dropout"] == {"probability": 0.0, "dropped_captions": 3}
     assert recipe["guidance"] == {"value": 1.0, "input": True}
     assert recipe["adapter"] == {"lora_type": "lora", "use_dora": False, "rank": 16, "alpha": 16.0, "dropout": 0.0,
-                                 "lokr_factor": -1,
+                                 "lokr_factor": -1, "lokr_full_matrix": False,
                                  "targets": "attention"}
     assert recipe_line(recipe) == (
         "recipe: logit_normal(0, 1), flow_shift auto (dynamic: mu 0.5 at 256 to 1.15 at 4096 tokens): 3.158 at 4096 "

@@ -69,8 +69,8 @@ def test_the_saved_config_keeps_the_flat_keys_of_the_last_release():
         saved = json.loads(state.metadata()["config"])
     current = TrainConfig.create(resolution=32, lora_rank=2, steps=2).to_dict()
     assert set(saved) == set(current) - ADDED | REMOVED
-    # the adapter type, DoRA and the LoKr factor (issue 35) are new since that release; its LoRA reads as a plain LoRA
-    assert set(current["lora"]) - set(saved["lora"]) == {"lora_type", "use_dora", "factor"} and set(saved["lora"]) < set(current["lora"])
+    # the adapter type, DoRA, the LoKr factor and full matrix (issue 35) are new since that release; its LoRA reads as a plain LoRA
+    assert set(current["lora"]) - set(saved["lora"]) == {"lora_type", "use_dora", "factor", "full_matrix"} and set(saved["lora"]) < set(current["lora"])
     # the three weight-streaming keys (issue 21) and save_attention (issue 25) are new since that release;
     # its schedule reads as not streaming and keeping no attention outputs
     assert set(current["schedule"]) - set(saved["schedule"]) == set(STREAM_KEYS) | {"gradient_checkpointing_save_attention"}

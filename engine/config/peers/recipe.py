@@ -107,12 +107,12 @@ LYCORIS_SAME_MATH = ("multiplier", "bypass_mode", "apply_preset")
 
 def read_lycoris(path: Any) -> dict[str, Any]:
     """SimpleTuner's ``lycoris_config``: a LyCORIS JSON file (``algo`` lokr or loha, ``linear_dim``,
-    ``linear_alpha``, ``factor``) as ``lora_type``, ``lora_rank``, ``lora_alpha``, ``lokr_factor``.
+    ``linear_alpha``, ``factor``, ``full_matrix``) as ``lora_type``, ``lora_rank``, ``lora_alpha``,
+    ``lokr_factor``, ``lokr_full_matrix`` (whose rank and alpha LyCORIS ignores).
 
     Raises:
-        ConfigError: the file cannot be read; another algorithm; ``full_matrix`` true (LyCORIS'
-            undecomposed LoKr, scaled by 1: peft decomposes by rank and scales by alpha / rank);
-            per-module factors (``apply_preset.module_algo_map``); a multiplier other than 1;
+        ConfigError: the file cannot be read; another algorithm; ``full_matrix`` not a switch, or
+            true with loha; per-module factors (``apply_preset.module_algo_map``); a multiplier other than 1;
             any other key. Each names the key, the value and what is allowed.
     """
     try:
@@ -123,8 +123,9 @@ def read_lycoris(path: Any) -> dict[str, Any]:
         raise _refuse("lycoris_config", path, "a JSON object (LyCORIS' algo, linear_dim, linear_alpha, factor)")
     if config.get("algo") not in ("lokr", "loha"):
         raise _refuse(f"lycoris_config {path}: algo", config.get("algo"), "lokr or loha (peft's LoKr and LoHa)")
-    rules = (("full_matrix", config.get("full_matrix", False) is False, "false (peft's LoKr decomposes w2 by "
-              "linear_dim and scales by linear_alpha / linear_dim; LyCORIS' full matrices are not trained here)"),
+    full = config.get("full_matrix", False)
+    rules = (("full_matrix", isinstance(full, bool) and (not full or config["algo"] == "lokr"),
+              "true or false; true with algo lokr"),
              ("multiplier", config.get("multiplier", 1.0) == 1.0, "1"),
              ("apply_preset", not (config.get("apply_preset") or {}).get("module_algo_map"), "no module_algo_map "
               "(one factor and rank for every module; targets follow lora_target_modules)"))
@@ -136,9 +137,11 @@ def read_lycoris(path: Any) -> dict[str, Any]:
         raise _refuse(f"lycoris_config {path}: {unknown[0]}", config[unknown[0]],
                       f"only {', '.join([*LYCORIS_KEYS, *LYCORIS_SAME_MATH, 'full_matrix'])}")
     dim = config.get("linear_dim", 16)
-    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= 4096:
-        raise _refuse(f"lycoris_config {path}: linear_dim", dim, "an integer from 1 to 4096 (lora_rank's range; "
-                      "LyCORIS' 10000 means full matrices, not trained here)")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim > 4096 and config["algo"] != "lokr":
+        raise _refuse(f"lycoris_config {path}: linear_dim", dim, "an integer from 1 to 4096 (lora_rank's range), or "
+                      "above with algo lokr (full matrices)")
+    if full or dim > 4096:  # LyCORIS keeps a LoKr's factors whole (scale 1) at a rank of half their size or more
+        return {"lora_type": "lokr", "lokr_full_matrix": True, "lokr_factor": config.get("factor", -1)}
     if config["algo"] != "lokr" and config.get("factor", -1) != -1:
         raise _refuse(f"lycoris_config {path}: factor", config["factor"], "-1 with algo loha (LoKr's Kronecker "
                       "factor)")

@@ -132,9 +132,10 @@ ALIASES: dict[str, Alias] = {a.key: a for a in (
     Alias("flow_use_uniform_schedule", "timestep_sampling", "true: uniform", uniform_schedule),
     Alias("flow_sigmoid_scale", "logit_std", "the logit-normal draw's scale", _as("logit_std")),
     Alias("flux_guidance_value", "guidance_value", "the guidance a distilled model trains at", _as("guidance_value")),
-    Alias("lycoris_config", "lora_type, lora_rank, lora_alpha, lokr_factor", "with lora_type lycoris: a LyCORIS "
-          "JSON file's algo (lokr, loha), linear_dim, linear_alpha, factor (full_matrix and per-module factors are "
-          "refused); without it SimpleTuner's config/lycoris_config.json; other lora_types do not read it",
+    Alias("lycoris_config", "lora_type, lora_rank, lora_alpha, lokr_factor, lokr_full_matrix", "with lora_type "
+          "lycoris: a LyCORIS JSON file's algo (lokr, loha), linear_dim, linear_alpha, factor, full_matrix "
+          "(per-module factors are refused); without it SimpleTuner's config/lycoris_config.json; other lora_types "
+          "do not read it",
           lambda value: {}),
     Alias("weighting_scheme", "timestep_sampling, loss_weighting", "diffusers' scripts: logit_normal, mode: that "
           "sampling; sigma_sqrt, cosmap: uniform sampling with that weighting; none: uniform", weighting_scheme,
