@@ -8,6 +8,7 @@ value with the file and commit it was read from.
 from __future__ import annotations
 
 from ..config import ObjectiveConfig, TrainConfig
+from ..config.peers.recipe import DEFAULTS
 from ..families import family_names, get_family
 from ..families.limits import full_config
 from ..train.objectives import NoiseSchedule
@@ -45,18 +46,14 @@ PEERS: tuple[tuple[str, str, str, str], ...] = (
     (MUSUBI, "LoRA targets (Wan, Qwen-Image)", "every Linear of `WanAttentionBlock` / `QwenImageTransformerBlock` "
      "except norms and embeddings (Wan) or the `_mod_` layers (Qwen-Image): all-linear less the modulation",
      "src/musubi_tuner/networks/lora_wan.py, lora_qwen_image.py"),
-    (SIMPLETUNER, "flow_schedule_shift", "3.0 (static; applied when > 0)", f"{_FIELDS}/advanced.py, "
-     "simpletuner/helpers/training/custom_schedule.py"),
     (SIMPLETUNER, "flow_schedule_auto_shift", "false (Flux's calculate_shift of the latent tokens when on and "
      "the static shift is 0)", f"{_FIELDS}/advanced.py, simpletuner/helpers/training/custom_schedule.py"),
     (SIMPLETUNER, "flow_use_uniform_schedule / flow_sigmoid_scale", "false / 1.0", f"{_FIELDS}/advanced.py"),
     (SIMPLETUNER, "flux_guidance_value", "1.0", "simpletuner/helpers/models/field_registry/flux.py"),
-    (SIMPLETUNER, "max_grad_norm", "2.0", f"{_FIELDS}/optimizer.py"),
-    (SIMPLETUNER, "caption_dropout_probability", "0.1", f"{_FIELDS}/advanced.py"),
     (SIMPLETUNER, "optimizer", "adamw_bf16", f"{_FIELDS}/training.py"),
-    (SIMPLETUNER, "learning_rate / train_batch_size", "4e-7 / 4", f"{_FIELDS}/training.py"),
-    (SIMPLETUNER, "lora_type / lora_rank / lora_alpha / lora_dropout", "standard / 16 / unset (= rank) / 0.1",
-     f"{_FIELDS}/lora.py, simpletuner/helpers/models/common.py"),
+    (SIMPLETUNER, "lora_type / lora_rank", "standard / 16", f"{_FIELDS}/lora.py"),
+    *((SIMPLETUNER, d.key, "unset (= rank)" if d.value is None else f"{d.value:g}", f"{_FIELDS}/{d.source}")
+      for d in DEFAULTS),  # the defaults a SimpleTuner file takes here: one table (engine/config/peers/recipe.py)
     (SIMPLETUNER, "LoRA targets", "Flux (`flux_lora_target` all): the attention projections (`to_q/k/v`, "
      "`add_q/k/v_proj`, `to_qkv`, `to_out.0`, `to_add_out`); SD3, Wan, Qwen-Image: `to_q/k/v`, `to_out.0` - "
      "the attention preset", "simpletuner/helpers/models/field_registry/flux.py, flux/model.py, common.py"),
