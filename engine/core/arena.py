@@ -133,6 +133,8 @@ class HostArena:
         Args:
             nbytes: bytes wanted (0 gives an empty view).
         """
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)  # nothing to place (no 1-byte chunk for it)
         need = aligned(nbytes)
         k = _first_fit(self._used, self._caps, need)
         if k is None:

@@ -80,3 +80,26 @@ def test_offload_buffers_come_from_chunks():
     pool.give_back(buffers[0], True)
     assert pool.acquire(50, torch.float32)[0] is buffers[0]  # reused, nothing new allocated
     assert pool.activations.allocated_bytes == 512 + 2048 + 4096 + 8192
+
+
+def test_the_receipt_gives_host_memory_allocated_against_used_and_the_free_device_memory():
+    from types import SimpleNamespace
+
+    from segmented_checkpointing.engine.measure.receipt import build_receipt, render_receipt
+    from segmented_checkpointing.engine.train.report import host_arena_section
+
+    record = {"host_arena_bytes": 3 * 2**20, "host_arena_used_bytes": 2**21 + 2**20 // 2, "host_arena_chunks": 3,
+              "pinned_host_bytes": 3 * 2**20}
+    arena_ = host_arena_section(record)
+    assert arena_ == {"allocated_bytes": 3 * 2**20, "used_bytes": 2621440, "ratio": 1.2, "chunks": 3,
+                      "pinned_bytes": 3 * 2**20}
+    assert host_arena_section({})["ratio"] is None
+    plan = SimpleNamespace(mode="layer-stream")
+    result = SimpleNamespace(plan=plan, history=[], config=SimpleNamespace(timing_warmup_steps=1), report={
+        "totals": {"sec_per_step": 0.5}, "memory": {"host_arena": arena_, "device_free_bytes_at_start": 5 * 2**30}})
+    receipt = build_receipt(result, None)
+    assert receipt["host_arena"] == arena_ and receipt["device_free_bytes_at_start"] == 5 * 2**30
+    assert render_receipt(receipt).splitlines()[1:3] == [
+        "  device memory free at start: 5 GiB",
+        "  host memory (streamed weights, offloaded activations): 3 MiB allocated in 3 chunk(s) for 2.5 MiB used "
+        "(1.200x), 3 MiB pinned"]
