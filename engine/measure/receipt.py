@@ -129,10 +129,7 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     if receipt.get("device_free_bytes_at_start") is not None:
         lines.append(f"  device memory free at start: {_size(receipt['device_free_bytes_at_start'])}")
     if receipt.get("host_arena"):
-        a = receipt["host_arena"]
-        lines.append(f"  host memory (streamed weights, offloaded activations): {_size(a['allocated_bytes'])} allocated "
-                     f"in {a['chunks']} chunk(s) for {_size(a['used_bytes'])} used ({a['ratio']:.3f}x), "
-                     f"{_size(a['pinned_bytes'])} pinned")
+        lines.append(_arena_line(receipt["host_arena"]))
     if receipt.get("saved_attention_bytes"):
         lines.append(f"  attention outputs kept per step (save_attention): {_size(receipt['saved_attention_bytes'])}")
     if receipt.get("compile"):
@@ -149,6 +146,13 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     if receipt.get("note"):
         lines.append(f"  {receipt['note']}")
     return "\n".join(lines)
+
+
+def _arena_line(arena: dict[str, Any]) -> str:
+    """The host arena's line: host memory allocated against used (``report.json`` ``memory.host_arena``)."""
+    return (f"  host memory (streamed weights, offloaded activations): {_size(arena['allocated_bytes'])} allocated "
+            f"in {arena['chunks']} chunk(s) for {_size(arena['used_bytes'])} used ({arena['ratio']:.3f}x), "
+            f"{_size(arena['pinned_bytes'])} pinned")
 
 
 def _size(n: int) -> str:
