@@ -103,3 +103,23 @@ def test_the_receipt_gives_host_memory_allocated_against_used_and_the_free_devic
         "  device memory free at start: 5 GiB",
         "  host memory (streamed weights, offloaded activations): 3 MiB allocated in 3 chunk(s) for 2.5 MiB used "
         "(1.200x), 3 MiB pinned"]
+
+
+def test_a_pin_that_fails_falls_back_to_plain_chunks_by_the_same_path(monkeypatch):
+    """Asked to pin where it cannot (no CUDA here: ``pin_memory=True`` raises), the pool warns once and
+    holds the weights in plain chunks: views, the same bytes, nothing counted as pinned."""
+    from segmented_checkpointing.engine.core import offload
+
+    monkeypatch.setattr(offload, "_SAID", set())
+    if torch.cuda.is_available():
+        pytest.skip("this machine can pin")
+    pool = HostPool(0, pin=True)
+    weights = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(5, dtype=torch.bfloat16)]
+    pool.reserve([w.numel() * w.element_size() for w in weights])
+    with pytest.warns(offload.PinnedMemoryWarning, match="streamed weights use pageable host memory"):
+        held = [pool.hold(w) for w in weights]
+    assert all(torch.equal(h, w) and h.dtype == w.dtype and pool.weights.owns(h) for h, w in zip(held, weights))
+    # 512 aligned bytes: a quarter rounds to 128, so chunks of the largest tensor's 256, one each
+    assert pool.arena_figures() == {"host_arena_bytes": 512, "host_arena_used_bytes": 34, "host_arena_chunks": 2,
+                                    "pinned_host_bytes": 0}
+    assert all(pool.is_host(h) for h in held) and pool.hold(held[0]) is held[0]  # held once
