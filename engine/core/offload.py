@@ -4,14 +4,14 @@ Used by the ``unsloth`` / ``unsloth-ffn`` backends (the boundary inputs a checkp
 keeps for its recompute) and by ``gradient_checkpointing_offload_attention`` (the tensors the
 attention sub-block saves for backward). Semantics: docs/SCHEDULES.md "What unsloth offloads".
 
-Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, pinned when possible, reused
-across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a
+Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, views into a few large host
+chunks, engine/core/arena.py, pinned when possible, reused across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a
 ``torch.autograd.graph.saved_tensors_hooks`` context: pack copies a tensor into a pool buffer
 (device-to-host, on a side stream on CUDA), unpack copies it back to the device and dtype it came
 from and returns the buffer to the pool once that copy has completed.
 
 Without CUDA (CI, this project's CPU machines) everything runs the same way with pageable host
-buffers: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
+chunks: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
 (and that the CPU memory tracker can exclude), and pinning is skipped with one warning per process.
 """
 
