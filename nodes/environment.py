@@ -100,6 +100,9 @@ class Host:
     """Raise the host's own "interrupted" exception (ComfyUI: the prompt ends as interrupted)."""
     base_dir: Path | None = None
     """The host's base folder (ComfyUI's), hidden from messages too."""
+    release_models: Callable[[], list[str]] = lambda: []
+    """Before a training run: ask the host to unload its own models and free its cached device memory;
+    log lines saying what it unloaded (ComfyUI: :func:`release_comfyui_models`; locally: nothing)."""
 
     def __post_init__(self) -> None:
         # one folder reached twice (ComfyUI-GGUF's kind repeats diffusion_models' folders; a
@@ -211,7 +214,38 @@ def _comfyui_host() -> Host:  # pragma: no cover - exercised by the live ComfyUI
     return Host(Path(folder_paths.get_input_directory()), diffusers_dirs,
                 Path(folder_paths.get_folder_paths("loras")[0]), Path(folder_paths.get_output_directory()),
                 progress, comfy.model_management.processing_interrupted, send, files,
-                comfy.model_management.throw_exception_if_processing_interrupted, Path(folder_paths.base_path))
+                comfy.model_management.throw_exception_if_processing_interrupted, Path(folder_paths.base_path),
+                release_comfyui_models)
+
+
+def release_comfyui_models() -> list[str]:
+    """Inside ComfyUI, before a training run: unload the models its model management holds on the
+    device and free its cached device memory (``comfy.model_management.unload_all_models`` and
+    ``soft_empty_cache``, ComfyUI 0.3.64), so the run does not share the device with them (a sampling
+    workflow's diffusion model, text encoders, VAE); ComfyUI loads them again when a node needs them.
+
+    Returns:
+        Log lines: the models it unloaded (their class and the bytes they held on the device), or
+        that it held none.
+    """
+    import comfy.model_management as management
+
+    def held() -> dict[int, tuple[str, int]]:
+        out = {}
+        for loaded in list(getattr(management, "current_loaded_models", [])):
+            patcher = loaded.model
+            if patcher is not None:
+                out[id(patcher)] = (type(getattr(patcher, "model", patcher)).__name__, loaded.model_loaded_memory())
+        return out
+
+    before = held()
+    management.unload_all_models()
+    management.soft_empty_cache()
+    unloaded = [before[key] for key in before.keys() - held().keys()]
+    if not unloaded:
+        return ["ComfyUI held no models on the device; its cached device memory was freed before training"]
+    names = ", ".join(f"{name} ({size / 2**30:.3g} GiB)" for name, size in sorted(unloaded, key=lambda u: -u[1]))
+    return [f"ComfyUI unloaded {len(unloaded)} model(s) before training: {names}; its cached device memory was freed"]
 
 
 def model_folders(host: Host) -> list[str]:

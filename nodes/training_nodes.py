@@ -233,6 +233,8 @@ class TrainLoRA:
         source = data_source(inputs.get("dataset") is not None, inputs.get("latent") is not None,
                              inputs.get("conditioning") is not None, inputs.get("images") is not None)
         config = run_config(inputs, model, schedule)
+        host = current_host()
+        released = host.release_models()  # ComfyUI's own models leave the device before this run loads
         bundle = model.load()  # this run's own copy, released when the node returns
         prepared = previews = None
         if source == "images":  # encoded here, by the graph's VAE when connected, else the model's
@@ -249,7 +251,11 @@ class TrainLoRA:
                 previews = api.comfy_preview_source(bundle.family, prepared, inputs["vae"],
                                                     config.validation.validation_frames,
                                                     config.data.frame_rate)
-        live = LiveRun(current_host(), unique_id, config)
+        live = LiveRun(host, unique_id, config)
+        if released:  # what ComfyUI unloaded: on the console and on the node
+            for line in released:
+                live.log(line)
+            live.note(released)
         unused = api.unused_keys(config.schedule) if inputs.get("offload") is not None else []
         if unused:  # e.g. unsloth over the planner's `none`: say that it does nothing
             live.note([f"Activation Offload Options: {note}" for note in unused])

@@ -4,14 +4,14 @@ Used by the ``unsloth`` / ``unsloth-ffn`` backends (the boundary inputs a checkp
 keeps for its recompute) and by ``gradient_checkpointing_offload_attention`` (the tensors the
 attention sub-block saves for backward). Semantics: docs/SCHEDULES.md "What unsloth offloads".
 
-Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, pinned when possible, reused
-across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a
+Layout: :class:`HostPool` (buffers keyed by size bucket and dtype, views into a few large host
+chunks, engine/core/arena.py, pinned when possible, reused across steps), :class:`OffloadStats`, and :class:`Offloader`, whose :meth:`Offloader.hooks` is a
 ``torch.autograd.graph.saved_tensors_hooks`` context: pack copies a tensor into a pool buffer
 (device-to-host, on a side stream on CUDA), unpack copies it back to the device and dtype it came
 from and returns the buffer to the pool once that copy has completed.
 
 Without CUDA (CI, this project's CPU machines) everything runs the same way with pageable host
-buffers: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
+chunks: the "device" is the CPU, the pool is a separate set of buffers whose bytes are counted
 (and that the CPU memory tracker can exclude), and pinning is skipped with one warning per process.
 """
 
@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .arena import HostArena, plan_chunks
 
 
 def resident_storages(module: torch.nn.Module) -> set[int]:
@@ -88,21 +90,25 @@ class OffloadStats:
 
 
 class HostPool:
-    """Host buffers for offloaded tensors, reused across steps.
+    """Host buffers for offloaded tensors, reused across steps, and the host copies of streamed weights.
 
-    Buffers are keyed by ``(size bucket in bytes, dtype)``; at most ``max_buckets`` distinct keys
-    are pooled. A tensor whose key would exceed that gets a one-off pageable buffer, freed when it
-    is unpacked. ``max_buckets == 0`` means ordinary pageable memory, no pool. Buffers are pinned
-    when CUDA is available; when pinning fails (or without CUDA) the pool uses pageable memory
-    and warns, once per process (not once per pool), naming pinned host memory.
+    Both come from :class:`~.arena.HostArena` chunks (engine/core/arena.py): a few large allocations,
+    each tensor a view at a 256-byte offset, instead of one allocation per tensor. Offload buffers
+    are keyed by ``(size bucket in bytes, dtype)``; at most ``max_buckets`` distinct keys are pooled.
+    A tensor whose key would exceed that gets a one-off pageable buffer, freed when it is unpacked.
+    ``max_buckets == 0`` means ordinary pageable memory, no pool. Chunks are pinned when CUDA is
+    available; when pinning fails (or without CUDA) they are plain host memory (the same chunks,
+    views and copies) and the pool warns, once per process (not once per pool), naming pinned host memory.
 
     Args:
         max_buckets: ``gradient_checkpointing_offload_pin_memory_max_buckets``.
-        pin: try to pin the buffers (default: when CUDA is available).
+        pin: try to pin the chunks (default: when CUDA is available).
 
     Attributes:
-        pool_bytes: bytes of all pooled buffers (free and in use).
-        pinned: whether pooled buffers are pinned.
+        pool_bytes: bytes of all pooled offload buffers (free and in use).
+        pinned: whether pooled offload buffers are pinned.
+        weights: the streamed weights' arena (:meth:`reserve` plans it). activations: the offload
+            buffers' arena (grows by doubling: their sizes are not known ahead).
     """
 
     def __init__(self, max_buckets: int, pin: bool | None = None):
@@ -117,14 +123,28 @@ class HostPool:
         self.held_bytes = 0
         """Bytes of the host copies :meth:`hold` keeps for the run (streamed weights)."""
         self.pinned_held_bytes = 0
+        """Bytes of the pinned chunks holding streamed weights (allocated, not used)."""
         self._pin_held = torch.cuda.is_available() if pin is None else pin
         self.pinned_buffers = 0
+        """Pinned allocations made (chunks)."""
         self._allocating = False
+        self.weights = HostArena(self._weight_chunk)
+        self.activations = HostArena(self._activation_chunk)
 
     @property
     def keys(self) -> list[tuple[int, torch.dtype]]:
         """The distinct ``(bucket bytes, dtype)`` keys pooled so far."""
         return list(self._free)
+
+    def arena_figures(self) -> dict[str, int | bool]:
+        """Host memory from the arenas (report.json): ``host_arena_bytes`` (chunks allocated, bytes),
+        ``host_arena_used_bytes`` (bytes of the tensors in them), ``host_arena_chunks``,
+        ``pinned_host_bytes`` (of the allocated bytes, those pinned)."""
+        arenas = (self.weights, self.activations)
+        pinned = self.pinned_held_bytes + (self.activations.allocated_bytes if self.pinned else 0)
+        return {"host_arena_bytes": sum(a.allocated_bytes for a in arenas),
+                "host_arena_used_bytes": sum(a.used_bytes for a in arenas),
+                "host_arena_chunks": sum(a.chunk_count for a in arenas), "pinned_host_bytes": pinned}
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is one of this pool's host buffers (being allocated, or alive).
@@ -148,9 +168,8 @@ class HostPool:
             if event is None or event.query():  # the copy reading it has completed
                 del free[i]
                 return buffer, True
-        buffer = self._allocate(key[0] // dtype.itemsize, dtype, self.pinned)
-        self._storages.add(buffer.untyped_storage().data_ptr())
-        self.pool_bytes += buffer.untyped_storage().nbytes()
+        buffer = self.activations.take(key[0]).view(dtype)
+        self.pool_bytes += key[0]
         return buffer, True
 
     def _allocate(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -164,16 +183,50 @@ class HostPool:
                 except RuntimeError as exc:
                     self.pinned = False
                     _warn_pinned("pool", f"pinned host memory could not be allocated ({exc}); offloaded "
-                                 "activations use pageable host memory", stacklevel=4)
+                                 "activations use pageable host memory", stacklevel=5)
             return torch.empty(numel, dtype=dtype)
         finally:
             self._allocating = False
 
+    def _activation_chunk(self, nbytes: int) -> torch.Tensor:
+        chunk = self._allocate(nbytes, torch.uint8, self.pinned)
+        self._storages.add(chunk.untyped_storage().data_ptr())
+        return chunk
+
+    def _weight_chunk(self, nbytes: int) -> torch.Tensor:
+        chunk = None
+        if self._pin_held:
+            self._allocating = True
+            try:
+                chunk = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned_held_bytes += nbytes
+                self.pinned_buffers += 1
+            except RuntimeError as exc:
+                self._pin_held = False
+                _warn_pinned("held", f"pinned host memory could not be allocated ({exc}); streamed weights use "
+                             "pageable host memory", stacklevel=5)
+            finally:
+                self._allocating = False
+        if chunk is None:
+            chunk = self._allocate(nbytes, torch.uint8, pin=False)
+        self._storages.add(chunk.untyped_storage().data_ptr())
+        return chunk
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Plan the streamed weights' chunks (:func:`~.arena.plan_chunks`) before any is held.
+
+        Args:
+            sizes: bytes of each tensor :meth:`hold` will be given, in that order.
+        """
+        if self.weights.used_bytes:
+            return  # already planned (a runner rebuilt after a fallback reuses its host copies)
+        self.weights = HostArena(self._weight_chunk, plan_chunks(sizes))
+
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The run-long host copy of ``tensor`` (a streamed frozen weight): a pinned copy where the
-        device allows; without pinning, a host tensor is its own copy (on a machine without CUDA,
-        the weight itself) and a device tensor gets a pageable copy. Its storage counts as host
-        memory (:meth:`is_host`); bytes in :attr:`held_bytes`.
+        """The run-long host copy of ``tensor`` (a streamed frozen weight): a view into a chunk of
+        :attr:`weights` (pinned where the device allows, plain host memory otherwise: the same path
+        on a machine without CUDA). Its storage counts as host memory (:meth:`is_host`); bytes in
+        :attr:`held_bytes`.
 
         Args:
             tensor: a plain (not wrapper-subclass) tensor, any device.
@@ -181,25 +234,8 @@ class HostPool:
         if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._storages:
             return tensor  # already held (a runner rebuilt after a fallback)
         nbytes = tensor.numel() * tensor.element_size()
-        if self._pin_held:
-            try:
-                self._allocating = True
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                self.pinned_held_bytes += nbytes
-            except RuntimeError as exc:
-                self._pin_held = False
-                _warn_pinned("held", f"pinned host memory could not be allocated ({exc}); streamed weights use "
-                             "pageable host memory", stacklevel=3)
-            finally:
-                self._allocating = False
-        if not self._pin_held:
-            if tensor.device.type == "cpu" and tensor.is_contiguous():
-                host = tensor
-            else:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype)
-        if host is not tensor:
-            host.copy_(tensor)
-        self._storages.add(host.untyped_storage().data_ptr())
+        host = self.weights.take(nbytes).view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor)
         self.held_bytes += nbytes
         return host
 
@@ -209,7 +245,7 @@ class HostPool:
         if not pooled:
             self._storages.discard(buffer.untyped_storage().data_ptr())
             return
-        key = (buffer.untyped_storage().nbytes(), buffer.dtype)
+        key = (buffer.numel() * buffer.element_size(), buffer.dtype)
         self._free.setdefault(key, []).append((buffer, event))
 
 

@@ -292,19 +292,22 @@ class SegmentRunner:
         ``weight_copies``, ``weight_d2h_bytes`` (0: frozen weights never go back),
         ``weight_stall_s`` (seconds compute waited on weight copies), ``resident_frozen_bytes``
         (frozen bytes on the device: resident weights and the ring), ``streamed_frozen_bytes``
-        (their host copies) and ``pinned_host_bytes`` (pinned host memory: weights and activations).
-        All 0 for a streamer-less run except ``resident_frozen_bytes``."""
+        (their host copies), ``pinned_host_bytes`` (pinned host memory allocated: weights and activations)
+        and the host arena's ``host_arena_bytes`` (chunks allocated), ``host_arena_used_bytes`` (bytes
+        of the tensors in them) and ``host_arena_chunks`` (:meth:`~.offload.HostPool.arena_figures`).
+        All 0 for a run without a host pool except ``resident_frozen_bytes``."""
         streamer, pool = self.streamer, self.pool
         is_host = pool.is_host if pool is not None else (lambda t: False)
         ring = set(streamer.slot_storages) if streamer is not None else set()
         resident = frozen_device_bytes(self.model, is_host, ring) + (streamer.resident_slot_bytes if streamer else 0)
         stats = streamer.stats if streamer is not None else None
-        pinned = (pool.pinned_held_bytes + (pool.pool_bytes if pool.pinned else 0)) if pool is not None else 0
+        arena = pool.arena_figures() if pool is not None else {
+            "host_arena_bytes": 0, "host_arena_used_bytes": 0, "host_arena_chunks": 0, "pinned_host_bytes": 0}
         return {"weight_h2d_bytes": stats.h2d_bytes if stats else 0, "weight_copies": stats.copies if stats else 0,
                 "weight_d2h_bytes": stats.d2h_bytes if stats else 0,
                 "weight_stall_s": round(stats.stall_s, 6) if stats else 0.0,
                 "resident_frozen_bytes": resident, "streamed_frozen_bytes": streamer.streamed_bytes if streamer else 0,
-                "pinned_host_bytes": pinned}
+                **arena}
 
     def _stream_units(self) -> list[tuple[tuple[tuple[int, int], ...], list[torch.nn.Module]]]:
         """The plan's units (:meth:`~.plan.ModelPlan.stream_units`) with their block modules."""

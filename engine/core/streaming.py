@@ -12,8 +12,9 @@ stream with one event per copy on CUDA, so compute waits only for the unit it ne
 the recomputes and unpacks of backward take) are copied ahead.
 
 Layout: :class:`StreamStats`, :class:`WeightRef`, :class:`WeightStreamer`. Host memory comes from
-the run's :class:`~.offload.HostPool` (pinned where the device allows, pageable on a machine
-without CUDA, where "device" and host are both CPU memory and the code path is the same).
+the run's :class:`~.offload.HostPool`: views into a few large chunks planned from the streamed bytes
+(engine/core/arena.py), pinned where the device allows, plain host memory on a machine without
+CUDA, where "device" and host are both CPU memory and the code path is the same.
 
 The rule that the last block of a backward region has run before the region before it is
 recomputed is autograd's: its engine runs the ready node with the highest sequence number first,
@@ -30,15 +31,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .arena import aligned
 from .offload import HostPool
 
 
 class StreamingWarning(UserWarning):
     """Weight streaming runs, but not as its options suggest (it saves nothing, say)."""
-
-
-ALIGN = 256
-"""Byte alignment of a tensor inside a device slot (CUDA's allocator alignment)."""
 
 
 @dataclass
@@ -131,8 +129,16 @@ def _leaves(param: torch.Tensor) -> Iterable[tuple[Any, str | None, torch.Tensor
             yield param, name, inner
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def _frozen_leaves(modules: list[torch.nn.Module]) -> Iterable[tuple[Any, str | None, torch.Tensor]]:
+    """The streamed leaves of one unit's modules, each parameter once, in the order the unit holds
+    them: parameters that require grad (the LoRA, anything trainable) stay resident."""
+    seen: set[int] = set()
+    for module in modules:
+        for _, param in module.named_parameters():
+            if id(param) in seen or param.requires_grad:
+                continue
+            seen.add(id(param))
+            yield from _leaves(param)
 
 
 class WeightStreamer:
@@ -167,6 +173,7 @@ class WeightStreamer:
         self.by_block: dict[tuple[int, int], _Unit] = {}
         self._handles: list[Any] = []
         self._ready_modules: list[torch.nn.Module] = []
+        pool.reserve([t.numel() * t.element_size() for _, modules in units for _, _, t in _frozen_leaves(modules)])
         for index, (blocks, modules) in enumerate(units):
             unit = self._make_unit(index, blocks, modules)
             self.units.append(unit)
@@ -194,19 +201,12 @@ class WeightStreamer:
                         self._ready_modules.append(sub)
 
     def _make_unit(self, index: int, blocks: tuple, modules: list[torch.nn.Module]) -> _Unit:
-        leaves, offset, seen = [], 0, set()
-        for module in modules:
-            for name, param in module.named_parameters():
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                if param.requires_grad:  # LoRA and anything trainable: resident
-                    continue
-                for owner, attr, tensor in _leaves(param):
-                    leaf = _Leaf(owner, attr, self.pool.hold(tensor), offset)
-                    leaves.append(leaf)
-                    self._point_out(leaf)  # the original is freed here unless the host copy is it
-                    offset += _aligned(leaf.nbytes)
+        leaves, offset = [], 0
+        for owner, attr, tensor in _frozen_leaves(modules):
+            leaf = _Leaf(owner, attr, self.pool.hold(tensor), offset)
+            leaves.append(leaf)
+            self._point_out(leaf)  # the original is freed here: the host copy is a view into a chunk
+            offset += aligned(leaf.nbytes)
         return _Unit(index, tuple(blocks), leaves, offset)
 
     # -- pointers ---------------------------------------------------------------------------

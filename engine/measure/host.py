@@ -3,7 +3,8 @@ schedule needs, known before any model is built.
 
 Weight streaming (docs/STREAMING.md) keeps one host copy of every streamed block's frozen
 weights; offloaded activations wait in host memory too. The planner counts both against the host
-budget; :func:`check_host_budget` refuses a run that asks for more streaming than the host holds
+budget as allocated (the weights' host arena chunks, engine/core/arena.py, not the tensors' bytes
+alone); :func:`check_host_budget` refuses a run that asks for more streaming than the host holds
 before a weight is read, from the model's config alone (the class is instantiated on the ``meta``
 device: no memory is allocated, no file but ``config.json`` or a single file's header is read).
 """
@@ -18,6 +19,7 @@ import torch
 
 from ..config import TrainConfig
 from ..config.guardrails import check_budget
+from ..core.arena import plan_chunks
 from ..core.memory import device_budget, free_memory
 from ..core.plan import count_blocks, effective_plan
 from ..families import get_family
@@ -66,7 +68,21 @@ def host_budget_bytes(value: str | float | None = None, key: str = "--host-budge
 
 
 def streamed_bytes_estimate(config: TrainConfig) -> int | None:
-    """Host bytes of the frozen weights ``config``'s schedule streams, from the model's config
+    """Host bytes of the frozen weights ``config``'s schedule streams (:func:`streamed_sizes`)."""
+    sizes = streamed_sizes(config)
+    return None if sizes is None else sum(sizes)
+
+
+def streamed_host_bytes(config: TrainConfig) -> int | None:
+    """Host bytes a streamed run allocates for its weights: the chunks the host arena plans for
+    :func:`streamed_sizes` (engine/core/arena.py :func:`~..core.arena.plan_chunks`), the same plan the run makes.
+    What the host budget counts. None when the model's files cannot tell."""
+    sizes = streamed_sizes(config)
+    return None if sizes is None else sum(plan_chunks(sizes))
+
+
+def streamed_sizes(config: TrainConfig) -> list[int] | None:
+    """Host bytes of each frozen tensor ``config``'s schedule streams, from the model's config
     on the ``meta`` device at the run's storage precision (a quantized base: 1 byte per weight
     plus a 4-byte scale and, for int8, a 1-byte zero point per output row, as torchao stores them).
 
@@ -75,12 +91,12 @@ def streamed_bytes_estimate(config: TrainConfig) -> int | None:
     scaled fp8 file's weights the storage dtype's (they are dequantized as read).
 
     Returns:
-        The bytes, 0 without streaming, or None when the model's files cannot tell (the run's own
+        The bytes of each tensor in the order the run holds them ([] without streaming), or None when the model's files cannot tell (the run's own
         checks name what is wrong with them).
     """
     schedule = config.schedule
     if not schedule.streams:
-        return 0
+        return []
     model_cfg = config.model
     family = get_family(model_cfg.family)
     stored: dict[str, int] = {}
@@ -104,47 +120,46 @@ def streamed_bytes_estimate(config: TrainConfig) -> int | None:
     precision = run_precision(model_cfg, resolve_device(model_cfg))
     plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
     names = {id(m): n for n, m in model.named_modules()}
-    total = 0
-    for block_list, list_plan in zip(family.block_lists, plan.lists):
-        blocks = family.blocks(model, block_list)
-        for index in list_plan.streamed:
-            total += _block_bytes(blocks[index], precision, names, stored)
-    return total
+    blocks = {(li, bi): family.blocks(model, bl)[bi] for li, bl in enumerate(family.block_lists)
+              for bi in plan.lists[li].streamed}
+    return [size for unit in plan.stream_units() for key in unit
+            for size in _block_sizes(blocks[key], precision, names, stored)]
 
 
-def _block_bytes(block: torch.nn.Module, precision, names: dict[int, str], stored: dict[str, int]) -> int:
-    """Host bytes of ``block``'s weights: ``stored`` bytes for a GGUF file's quantized Linear weights
-    (``{model key: bytes}``), torchao's layout for a quantized precision, else the storage dtype's."""
-    total = 0
+def _block_sizes(block: torch.nn.Module, precision, names: dict[int, str], stored: dict[str, int]) -> list[int]:
+    """Host bytes of each of ``block``'s weight tensors: ``stored`` bytes for a GGUF file's quantized
+    Linear weights (``{model key: bytes}``), torchao's layout for a quantized precision (data, a 4-byte
+    scale per row, for int8 a 1-byte zero point per row), else the storage dtype's."""
+    sizes = []
     for module in block.modules():
         for name, param in module.named_parameters(recurse=False):
             key = f"{names[id(module)]}.{name}"
             if key in stored and isinstance(module, torch.nn.Linear):
-                total += stored[key]
+                sizes.append(stored[key])
             elif precision.quantized and isinstance(module, torch.nn.Linear) and name == "weight":
                 rows = param.shape[0]
-                total += param.numel() + rows * (5 if precision.base == "int8-torchao" else 4)
+                sizes += [param.numel(), rows * 4] + ([rows] if precision.base == "int8-torchao" else [])
             else:
-                total += param.numel() * (precision.storage_dtype.itemsize if param.is_floating_point()
-                                          else param.element_size())
-    return total
+                sizes.append(param.numel() * (precision.storage_dtype.itemsize if param.is_floating_point()
+                                              else param.element_size()))
+    return sizes
 
 
 def check_host_budget(config: TrainConfig, budget_bytes: int, value: str | float | None = None) -> int | None:
     """Refuse, before any model is built, a streamed schedule whose host copies exceed the host
-    budget.
+    budget, counted as allocated: the host arena's chunks (:func:`streamed_host_bytes`).
 
     Returns:
-        The streamed bytes (None when unknown before the weights are read).
+        The host bytes the streamed weights' chunks take (None when unknown before the weights are read).
 
     Raises:
         HostBudgetError: in one line naming ``--host-budget``, the value and the bytes needed.
     """
-    needed = streamed_bytes_estimate(config)
+    needed = streamed_host_bytes(config)
     if needed is not None and needed > budget_bytes:
         shown = value if value is not None else f"default ({budget_bytes / 2**30:.4g} GiB)"
         raise HostBudgetError(
             f"--host-budget={shown} is too small: weight_offload=stream ({config.schedule.mode}) keeps "
-            f"{needed} bytes ({needed / 2**30:.4g} GiB) of frozen weights in host memory; allowed a host budget of "
-            f"at least that, or fewer streamed blocks (weight_offload_blocks)")
+            f"{needed} bytes ({needed / 2**30:.4g} GiB) of frozen weights in host memory (as allocated: the chunks "
+            f"holding them); allowed a host budget of at least that, or fewer streamed blocks (weight_offload_blocks)")
     return needed

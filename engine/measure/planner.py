@@ -60,6 +60,7 @@ import torch
 
 from ..config import TrainConfig
 from ..config.schedule import MAX_BLOCKS, CheckpointSchedule, ScheduleError, check_supported
+from ..core.arena import planned_total
 from ..core.memory import budget_bytes
 from ..core.plan import effective_plan
 from ..families import get_family
@@ -87,7 +88,7 @@ class Prediction:
     Attributes:
         offloaded_tensors: tensors per step the plan copies to host memory (0: the offloader
             has nothing to do, e.g. attention offload when every block is checkpointed).
-        host_bytes: host memory it needs: streamed weights' host copies plus offloaded activations.
+        host_bytes: host memory it needs: streamed weights' host copies as allocated (their chunks) plus offloaded activations.
         streamed_bytes: frozen bytes it streams; weight_h2d_bytes: its weight copies per step.
         measured_sec_per_step: median seconds per step after warm-up (lockstep run), or None.
         measured_peak_bytes: largest peak of the steps after warm-up, or None.
@@ -253,7 +254,8 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
 
 def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
     """Weight streaming's share of a prediction (docs/STREAMING.md "What it costs"): the streamed
-    blocks' frozen bytes leave the device peak and a ring of ``prefetch + 1`` of the largest unit
+    blocks' frozen bytes leave the device peak (and join host memory as the chunks that hold them,
+    :func:`~..core.arena.planned_total`) and a ring of ``prefetch + 1`` of the largest unit
     joins it; each unit is copied in forward and again in backward. On CUDA a copy ahead overlaps
     the compute of the unit before it (forward) or after it (backward, about twice the forward
     time): only what it does not cover is added; on the CPU (or with prefetch 0) copies run inline."""
@@ -273,7 +275,7 @@ def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
         exposed = 2 * sum(copy)
     return dataclasses.replace(prediction, peak_bytes=int(prediction.peak_bytes - streamed + ring),
                                sec_per_step=prediction.sec_per_step + exposed,
-                               host_bytes=prediction.host_bytes + streamed, streamed_bytes=streamed,
+                               host_bytes=prediction.host_bytes + planned_total(streamed), streamed_bytes=streamed,
                                weight_h2d_bytes=2 * streamed)
 
 

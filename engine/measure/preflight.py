@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ..config import TrainConfig
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
+from ..core.arena import planned_total
 from ..data.buckets import shape_classes
 from ..data.comfy_data import PreparedData
 from ..families import get_family
@@ -94,7 +95,7 @@ class Verdict:
     probes: dict[str, Probe] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     host_bytes: int = 0
-    """Host memory the schedule keeps (streamed weights' host copies, offloaded activations), bytes."""
+    """Host memory the schedule keeps (streamed weights' host copies as allocated, offloaded activations), bytes."""
     streamed_bytes: int = 0
     host_budget_bytes: int | None = None
 
@@ -119,9 +120,10 @@ class Verdict:
             lines.append(f"  {'ok ' if phase.fits else 'NO '} {phase.name:<34} {_gib(phase.peak_bytes)}{share}")
         host = f" of {_gib(self.host_budget_bytes)} host budget" if self.host_budget_bytes is not None else ""
         if self.host_bytes or self.host_budget_bytes is not None:  # nothing waits on the host otherwise
+            chunks = planned_total(self.streamed_bytes)  # as allocated: the host arena's chunks
             lines.append(f"  {'ok ' if self.host_fits else 'NO '} {'host memory':<34} {_gib(self.host_bytes)}{host} "
-                         f"(streamed weights {_gib(self.streamed_bytes)}, offloaded activations "
-                         f"{_gib(self.host_bytes - self.streamed_bytes)})")
+                         f"(streamed weights {_gib(self.streamed_bytes)} in {_gib(chunks)} of host chunks, "
+                         f"offloaded activations {_gib(self.host_bytes - chunks)})")
         if self.suggestion is not None:
             peaks = ", ".join(f"{p.name} {_gib(p.peak_bytes)}" for p in self.suggested if p.kind == "train")
             lines.append(f"  fits: {self.suggestion.mode} ({peaks}); its keys: "

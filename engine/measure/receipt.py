@@ -3,7 +3,9 @@ cost on this run against its cheaper or faster neighbour schedule.
 
 Measured: sec/step (median after warm-up), the peak of each training phase (each batch shape,
 with its latent tokens per sample: latent frames x patches per frame),
-the preview phase's peak, the schedule switches. Compared (when the pre-flight probed the run's
+the preview phase's peak, the schedule switches, the host memory of streamed weights and offloaded
+activations as allocated against used (``host_arena``, engine/core/arena.py) and the device memory free
+at the start (CUDA). Compared (when the pre-flight probed the run's
 shapes): for each option the final schedule has on, the neighbour schedule with only that option
 off (checkpointing off; interval 1; no stride; the ``torch`` backend; attention offload off), with
 both predicted by the planner's model from the probes' measurements (:func:`~.planner.predict`):
@@ -98,6 +100,11 @@ def build_receipt(result: TrainResult, verdict: Verdict | None) -> dict[str, Any
     if compiled:  # compile_blocks: what compiled, its graphs and recompiles, its seconds
         receipt["compile"] = {k: compiled[k] for k in ("compiled_blocks", "graphs_after_first_step",
                                                        "recompiles_after_every_shape", "compile_seconds")}
+    arena = report["memory"].get("host_arena") or {}
+    if arena.get("allocated_bytes"):  # streamed weights, offloaded activations: host memory as allocated
+        receipt["host_arena"] = arena
+    if report["memory"].get("device_free_bytes_at_start") is not None:
+        receipt["device_free_bytes_at_start"] = report["memory"]["device_free_bytes_at_start"]
     saved = sum(h.get("saved_attention_bytes", 0) for h in history[-1:])
     if saved:  # save_attention: the attention outputs kept per step
         receipt["saved_attention_bytes"] = saved
@@ -119,6 +126,10 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     lines += [f"  peak {phase}" + (f" ({tokens[phase]} tokens)" if tokens.get(phase) else "") + f": {_size(n)}"
               for phase, n in receipt["peak_bytes_by_phase"].items() if n]
     lines += [f"  switched at {s}" for s in receipt["schedule_switches"]]
+    if receipt.get("device_free_bytes_at_start") is not None:
+        lines.append(f"  device memory free at start: {_size(receipt['device_free_bytes_at_start'])}")
+    if receipt.get("host_arena"):
+        lines.append(_arena_line(receipt["host_arena"]))
     if receipt.get("saved_attention_bytes"):
         lines.append(f"  attention outputs kept per step (save_attention): {_size(receipt['saved_attention_bytes'])}")
     if receipt.get("compile"):
@@ -135,6 +146,13 @@ def render_receipt(receipt: dict[str, Any]) -> str:
     if receipt.get("note"):
         lines.append(f"  {receipt['note']}")
     return "\n".join(lines)
+
+
+def _arena_line(arena: dict[str, Any]) -> str:
+    """The host arena's line: host memory allocated against used (``report.json`` ``memory.host_arena``)."""
+    return (f"  host memory (streamed weights, offloaded activations): {_size(arena['allocated_bytes'])} allocated "
+            f"in {arena['chunks']} chunk(s) for {_size(arena['used_bytes'])} used ({arena['ratio']:.3f}x), "
+            f"{_size(arena['pinned_bytes'])} pinned")
 
 
 def _size(n: int) -> str:

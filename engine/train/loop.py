@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..core.memory import PeakMemory, StepTimer
+from ..core.memory import PeakMemory, StepTimer, free_memory
 from ..core.plan import ModelPlan
 from ..data.buckets import sample_latent_shape, shape_classes
 from ..data.comfy_data import PreparedData
@@ -269,6 +269,10 @@ class TrainingRun:
     def _set_up(self) -> int:
         """The set-up stages (:mod:`.setup`); the first step's index."""
         config, device, log = self.config, self.device, self.log
+        # what the device had free before this run took any (report.json memory.device_free_bytes_at_start)
+        self.device_free = free_memory(device) if device.type == "cuda" else None
+        if self.device_free is not None:
+            log(f"device memory free at start: {self.device_free / 2**30:.3g} GiB")
         self.files.remove_stale()  # left by a process killed while writing
         self.bundle = self.bundle or load_model(config, self.precision, log)
         check_guidance(config, self.bundle)  # its config read: a model the options could not name
@@ -364,7 +368,7 @@ class TrainingRun:
                     "attention_backend": list(self.kernels), "stopped": stopped,
                     "optimizer": {"name": config.optimizer.name, "class": optimizer_class(ctx.optimizer)},
                     "recipe": recipe_section(config, ctx.noise, self.history, optimizer_class(ctx.optimizer)),
-                    "memory": memory_section(ctx, self.base, self.monitor.validation_peak),
+                    "memory": memory_section(ctx, self.base, self.monitor.validation_peak, self.device_free),
                     "dataset": _with_windows(self.data_summary, self.random_windows), "text_encoder": self.text_encoder,
                     "compile": ctx.compiled.section(self.history) if ctx.compiled else None,
                     "resume": self.data_change and {"data_changed": self.data_change["changes"],

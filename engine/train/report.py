@@ -37,7 +37,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
 
     ``setup`` (from the trainer): ``precision`` (base, storage and compute dtypes, Linear layers
     and how many are quantized), ``attention_backend`` (SDPA kernels), ``memory`` (bytes of the
-    frozen weights, of the LoRA and of the optimizer state; the activation peak is added here)
+    frozen weights, of the LoRA and of the optimizer state; the activation peak and the host arena,
+    :func:`host_arena_section`, are added here)
     ``stopped`` (the non-finite guard's message, or None), ``dataset`` (the image folder's counts,
     or for prepared data its source, count, shapes and latent format; ``batch_over_data`` when the
     batch is larger than an epoch's images: how many times each image repeats per step) and ``text_encoder`` (what
@@ -68,7 +69,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     # the step's own memory above what it started with; step 1 also creates the optimizer state
     later = history[1:] or history
     memory = {**setup.pop("memory", {}), "activation_peak_bytes": max(
-        (h["peak_bytes"] - h.get("start_bytes", 0) for h in later), default=0)}
+        (h["peak_bytes"] - h.get("start_bytes", 0) for h in later), default=0),
+        "host_arena": host_arena_section(history[-1] if history else {})}
     return {
         "config": config.to_dict(),
         "ignored_config_keys": list(config.ignored_keys),  # the config file's keys with no meaning here
@@ -105,18 +107,35 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     }
 
 
-def memory_section(ctx, base, validation_peak: int) -> dict[str, int]:
-    """``report.json``'s ``memory``: bytes of the frozen weights, the LoRA, the optimizer state and
-    the preview phase's peak (the activation peak is added by :func:`build_report`).
+def memory_section(ctx, base, validation_peak: int, device_free: int | None = None) -> dict[str, Any]:
+    """``report.json``'s ``memory``: bytes of the frozen weights, the LoRA, the optimizer state, the
+    preview phase's peak and ``device_free_bytes_at_start`` (the CUDA driver's free device memory
+    before the run loaded anything, ``torch.cuda.mem_get_info``; None on the CPU). The activation
+    peak and the host arena are added by :func:`build_report`.
 
     Args:
         ctx: the run's :class:`~.step.StepContext`. base: its :class:`~..model.precision.BaseWeights`.
+        validation_peak: the preview phase's peak, bytes. device_free: free device bytes at start.
     """
-    return {"frozen_weight_bytes": base.frozen_bytes,
+    return {"device_free_bytes_at_start": device_free, "frozen_weight_bytes": base.frozen_bytes,
             "lora_bytes": sum(tensor_bytes(p) for _, p in ctx.named_params),
             "optimizer_state_bytes": sum(tensor_bytes(t) for slots in ctx.optimizer.state.values()
                                          for t in slots.values() if isinstance(t, torch.Tensor)),
             "validation_peak_bytes": validation_peak}
+
+
+def host_arena_section(record: dict[str, Any]) -> dict[str, Any]:
+    """``report.json``'s ``memory.host_arena``: the host memory of streamed weights and offloaded
+    activations at the last step (engine/core/arena.py): ``allocated_bytes`` (the chunks),
+    ``used_bytes`` (the tensors in them), ``ratio`` (allocated / used; None when nothing is used),
+    ``chunks``, ``pinned_bytes`` (of the allocated bytes, those pinned: 0 without CUDA).
+
+    Args:
+        record: a step record of ``report.json``'s ``steps`` (its ``host_arena_*`` fields).
+    """
+    allocated, used = record.get("host_arena_bytes", 0), record.get("host_arena_used_bytes", 0)
+    return {"allocated_bytes": allocated, "used_bytes": used, "ratio": round(allocated / used, 4) if used else None,
+            "chunks": record.get("host_arena_chunks", 0), "pinned_bytes": record.get("pinned_host_bytes", 0)}
 
 
 def write_report(report: dict[str, Any], output: str | Path) -> Path:

@@ -62,7 +62,8 @@ class StepRecord:
             ...}``): it ran again under the schedule ``to``.
         watchdog: the watchdog's reports made after this step (``{"kind", "step", "message", ...}``).
         weight_h2d_bytes, weight_copies, weight_d2h_bytes, weight_stall_s, resident_frozen_bytes,
-            streamed_frozen_bytes, pinned_host_bytes: weight streaming's figures of the step
+            streamed_frozen_bytes, pinned_host_bytes, host_arena_bytes, host_arena_used_bytes,
+            host_arena_chunks: weight streaming's and the host arena's figures of the step
             (:meth:`~..core.runner.SegmentRunner.weight_receipt`).
         saved_attention_outputs, saved_attention_bytes, recomputed_attention_calls,
             unsaved_attention_regions: ``gradient_checkpointing_save_attention``'s counts of the
@@ -106,6 +107,9 @@ class StepRecord:
     resident_frozen_bytes: int = 0
     streamed_frozen_bytes: int = 0
     pinned_host_bytes: int = 0
+    host_arena_bytes: int = 0
+    host_arena_used_bytes: int = 0
+    host_arena_chunks: int = 0
     device_peak_bytes: int = 0
     saved_attention_outputs: int = 0
     saved_attention_bytes: int = 0

@@ -3,6 +3,7 @@ engine's, and Train LoRA runs the schedule it streams (after the activation offl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, CheckpointSchedule
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes import NODE_DISPLAY_NAME_MAPPINGS as TITLES
+from segmented_checkpointing.nodes import environment
 from segmented_checkpointing.nodes.graph import run_graph
 from segmented_checkpointing.nodes.payloads import WEIGHT_OFFLOAD, FamilySchedule, WeightOffload
 from segmented_checkpointing.nodes.training_nodes import run_config
@@ -86,8 +88,11 @@ def test_train_lora_applies_it_after_the_activation_offload_options():
     assert not run_config({"offload": offload}, schedule=schedule, find_run=False).schedule.streams
 
 
-def test_a_graph_with_the_node_trains_a_streaming_run(tmp_path, monkeypatch):
+def test_a_graph_with_the_node_trains_a_streaming_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
+    local = environment.local_host  # a host that unloads its own models first, as ComfyUI's does (issue 36)
+    monkeypatch.setattr(environment, "local_host", lambda base: dataclasses.replace(
+        local(base), release_models=lambda: ["ComfyUI unloaded 1 model(s) before training: Flux (12 GiB)"]))
     graph = json.loads(WORKFLOW.read_text())
     graph["9"] = {"class_type": "SegCkptWeightOffload",
                   "inputs": {"weight_offload": "stream", "weight_offload_blocks": 0, "weight_offload_prefetch": 1}}
@@ -100,3 +105,7 @@ def test_a_graph_with_the_node_trains_a_streaming_run(tmp_path, monkeypatch):
     assert plan["stream_map"] == {"double": "S" * 8, "single": "S" * 8}  # the tiny preset's 8 + 8 blocks, all
     assert plan["streamed_blocks"] == 16
     assert run.plan.mode.endswith("-stream")
+    log = capsys.readouterr().out
+    assert log.index("ComfyUI unloaded 1 model(s) before training: Flux (12 GiB)") < log.index("plan (flux")
+    memory = run.report["memory"]
+    assert memory["device_free_bytes_at_start"] is None and memory["host_arena"]["chunks"] >= 1  # CPU: no CUDA figure

@@ -54,6 +54,19 @@ def test_losses_equal_and_the_report_counts_the_copies(data_dir):
     assert streamed["steps"][-1]["device_peak_bytes"] == resident["steps"][-1]["device_peak_bytes"] - saved
     assert streamed["config"]["schedule"]["weight_offload"] == "stream"
     assert streamed["plan"]["stream_map"] == {"double": "S" * 8, "single": "S" * 8}
+    # the host arena (issue 36): allocated against used, as allocated in the chunks; nothing pinned on a CPU
+    last, arena = streamed["steps"][-1], streamed["memory"]["host_arena"]
+    assert arena == {"allocated_bytes": last["host_arena_bytes"], "used_bytes": last["host_arena_used_bytes"],
+                     "ratio": round(last["host_arena_bytes"] / last["host_arena_used_bytes"], 4),
+                     "chunks": last["host_arena_chunks"], "pinned_bytes": 0}
+    assert arena["used_bytes"] == last["streamed_frozen_bytes"] and 1 <= arena["chunks"] <= 4
+    assert 1.0 < arena["ratio"] <= 1.05 + (arena["allocated_bytes"] / arena["chunks"] / 2) / arena["used_bytes"]
+    assert streamed["receipt"]["host_arena"] == arena
+    assert (f"  host memory (streamed weights, offloaded activations): {arena['allocated_bytes'] / 2**20:.3g} MiB "
+            f"allocated in {arena['chunks']} chunk(s)") in log
+    assert resident["memory"]["host_arena"]["allocated_bytes"] == 0 and "host_arena" not in resident["receipt"]
+    assert streamed["memory"]["device_free_bytes_at_start"] is None  # a CUDA figure
+    assert "device_free_bytes_at_start" not in streamed["receipt"] and "device memory free at start" not in log
 
 
 def test_a_streamed_run_resumes_without_streaming(data_dir):
