@@ -261,15 +261,18 @@ def test_cli_fsdp_checkpointing_switches_the_schedule_off_once(tmp_path):
 # --- the options, without a process group -------------------------------------------------------------------
 
 
-def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_outside_torchrun_is_refused_before_any_model(kind, tmp_path, monkeypatch):
+    """The ComfyUI node, one process, is refused here too."""
     for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)
-    config = TrainConfig.create(fsdp=True, output=str(tmp_path / "o"))
-    with pytest.raises(DistributedError, match=r"fsdp=True needs the process group torchrun sets up \(RANK, "
-                                               r"WORLD_SIZE.*torchrun --nproc-per-node N --no-python segckpt"):
+    config = TrainConfig.create(**{kind: True}, output=str(tmp_path / "o"))
+    with pytest.raises(DistributedError, match=rf"^{kind}=True needs the process group torchrun sets up \(RANK, "
+                                               rf"WORLD_SIZE.*torchrun --nproc-per-node N --no-python segckpt train "
+                                               rf"--{kind} \.\.\."):
         TrainingRun(config)
     with pytest.raises(DistributedError):
-        check_launch()
+        check_launch(kind)
     assert not (tmp_path / "o").exists()
 
 
@@ -289,17 +292,6 @@ def test_fsdp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch
 def test_options_fsdp_cannot_run_are_refused(values, key, allowed):
     with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid: allowed {allowed}"):
         TrainConfig.from_dict(values)
-
-
-def test_ddp_outside_torchrun_is_refused_before_any_model(tmp_path, monkeypatch):
-    """The ComfyUI node, one process, is refused here too."""
-    for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    config = TrainConfig.create(ddp=True, output=str(tmp_path / "o"))
-    with pytest.raises(DistributedError, match=r"^ddp=True needs the process group torchrun sets up \(RANK, "
-                                               r"WORLD_SIZE.*segckpt train --ddp \.\.\."):
-        TrainingRun(config)
-    assert not (tmp_path / "o").exists()
 
 
 def test_what_fsdp_refuses_runs_under_ddp():
