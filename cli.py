@@ -255,7 +255,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
             return _error(exc)
         finally:
-            api.close_distributed()  # --fsdp under torchrun
+            api.close_distributed()  # --fsdp or --ddp under torchrun
         if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
             return 130 if result.interrupted else 0
         if result.interrupted:

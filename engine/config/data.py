@@ -99,11 +99,11 @@ class DataConfig:
                                     "the smallest training count. May exceed it (only clips this long train, at the largest count they hold). "
                                     "Never padded.", "--min-frames", min=1,
                                     max=MAX_FRAMES)
-    batch_size: int = option(1, "Images per micro-batch on each process (with fsdp on N processes the global batch "
+    batch_size: int = option(1, "Images per micro-batch on each process (with fsdp or ddp on N processes the global batch "
                              "is batch_size x N, as SimpleTuner's train_batch_size, accelerate and kohya count it).",
                              "--batch-size", min=1, max=MAX_BATCH)
     global_batch_size: int | None = option(
-        None, "Images per micro-batch over all processes, instead of batch_size: with fsdp on N processes each trains "
+        None, "Images per micro-batch over all processes, instead of batch_size: with fsdp or ddp on N processes each trains "
         "global_batch_size / N of them (a multiple of N); one process trains them all. Unset: batch_size per process.",
         "--global-batch-size", min=1, max=MAX_BATCH)
     caption_dropout: float = option(0.0, "Probability that a sample trains with the empty caption's conditioning "
@@ -144,7 +144,7 @@ class DataConfig:
         if self.global_batch_size is None:
             return self.batch_size, self.batch_size * processes
         if self.global_batch_size % processes:
-            raise ConfigError(f"global_batch_size={self.global_batch_size} is invalid with fsdp on {processes} "
+            raise ConfigError(f"global_batch_size={self.global_batch_size} is invalid with fsdp or ddp on {processes} "
                               f"processes: allowed a multiple of {processes} (each process trains an equal part), "
                               "or batch_size (per process) instead")
         return self.global_batch_size // processes, self.global_batch_size

@@ -112,6 +112,10 @@ class TrainConfig:
                               "not an image grid, so aspect ratios do not apply.")
         if self.sharding.fsdp:
             self._check_fsdp()
+        if self.sharding.ddp and self.guards.memory_budget is not None:
+            raise ConfigError(f"memory_budget={self.guards.memory_budget!r} is invalid: allowed unset with ddp (the "
+                              "pre-flight probes one process, and every rank must run the same schedule; run segckpt "
+                              "plan --check on one device first and pass the schedule it picks).")
         lora = self.lora
         if self.model.model_file and self.model.model_file.lower().endswith(".gguf") and (
                 lora.lora_type != "lora" or lora.use_dora):

@@ -210,6 +210,9 @@ class SegmentRunner:
                  checkpoint_fn: Callable[..., Any] | None = None, device: torch.device | None = None,
                  strict_streaming: bool = False):
         self.model, self.family, self.plan = model, family, plan
+        self.entry: Callable[..., Any] = model
+        """What :meth:`forward` calls: the model, or its ``DistributedDataParallel`` wrapper
+        (``engine/model/distributed.py`` ``replicate``: DDP's reducer needs its forward)."""
         self.stats = RunnerStats()
         self._checkpoint = checkpoint_fn or functools.partial(
             checkpoint, use_reentrant=False, preserve_rng_state=True)
@@ -346,7 +349,7 @@ class SegmentRunner:
             cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
             self._pending = None
             try:
-                output = self.model(*args, **kwargs)
+                output = self.entry(*args, **kwargs)
                 if self._pending is not None:
                     raise CarryMismatch(self.family.block_lists[self._pending.list_index].name,
                                         "the loop stopped inside a segment")

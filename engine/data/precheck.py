@@ -130,7 +130,7 @@ def check_output_place(config: TrainConfig) -> None:
     """Refuse an output folder the run cannot have: a file; the data folder or a folder inside it
     (the LoRA, state, previews and cache written there would be read as training data by the next
     scan); one another live run holds (``engine/files/lock.py``: answered before any resume check,
-    naming the holder; asked by torchrun's rank 0 alone under fsdp, the rank that takes the lock,
+    naming the holder; asked by torchrun's rank 0 alone under fsdp or ddp, the rank that takes the lock,
     which the other ranks may otherwise find held); one this process cannot write; one that holds
     a run, or none to resume (:func:`check_saved_run`).
 
@@ -143,7 +143,7 @@ def check_output_place(config: TrainConfig) -> None:
     if data is not None and inside(output, data):
         raise ConfigError(f"output={output!r} is invalid with data={data!r}: allowed a folder outside the data folder "
                           "(the LoRA, state, previews and cache written there would be read as training data)")
-    if not config.sharding.fsdp or os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 takes the lock
+    if not config.sharding.kind or os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 takes the lock
         check_free(output)
     check_writable(output, "output")
     check_saved_run(config)

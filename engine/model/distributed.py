@@ -1,5 +1,6 @@
-"""Sharded training with PyTorch FSDP2 (``fully_shard``) under ``torchrun``: the process group,
-the sharding of a model, and what a sharded run needs to stay equal to a single-process one.
+"""Training on several processes under ``torchrun``: FSDP2 (``fully_shard``) or DDP
+(``DistributedDataParallel`` over the LoRA), the process group, the sharding or replication of a
+model, and what such a run needs to stay equal to a single-process one.
 
 We do not build a distributed engine: PyTorch's does the work (FSDP2, ``torch.distributed``
 collectives, ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``). This module wires
@@ -7,6 +8,11 @@ it to a :class:`~..train.loop.TrainingRun`:
 
 - :func:`init_distributed` joins the process group ``torchrun`` describes (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on CUDA, gloo on the CPU.
+- :func:`replicate` (``ddp``) wraps the model in ``DistributedDataParallel`` over its trainable
+  (LoRA) parameters alone: every rank holds the whole frozen base (loaded alike; never broadcast),
+  and DDP averages the LoRA gradients during backward. The segment runner calls the wrapper
+  (non-reentrant checkpointing: DDP needs no ``static_graph``); non-final micro-batches of a
+  gradient accumulation run under ``no_sync`` (:func:`sync_gradients`).
 - :func:`shard_model` applies ``fully_shard`` to every block of every block list and then to the
   root (PyTorch's FSDP2 recipe: one all-gather per block, the rest at the root). Frozen base and
   LoRA parameters are both sharded. With FSDP-style activation checkpointing, every block is first
@@ -41,11 +47,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 """What ``checkpoint_wrapper`` inserts into parameter names (``torch.distributed.algorithms.
 _checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX``); saved names leave it out."""
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+KINDS = ("fsdp", "ddp")
+"""How a multi-process run spreads the model: FSDP2 shards it, DDP replicates it."""
 
 
 class DistributedError(ValueError):
@@ -59,13 +68,14 @@ class Distributed:
     Attributes:
         rank: global rank (0 writes files and prints). world_size: number of processes.
         local_rank: rank on this machine (selects ``cuda:<local_rank>``).
-        backend: ``nccl`` or ``gloo``.
+        backend: ``nccl`` or ``gloo``. kind: ``fsdp`` or ``ddp`` (:data:`KINDS`).
     """
 
     rank: int
     world_size: int
     local_rank: int
     backend: str
+    kind: str = "fsdp"
 
     @property
     def main(self) -> bool:
@@ -80,10 +90,30 @@ class Distributed:
             DistributedError: ``batch`` is not a multiple of the world size.
         """
         if batch % self.world_size:
-            raise DistributedError(f"batch_size={batch} is invalid with fsdp on {self.world_size} processes: "
+            raise DistributedError(f"batch_size={batch} is invalid with {self.kind} on {self.world_size} processes: "
                                    f"allowed a multiple of {self.world_size} (each rank trains batch/world rows)")
         part = batch // self.world_size
         return slice(self.rank * part, (self.rank + 1) * part)
+
+    def share(self, batch: int) -> tuple[slice, float]:
+        """This rank's rows of a global batch of ``batch`` rows and the factor of its loss, so that
+        the ranks' averaged gradients are those of the whole batch's mean loss. Equal parts: factor 1.
+        Under ``ddp`` a bucket's short batch (``engine/data/samplers.py`` ``BucketSampler``) splits
+        unevenly, as ``numpy.array_split`` does (the first ``batch % world`` ranks one row more):
+        a rank of ``n`` rows weighs its mean loss by ``n * world / batch``; a rank left without a
+        row trains the batch's first row with factor 0 (DDP needs every rank's backward).
+
+        Raises:
+            DistributedError: an uneven ``batch`` under ``fsdp`` (:meth:`local_rows`).
+        """
+        if batch % self.world_size == 0 or self.kind != "ddp":
+            return self.local_rows(batch), 1.0
+        part, extra = divmod(batch, self.world_size)
+        start = self.rank * part + min(self.rank, extra)
+        count = part + (self.rank < extra)
+        if count == 0:
+            return slice(0, 1), 0.0
+        return slice(start, start + count), count * self.world_size / batch
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over ranks (a new tensor; SUM then divide: gloo has no AVG)."""
@@ -116,8 +146,9 @@ class Distributed:
         return {"world_size": self.world_size, "backend": self.backend}
 
 
-def check_launch() -> None:
-    """Refuse ``fsdp`` outside ``torchrun``, before any model is built.
+def check_launch(kind: str = "fsdp") -> None:
+    """Refuse ``fsdp`` or ``ddp`` (``kind``) outside ``torchrun``, before any model is built (the
+    ComfyUI node, one process, is refused here too).
 
     Raises:
         DistributedError: a ``torchrun`` variable is missing (named, with the launch command).
@@ -125,20 +156,21 @@ def check_launch() -> None:
     missing = [k for k in ENV_KEYS if k not in os.environ]
     if missing:
         raise DistributedError(
-            f"fsdp=True needs the process group torchrun sets up ({', '.join(missing)} unset): launch with "
-            "torchrun --nproc-per-node N --no-python segckpt train --fsdp ... (README 'Several GPUs')")
+            f"{kind}=True needs the process group torchrun sets up ({', '.join(missing)} unset): launch with "
+            f"torchrun --nproc-per-node N --no-python segckpt train --{kind} ... (README 'Several GPUs')")
 
 
-def init_distributed(device_type: str) -> Distributed:
+def init_distributed(device_type: str, kind: str = "fsdp") -> Distributed:
     """Join the ``torchrun`` process group (once per process; later calls reuse it).
 
     Args:
         device_type: ``cuda`` (NCCL, one device per local rank) or ``cpu`` (gloo).
+        kind: ``fsdp`` or ``ddp`` (:data:`KINDS`).
 
     Raises:
         DistributedError: not under ``torchrun``, or fewer CUDA devices than local ranks.
     """
-    check_launch()
+    check_launch(kind)
     local_rank = int(os.environ["LOCAL_RANK"])
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -148,7 +180,7 @@ def init_distributed(device_type: str) -> Distributed:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
-    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend())
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), kind)
 
 
 def close_distributed() -> None:
@@ -195,6 +227,38 @@ def shard_model(model: torch.nn.Module, blocks: list[torch.nn.Module], fsdp_chec
         fully_shard(unit)
     fully_shard(model)
     return len(units)
+
+
+def replicate(model: torch.nn.Module) -> DistributedDataParallel:
+    """``model`` wrapped in ``DistributedDataParallel`` over its trainable (LoRA) parameters: the
+    frozen base and every buffer are left out (each rank loads them alike; streamed weights stay
+    where the streamer keeps them), rank 0's LoRA is broadcast once, and gradients are averaged
+    over ranks during backward. ``find_unused_parameters`` stays off: every LoRA parameter takes
+    part in every forward. Call the wrapper, not ``model``, for each training forward.
+
+    Args:
+        model: the training model (LoRA added, on its device, the segment runner installed).
+
+    Returns:
+        The wrapper (``.module`` is ``model``).
+    """
+    ignored = [name for name, p in model.named_parameters() if not p.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ignored + [name for name, _ in model.named_buffers()])
+    return DistributedDataParallel(model)
+
+
+def sync_gradients(entry: Any, sync: bool) -> contextlib.AbstractContextManager:
+    """Around one micro-batch's forward and backward: DDP's ``no_sync`` when ``sync`` is False (a
+    non-final micro-batch of a gradient accumulation: gradients accumulate locally and the final
+    micro-batch's backward averages their sum); nothing otherwise or without DDP.
+
+    Args:
+        entry: what the segment runner calls (the model, or :func:`replicate`'s wrapper).
+    """
+    if sync or not isinstance(entry, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return entry.no_sync()
 
 
 def plain_name(name: str) -> str:

@@ -202,9 +202,9 @@ def check_output(config: TrainConfig) -> None:
 
 
 def processes(config: TrainConfig) -> int:
-    """The processes a run trains on: torchrun's ``WORLD_SIZE`` with fsdp (1 when unset or not a
-    number: the launch check names it), else 1."""
-    world = os.environ.get("WORLD_SIZE", "1") if config.sharding.fsdp else "1"
+    """The processes a run trains on: torchrun's ``WORLD_SIZE`` with fsdp or ddp (1 when unset or
+    not a number: the launch check names it), else 1."""
+    world = os.environ.get("WORLD_SIZE", "1") if config.sharding.kind else "1"
     return int(world) if world.isdigit() and int(world) > 0 else 1
 
 

@@ -99,10 +99,10 @@ class TrainingRun:
         check_run(config, prepared is not None, bundle)
         self.config, self.log, self.output = config, log, Path(config.outputs.output)
         self.device, self.dist = resolve_device(config.model), None
-        if config.sharding.fsdp:
+        if config.sharding.kind:
             self._join_process_group()
         self.precision = run_precision(config.model, self.device)
-        if self.dist is not None:
+        if self.dist is not None and self.dist.kind == "fsdp":
             check_sharded_precision(self.precision, config.model.base_model_precision)
         check_torchao(self.precision.base)
         self.kernels = check_attention_backend(config.model.attention_backend, self.device)
@@ -167,8 +167,8 @@ class TrainingRun:
         return {"changes": data, "step": header["step"], "fresh_epoch": epoch}
 
     def _join_process_group(self) -> None:
-        """Join the torchrun process group (FSDP); ranks other than 0 stay quiet."""
-        self.dist = init_distributed(self.device.type)
+        """Join the torchrun process group (FSDP or DDP); ranks other than 0 stay quiet."""
+        self.dist = init_distributed(self.device.type, self.config.sharding.kind)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         if not self.dist.main:
@@ -177,7 +177,7 @@ class TrainingRun:
 
     @property
     def writer(self) -> bool:
-        """Whether this process writes files (one process, or rank 0 of a sharded run)."""
+        """Whether this process writes files (one process, or rank 0 of a multi-process run)."""
         return self.dist is None or self.dist.main
 
     def stop(self) -> None:
@@ -253,7 +253,7 @@ class TrainingRun:
         """One step with out-of-memory recovery, logged, watched and followed by its previews; a
         step that cannot be applied saves the last good step and stops the run."""
         ctx, guards = self.context, self.config.guards
-        off = ("under fsdp (one rank cannot retry alone)" if self.dist is not None
+        off = (f"under {self.dist.kind} (one rank cannot retry alone)" if self.dist is not None
                else "with on_oom=stop" if guards.on_oom != "switch" else None)
         try:
             record, switches = step_with_recovery(ctx, step, position, rng, self.next_schedule, off, self.log)
@@ -308,7 +308,7 @@ class TrainingRun:
         for shape, _rows in shape_classes(cache):  # the shift of every bucket, before the first draw
             self.context.noise.shift_for(shape)
         log(recipe_line(recipe_section(config, self.context.noise, self.history, optimizer_class(opt.optimizer))))
-        if config.validation.validation_every:
+        if config.validation.validation_every and (self.writer or self.dist.kind == "fsdp"):  # ddp: rank 0's own
             caption = self.dataset.samples[0].caption if self.dataset is not None and self.dataset.samples else ""
             self.preview_source = preview_source_for(config, self.bundle, sample_latent_shape(cache), device,
                                                      self.preview_source, caption, log)
@@ -352,7 +352,8 @@ class TrainingRun:
         return False
 
     def _save_state(self, rng: dict[str, torch.Tensor], position: dict[str, int], step: int) -> None:
-        self.files.save_state(self.context, self.config, self.history, rng, position, step, self.dist is not None,
+        self.files.save_state(self.context, self.config, self.history, rng, position, step,
+                              self.dist is not None and self.dist.kind == "fsdp",
                               self.dist.world_size if self.dist is not None else 1)
 
     def _write_outputs(self, interrupted: bool, stopped: str | None,
@@ -374,10 +375,10 @@ class TrainingRun:
                     "resume": self.data_change and {"data_changed": self.data_change["changes"],
                                                     "from_step": self.data_change["step"],
                                                     "fresh_epoch": self.data_change["fresh_epoch"]},
-                    "distributed": dist and {**dist.to_dict(), "fsdp": True, "checkpointing": self.plan.applied_by,
+                    "distributed": dist and {**dist.to_dict(), dist.kind: True, "checkpointing": self.plan.applied_by,
                                              **dict(zip(("images_per_process", "global_batch"),
                                                         config.data.batch_rows(dist.world_size))),
-                                             "memory_scope": "rank 0 (each process holds its shard of the weights)"}}
+                                             "memory_scope": MEMORY_SCOPE[dist.kind]}}
         save_state = None if state is None else (lambda: self._save_state(*state))
         return self.files.write(ctx, config, self.plan, self.history, self.bundle.source, sections, interrupted,
                                 save_state, getattr(self, "_start", 0))
@@ -406,8 +407,13 @@ def train(config: TrainConfig, *, on_step: Callable[[StepRecord, int], None] | N
     return training.result
 
 
+MEMORY_SCOPE = {"fsdp": "rank 0 (each process holds its shard of the weights)",
+                "ddp": "rank 0 (each process holds a whole replica)"}
+"""``report.json`` ``distributed.memory_scope``: what rank 0's memory figures stand for."""
+
+
 def _quiet(line: str) -> None:
-    """The log of ranks other than 0 of a sharded run."""
+    """The log of ranks other than 0 of a multi-process run."""
 
 
 def _with_windows(summary: dict[str, Any], windows: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@
 :func:`apply_checkpointing` is the one place that turns a schedule into a running plan; the
 out-of-memory recovery (:mod:`.recovery`) installs a cheaper schedule through it too. The order
 inside it follows torchtitan's ``parallelize`` functions: checkpointing first, then ``fully_shard``
-on every block and the root.
+on every block and the root (FSDP), or the ``DistributedDataParallel`` wrapper the runner calls (DDP).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..data.prepare import make_sampler
 from ..data.samplers import EpochSampler
 from ..families import FamilyAdapter
 from ..model.bundle import ModelBundle
-from ..model.distributed import Distributed, shard_model, shard_optimizer_state
+from ..model.distributed import Distributed, replicate, shard_model, shard_optimizer_state
 from ..model.loading import load_bundle
 from ..model.lora_files import add_lora, load_lora_file, load_lora_state_dict
 from ..model.precision import BaseWeights, Precision, apply_base_precision, host_parameters, move_to
@@ -57,12 +57,14 @@ def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule:
                         sharding: ShardingConfig | None = None, dist: Distributed | None = None) -> SegmentRunner:
     """Install ``schedule`` on ``model``: its effective plan (the family's rules applied; a
     streaming plan on the CPU notes that it saves no memory there), the segment runner as the model's checkpoint function, then, under FSDP, ``fully_shard`` on every
-    block and the root (after the runner: FSDP's hooks sit on the blocks the runner calls).
+    block and the root (after the runner: FSDP's hooks sit on the blocks the runner calls), or
+    under DDP the runner's :attr:`~..core.runner.SegmentRunner.entry` set to the model's
+    ``DistributedDataParallel`` wrapper (``engine/model/distributed.py`` ``replicate``).
 
     Args:
         model: the training model (LoRA added, on its device).
         sharding: the run's sharding options (FSDP's own checkpointing makes the plan ``fsdp-layer``).
-        dist: the process group of a sharded run; ``None``: one process.
+        dist: the process group of a multi-process run; ``None``: one process.
 
     Returns:
         The installed runner (its ``plan`` is the plan every entry point reports).
@@ -72,7 +74,9 @@ def apply_checkpointing(model: torch.nn.Module, family: FamilyAdapter, schedule:
     plan = effective_plan(family, schedule, count_blocks(family, model), fsdp_checkpointing=fsdp_checkpointing,
                           host_device=device is not None and device.type == "cpu")
     runner = SegmentRunner(model, family, plan).install()
-    if dist is not None:
+    if dist is not None and dist.kind == "ddp":
+        runner.entry = replicate(model)
+    elif dist is not None:
         blocks = [block for bl in family.block_lists for block in family.blocks(model, bl)]
         shard_model(model, blocks, fsdp_checkpointing)
     return runner
@@ -125,10 +129,12 @@ def build_trainable(bundle: ModelBundle, config: TrainConfig, precision: Precisi
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: DTensor shards
     if dist is not None:
         part, batch = config.data.batch_rows(dist.world_size)
-        log(f"fsdp: {blocks} blocks and the root sharded over {dist.world_size} processes "
+        spread = (f"{blocks} blocks and the root sharded" if dist.kind == "fsdp"
+                  else f"the LoRA ({sum(p.numel() for p in params)} parameters) replicated")
+        log(f"{dist.kind}: {spread} over {dist.world_size} processes "
             f"({dist.backend}), {part} of the {batch} images of each batch per process"
-            + ("; on_oom=switch is not applied under fsdp (the processes cannot retry a step together): a step "
-               "that runs out of memory stops the run, its last good step saved"
+            + (f"; on_oom=switch is not applied under {dist.kind} (the processes cannot retry a step together): a "
+               "step that runs out of memory stops the run, its last good step saved"
                if config.guards.on_oom == "switch" else ""))
     compiled = None
     if config.model.compile_blocks:  # after the runner and sharding: the runner calls the compiled blocks
@@ -179,7 +185,8 @@ def build_optimizer(trainable: Trainable, config: TrainConfig, precision: Precis
         raise ConfigError(f"resume: the saved optimizer state is {state.optimizer_class}'s, but optimizer="
                           f"{config.optimizer.name!r} is {optimizer_class(optimizer)} here; allowed the package the "
                           "saved run used (install it), or start a new run")
-    load_optimizer_state(optimizer, shard_optimizer_state(state.optimizer, trainable.params) if dist is not None
+    sharded = dist is not None and dist.kind == "fsdp"  # a ddp rank holds the whole state, as one process
+    load_optimizer_state(optimizer, shard_optimizer_state(state.optimizer, trainable.params) if sharded
                          else state.optimizer)
     if state.grad_scaler and scaler.is_enabled():
         scaler.load_state_dict(state.grad_scaler)

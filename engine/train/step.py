@@ -29,7 +29,7 @@ from ..data.windows import RandomWindows
 from ..families import FamilyAdapter, TextBatch
 from ..families.conditioning import guided_inputs
 from ..model.attention_kernels import sdpa_context
-from ..model.distributed import Distributed
+from ..model.distributed import Distributed, sync_gradients
 from ..model.precision import Precision, tensor_bytes
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import NoiseSchedule, per_sample_mse
@@ -149,7 +149,7 @@ class StepContext:
     batch_shape: tuple[int, ...] = ()
     """Latent shape of the last micro-batch, ``(B, C, h, w)`` (the watchdog compares steps of one shape)."""
     dist: Distributed | None = None
-    """The process group of a sharded run (FSDP): each rank trains its rows of every batch."""
+    """The process group of a multi-process run (FSDP, DDP): each rank trains its rows of every batch."""
     compiled: CompileReport | None = None
     """``compile_blocks``: what was compiled (the steps count the graphs compiled since)."""
     random_windows: RandomWindows | None = None
@@ -207,28 +207,31 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                 dropped = caption_dropout(config.seed, step, micro, len(index), config.data.caption_dropout)
                 dropped_captions += int(dropped.sum())
                 levels.append(sigmas)
-                rows = None
+                rows, share = None, 1.0
                 if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
-                    rows = ctx.dist.local_rows(len(index))
+                    rows, share = ctx.dist.share(len(index))
                     index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
                     dropped = dropped[rows]
                 text = _text(ctx.cache, index, dropped, ctx.empty_text).to(device)
                 noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
                 ctx.batch_shape = tuple(noisy.shape)
-                with ctx.precision.autocast(device):
-                    output = runner.forward(**guided_inputs(family, model, noisy, sigmas, text,
-                                                            config.objective.guidance_value))
-                    prediction = family.read_output(model, output, noisy)
-                loss = ctx.noise.loss(prediction, target, sigmas) / config.optimizer.gradient_accumulation_steps
-                # checkpointed regions are recomputed (offloaded inputs copied back) in here
-                try:
-                    ctx.scaler.scale(loss).backward()
-                except CheckpointError as exc:
-                    raise RecomputeNotRepeatable(_recompute_message(ctx, runner.recompute_mismatch(exc),
-                                                                    step + 1)) from exc
+                # ddp: the last micro-batch's backward averages the accumulated gradients over ranks
+                with sync_gradients(runner.entry, micro + 1 == len(batches)):
+                    with ctx.precision.autocast(device):
+                        output = runner.forward(**guided_inputs(family, model, noisy, sigmas, text,
+                                                                config.objective.guidance_value))
+                        prediction = family.read_output(model, output, noisy)
+                    loss = (ctx.noise.loss(prediction, target, sigmas) * share
+                            / config.optimizer.gradient_accumulation_steps)
+                    # checkpointed regions are recomputed (offloaded inputs copied back) in here
+                    try:
+                        ctx.scaler.scale(loss).backward()
+                    except CheckpointError as exc:
+                        raise RecomputeNotRepeatable(_recompute_message(ctx, runner.recompute_mismatch(exc),
+                                                                        step + 1)) from exc
                 loss_sum += loss.detach()
                 # each sample's unweighted error (after backward: its temporary adds nothing to the peak)
-                errors.append(_sample_errors(prediction, target, len(levels[-1]), rows))
+                errors.append(_sample_errors(prediction, target, len(levels[-1]), rows, share))
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
         # the norm before clipping (sharded: the whole model's); gradients scaled to max_grad_norm
         grad_norm = clip_gradients([p for _, p in ctx.named_params], config.optimizer.max_grad_norm)
@@ -273,14 +276,17 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       sample_losses=errors.tolist())
 
 
-def _sample_errors(prediction: torch.Tensor, target: torch.Tensor, batch: int, rows: slice | None) -> torch.Tensor:
-    """Each sample's unweighted mean squared error, ``(batch,)`` fp32 (``loss_by_noise_level``): a sharded
-    run's ``rows`` hold this rank's, the other rows 0 (summed over ranks at the end of the step)."""
+def _sample_errors(prediction: torch.Tensor, target: torch.Tensor, batch: int, rows: slice | None,
+                   share: float = 1.0) -> torch.Tensor:
+    """Each sample's unweighted mean squared error, ``(batch,)`` fp32 (``loss_by_noise_level``): a
+    multi-process run's ``rows`` hold this rank's, the other rows 0 (summed over ranks at the end of
+    the step); a rank that trained a row with loss factor ``share`` 0 (none of its own) adds none."""
     error = per_sample_mse(prediction.detach(), target)
     if rows is None:
         return error
     full = torch.zeros(batch, device=error.device)
-    full[rows] = error
+    if share:
+        full[rows] = error
     return full
 
 

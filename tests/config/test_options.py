@@ -37,7 +37,7 @@ PINNED = (
     "weight_offload", "weight_offload_blocks", "weight_offload_prefetch",
     "memory_budget", "start_anyway", "on_oom", "watchdog_slowdown", "watchdog_window", "on_nonfinite",
     "output", "resume", "overwrite", "on_data_change", "lora_format", "save_every",
-    "fsdp", "fsdp_activation_checkpointing",
+    "fsdp", "ddp", "fsdp_activation_checkpointing",
     "validation_every", "validation_prompts", "validation_num_inference_steps", "validation_frames",
     "steps", "seed", "timing_warmup_steps",
 )
