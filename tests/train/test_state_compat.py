@@ -23,12 +23,12 @@ not clip (issue 35's defaults are auto and 1)."""
 ADDED = {"global_batch_size", "validation_num_inference_steps", "on_data_change", "lora_format",
          "num_frames", "frame_rate", "frame_sampling", "frame_buckets", "min_frames", "validation_frames",
          "compile_blocks", "timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift",
-         "loss_weighting", "snr_gamma", "guidance_value", "optimizer", "max_grad_norm", "caption_dropout"}
+         "loss_weighting", "snr_gamma", "guidance_value", "optimizer", "max_grad_norm", "caption_dropout", "ddp"}
 """Config keys new since that release (issue 22: the batch over all processes; the preview sampler's
 steps under SimpleTuner's name, since SimpleTuner's ``validation_steps`` is ``validation_every``;
 what a resume does when the data changed; issue 23: which LoRA files a run writes; issue 24: the
 frame options of video families; issue 25: per-block compile; issue 35: the noise schedule, the
-optimizer, gradient clipping and caption dropout)."""
+optimizer, gradient clipping and caption dropout; issue 36: ddp)."""
 REMOVED = {"validation_steps"}
 
 
