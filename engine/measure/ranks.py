@@ -2,12 +2,12 @@
 
 From the planner's probe (:class:`~.probe.Probe`) and the schedule it chose for one process:
 
-* **DDP** (``ddp``, ``engine/model/distributed.py`` :func:`replicate`): every rank holds a whole
+* **DDP** (``ddp``, :func:`~..model.distributed.replicate`): every rank holds a whole
   replica and runs the chosen schedule as one process does (streaming included), and
   ``DistributedDataParallel`` (``gradient_as_bucket_view`` off, its default) copies the LoRA
   gradients into bucket buffers of their size: per-rank peak = the predicted peak + the LoRA
   gradient bytes (the blocks' ``grad``).
-* **FSDP2** (``fsdp``, :func:`shard_model`: ``fully_shard`` on every block, then the root): the
+* **FSDP2** (``fsdp``, :func:`~..model.distributed.shard_model`: ``fully_shard`` on every block, then the root): the
   chosen checkpointing mode without what ``fsdp`` refuses (weight streaming, attention offload;
   ``engine/config/train.py``), each block's frozen weights, LoRA and optimizer state held as one
   N-th, and a block's full parameters gathered while it runs with the next one prefetched
