@@ -304,18 +304,25 @@ def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_st
     """The fastest schedule predicted to fit ``budget_bytes`` (timed head to head over
     ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``,
     ``host_budget_bytes`` (``engine/measure/planner.py``). ``nproc`` >= 2: the choice's per-rank
-    peak under DDP and FSDP2 and which to run, in ``choice.ranks`` (``engine/measure/ranks.py``).
+    peak under DDP and FSDP2 and which to run, in ``choice.ranks`` (``engine/measure/ranks.py``); when
+    nothing fits one process, the fastest schedule whose FSDP2 per-rank peak fits (predicted).
 
     Raises:
-        PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.
+        PlannerError: nothing fits (on one process, nor under FSDP2 on ``nproc``).
+        MeasurementInterrupted: ``should_stop`` answered True.
         ValueError: ``nproc`` is not an integer >= 1 (before any probe runs).
     """
     with lazy_imports():
-        from .measure.planner import plan_for_budget
-        from .measure.ranks import check_nproc, rank_peaks
+        from .measure.planner import PlannerError, plan_for_budget
+        from .measure.ranks import check_nproc, rank_peaks, sharded_choice
 
     check_nproc(nproc)
-    choice = plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
+    try:
+        choice = plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
+    except PlannerError as exc:
+        if nproc == 1 or exc.probe is None:
+            raise
+        return sharded_choice(exc, budget_bytes, nproc)
     choice.ranks = rank_peaks(choice.probe, choice.chosen, budget_bytes, nproc)
     return choice
 

@@ -80,7 +80,16 @@ TIE = 0.03
 
 
 class PlannerError(ValueError):
-    """The budget is invalid, or no candidate schedule is predicted to fit it."""
+    """The budget is invalid, or no candidate schedule is predicted to fit it.
+
+    Attributes:
+        probe / smallest: when no candidate fits the device, the probe and the prediction with the
+            smallest peak (:func:`~.ranks.sharded_choice` plans FSDP2 from them), else None.
+    """
+
+    def __init__(self, message: str, probe: Probe | None = None, smallest: "Prediction | None" = None):
+        super().__init__(message)
+        self.probe, self.smallest = probe, smallest
 
 
 @dataclass
@@ -348,7 +357,7 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
         smallest = min(predictions, key=lambda p: p.peak_bytes)
         raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB is too small: the smallest predicted peak is "
                            f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})"
-                           + ("" if stream or streaming_helps(probe_) else f"; {NOT_STREAMED}"))
+                           + ("" if stream or streaming_helps(probe_) else f"; {NOT_STREAMED}"), probe_, smallest)
     fastest = min(p.sec_per_step for p in fitting)
     tied = [p for p in fitting if p.sec_per_step <= fastest * (1 + TIE)]
     chosen = min(tied, key=lambda p: preference(p.schedule))

@@ -3,14 +3,19 @@ DDP recommended while a replica fits the budget (engine/measure/ranks.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import refuse_to_build_models
 
 from segmented_checkpointing import cli
+from segmented_checkpointing.engine import api
+from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.measure.planner import choose, predict
+from segmented_checkpointing.engine.measure.planner import PlannerError, choose, predict
 from segmented_checkpointing.engine.measure.probe import BlockCost, Probe
 from segmented_checkpointing.engine.measure.ranks import check_nproc, rank_peaks
+from segmented_checkpointing.engine.model.bundle import build_preset
 
 NONE = CheckpointSchedule(gradient_checkpointing=False)
 
@@ -74,3 +79,31 @@ def test_a_non_integer_nproc_is_refused_naming_the_flag(value, capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["plan", "--budget", "1", "--nproc", value])
     assert caught.value.code == 2 and f"argument --nproc: invalid int value: '{value}'" in capsys.readouterr().err
+
+
+def _heavy_lora_probe() -> Probe:
+    """:func:`_probe` with a LoRA of 1000 bytes and 4000 bytes of optimizer state per block (peak
+    50000): streaming every block leaves a replica over budgets that FSDP2 on 4 processes fits."""
+    probe_ = _probe()
+    for costs in probe_.blocks.values():
+        for cost in costs:
+            cost.grad = 1000
+    return dataclasses.replace(probe_, peak_bytes=50_000, held_bytes=40_000,
+                               optimizer_block_bytes={"double": [4000] * 2, "single": [4000] * 2})
+
+
+def test_when_no_replica_fits_plan_chooses_for_fsdp_ranks(tmp_path):
+    config = TrainConfig.create(family="flux", resolution=64, output=str(tmp_path))
+    choice = api.plan(config, build_preset("flux"), 40_000, nproc=4, probe_=_heavy_lora_probe())
+    # FSDP2 per rank: 50000 - (frozen 14000 + LoRA 4000 + optimizer 16000) x 3/4 + 2 x (4000 + 1000)
+    assert (choice.chosen.schedule.mode, choice.chosen.peak_bytes) == ("none", 34_500)
+    ranks = choice.ranks  # DDP: the smallest replica (every block streamed, 44000) + the LoRA gradients
+    assert (ranks.recommended, ranks.ddp_peak_bytes, ranks.fsdp_peak_bytes) == ("fsdp", 48_000, 34_500)
+    assert "no schedule fits one process (budget=" in choice.render() and "FSDP2's per rank on 4" in choice.render()
+    assert not any(p.schedule.streams or p.schedule.gradient_checkpointing_offload_attention
+                   for p in choice.candidates)  # what fsdp refuses is not offered
+    with pytest.raises(PlannerError, match=r"\(none-stream\); FSDP2 on 4 processes: budget=.* the smallest "
+                                           r"predicted peak is 3.213e-05 GiB \(none\)"):
+        api.plan(config, build_preset("flux"), 36_000, nproc=4, probe_=_heavy_lora_probe())
+    with pytest.raises(PlannerError, match=r"the smallest predicted peak is 4.098e-05 GiB \(none-stream\)$"):
+        api.plan(config, build_preset("flux"), 40_000, probe_=_heavy_lora_probe())  # one process: as before
