@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc", dest="plan_nproc", type=int, default=1, metavar="N",
                       help="Processes (GPUs) the run will use under torchrun: also predict the choice's per-rank "
                            "peak under --ddp and --fsdp and recommend DDP when a replica fits --budget, FSDP2 "
-                           "otherwise (plan.txt's last line, nproc.json; default 1: one process).")
+                           "otherwise, then choosing the schedule by FSDP2's per-rank peak (plan.txt's last line, nproc.json; "
+                           "default 1: one process).")
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
                        help="Measured steps per mode after warm-up (default 3).")
