@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="Pixel-frame counts to plan for (video families; the family's frame rule applies): "
                            "the peak predicted per count (with --check: one phase per count), on synthetic "
                            "latents of the run's resolution; the schedule chosen fits every count.")
+    plan.add_argument("--nproc", dest="plan_nproc", type=int, default=1, metavar="N",
+                      help="Processes (GPUs) the run will use under torchrun: also predict the choice's per-rank "
+                           "peak under --ddp and --fsdp and recommend DDP when a replica fits --budget, FSDP2 "
+                           "otherwise, then choosing the schedule by FSDP2's per-rank peak (plan.txt's last line, nproc.json; "
+                           "default 1: one process).")
     sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
     sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
                        help="Measured steps per mode after warm-up (default 3).")
@@ -373,6 +378,9 @@ def _plan(args: argparse.Namespace) -> int:
         host_budget = api.host_budget(args.plan_host_budget, config)  # before any model is built
         if args.plan_measure < 0:
             raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
+        if args.plan_nproc < 1 or (args.plan_check and args.plan_nproc > 1):
+            raise ValueError(f"--nproc={args.plan_nproc} is invalid: allowed an integer >= 1"
+                             + (", and 1 with --check (the pre-flight judges one process)" if args.plan_check else ""))
         counts = api.check_measure_frames(config, args.plan_frames) if args.plan_frames else None
         api.check_input_paths(config)
         api.check_resolution(config)
@@ -385,7 +393,7 @@ def _plan(args: argparse.Namespace) -> int:
         stop = _StopOnSignal()
         with stop:  # the first Ctrl-C ends the measurement after the current step; a second at once
             choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget,
-                              levers=tuple(args.plan_levers),
+                              levers=tuple(args.plan_levers), nproc=args.plan_nproc,
                               should_stop=stop, frames=counts)
     except ValueError as exc:  # ConfigError, PlannerError, ...
         print(f"segckpt: error: {exc}", file=sys.stderr)

@@ -299,23 +299,37 @@ def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
     return atomic_write_text(Path(folder) / "schedule.json", json.dumps(schedule.to_dict(), indent=2) + "\n")
 
 
-def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_steps: int = 0,
+def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_steps: int = 0, nproc: int = 1,
          **measuring: Any) -> PlanChoice:
     """The fastest schedule predicted to fit ``budget_bytes`` (timed head to head over
     ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``,
-    ``host_budget_bytes`` (``engine/measure/planner.py``).
+    ``host_budget_bytes`` (``engine/measure/planner.py``). ``nproc`` >= 2: the choice's per-rank
+    peak under DDP and FSDP2 and which to run, in ``choice.ranks`` (``engine/measure/ranks.py``); when
+    nothing fits one process, the fastest schedule whose FSDP2 per-rank peak fits (predicted).
 
     Raises:
-        PlannerError: nothing fits. MeasurementInterrupted: ``should_stop`` answered True.
+        PlannerError: nothing fits (on one process, nor under FSDP2 on ``nproc``).
+        MeasurementInterrupted: ``should_stop`` answered True.
+        ValueError: ``nproc`` is not an integer >= 1 (before any probe runs).
     """
     with lazy_imports():
-        from .measure.planner import plan_for_budget
+        from .measure.planner import PlannerError, plan_for_budget
+        from .measure.ranks import check_nproc, rank_peaks, sharded_choice
 
-    return plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
+    check_nproc(nproc)
+    try:
+        choice = plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
+    except PlannerError as exc:
+        if nproc == 1 or exc.probe is None:
+            raise
+        return sharded_choice(exc, budget_bytes, nproc)
+    choice.ranks = rank_peaks(choice.probe, choice.chosen, budget_bytes, nproc)
+    return choice
 
 
 def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
-    """Write ``plan.txt`` and ``schedule.json`` into ``folder``, atomically; their paths."""
+    """Write ``plan.txt`` and ``schedule.json`` (and with ``choice.ranks`` ``nproc.json``) into
+    ``folder``, atomically; their paths."""
     with lazy_imports():
         from .measure.planner import write_choice
 

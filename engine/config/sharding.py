@@ -23,7 +23,8 @@ class ShardingConfig:
     ddp: bool = option(False, "Data parallel with PyTorch DDP (DistributedDataParallel over the LoRA parameters; "
                        "every process holds the whole frozen base, streamed or offloaded as on one process) over the "
                        "processes torchrun starts: NCCL on CUDA, gloo on the CPU. The faster choice for LoRA when a "
-                       "replica fits one device (README 'Several GPUs'). batch_size is per process "
+                       "replica fits one device (README 'Several GPUs'; segckpt plan --nproc N predicts which). "
+                       "batch_size is per process "
                        "(global_batch_size: over all processes); only rank 0 logs, writes and samples previews; "
                        "any number of processes resumes the state.", "--ddp", long_run=True)
     fsdp_activation_checkpointing: bool = option(

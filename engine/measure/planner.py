@@ -54,7 +54,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -72,12 +72,24 @@ from .probe import Probe, probe, probe_steps
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .sweep import sweep_schedules
 
+if TYPE_CHECKING:
+    from .ranks import RankPeaks
+
 TIE = 0.03
 """Relative sec/step difference under which two predictions count as equal."""
 
 
 class PlannerError(ValueError):
-    """The budget is invalid, or no candidate schedule is predicted to fit it."""
+    """The budget is invalid, or no candidate schedule is predicted to fit it.
+
+    Attributes:
+        probe / smallest: when no candidate fits the device, the probe and the prediction with the
+            smallest peak (:func:`~.ranks.sharded_choice` plans FSDP2 from them), else None.
+    """
+
+    def __init__(self, message: str, probe: Probe | None = None, smallest: "Prediction | None" = None):
+        super().__init__(message)
+        self.probe, self.smallest = probe, smallest
 
 
 @dataclass
@@ -134,11 +146,17 @@ class PlanChoice:
     """Per frame count: what it trains on (``5 frames (2 latent frames, 128 tokens per sample)``)."""
     compile_blocks: bool = False
     """:func:`try_levers` measured ``compile_blocks`` faster within the budget: train with it."""
+    ranks: RankPeaks | None = None
+    """``plan --nproc N`` (N >= 2): per-rank peaks under DDP and FSDP2 and which to run (:mod:`.ranks`)."""
 
     def render(self) -> str:
         """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
         the chosen one marked; with frame counts one table per count, then the predicted peak of
-        the chosen schedule at each count."""
+        the chosen schedule at each count; with :attr:`ranks`, its line last."""
+        text = self._tables()
+        return text if self.ranks is None else f"{text}\n{self.ranks.render()}"
+
+    def _tables(self) -> str:
         if not self.by_frames:
             return self._table()
         parts = []
@@ -339,7 +357,7 @@ def choose(probe_: Probe, budget_bytes: int, candidates: list[CheckpointSchedule
         smallest = min(predictions, key=lambda p: p.peak_bytes)
         raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB is too small: the smallest predicted peak is "
                            f"{smallest.peak_bytes / 2**30:.4g} GiB ({smallest.schedule.mode})"
-                           + ("" if stream or streaming_helps(probe_) else f"; {NOT_STREAMED}"))
+                           + ("" if stream or streaming_helps(probe_) else f"; {NOT_STREAMED}"), probe_, smallest)
     fastest = min(p.sec_per_step for p in fitting)
     tied = [p for p in fitting if p.sec_per_step <= fastest * (1 + TIE)]
     chosen = min(tied, key=lambda p: preference(p.schedule))
@@ -395,11 +413,15 @@ def parse_budget(value: str | float | int, device: str | torch.device = "cpu", k
 
 def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     """Write ``plan.txt`` (the rendered table) and ``schedule.json`` (the chosen keys, usable as
-    ``segckpt train --config``) into ``folder``, atomically; return both paths."""
+    ``segckpt train --config``) into ``folder``, atomically, and with :attr:`PlanChoice.ranks`
+    ``nproc.json`` (its fields); return the paths."""
     folder = Path(folder)
     keys = choice.chosen.schedule.to_dict()
-    return {"text": atomic_write_text(folder / "plan.txt", choice.render() + "\n"),
-            "schedule": atomic_write_text(folder / "schedule.json", json.dumps(keys, indent=2) + "\n")}
+    paths = {"text": atomic_write_text(folder / "plan.txt", choice.render() + "\n"),
+             "schedule": atomic_write_text(folder / "schedule.json", json.dumps(keys, indent=2) + "\n")}
+    if choice.ranks is not None:
+        paths["nproc"] = atomic_write_text(folder / "nproc.json", json.dumps(choice.ranks.to_dict(), indent=2) + "\n")
+    return paths
 
 
 SENSITIVITY = (0.5, 2.0)

@@ -84,9 +84,13 @@ def test_budget_parsing(value, ok):
 
 def test_segckpt_plan_prints_the_choice_and_writes_its_keys(tmp_path, capsys):
     assert cli.main(["plan", "--resolution", "64", "--budget", "device", "--measure", "1", "--rank", "4",
-                     "--output", str(tmp_path)]) == 0
+                     "--nproc", "2", "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "->none " in out and "measured none:" in out
+    ranks = json.loads((tmp_path / "nproc.json").read_text())  # --nproc 2: both per-rank peaks, the last line
+    assert ranks["nproc"] == 2 and ranks["recommended"] == "ddp" and ranks["fsdp_mode"] == "none"
+    assert ranks["ddp_peak_bytes"] > ranks["fsdp_peak_bytes"] > 0
+    assert (tmp_path / "plan.txt").read_text().splitlines()[-1].startswith("2 processes, per-rank peak predicted: DDP")
     assert (tmp_path / "schedule.json").is_file() and (tmp_path / "plan.txt").is_file()
     assert cli.main(["plan", "--budget", "nope", "--output", str(tmp_path)]) == 2
 
