@@ -49,11 +49,13 @@ CONFIGS = {
 }
 
 
-def build(name: str, device: torch.device, side: int | None = None):
+def build(name: str, device: torch.device, side: int | None = None, overrides: dict | None = None):
     """Model with a rank-8 LoRA, and the keyword inputs and latents of one batch of 1 (``side``:
-    another latent side than the config's)."""
+    another latent side than the config's; ``overrides``: other config changes than :data:`CONFIGS`'
+    on top of the tiny preset)."""
     family = get_family(name)
-    overrides, default_side = CONFIGS[name]
+    default_overrides, default_side = CONFIGS[name]
+    overrides = default_overrides if overrides is None else overrides
     side = side or default_side
     torch.manual_seed(0)
     model = family.model_cls()(**{**family.tiny_config, **overrides}).to(device)

@@ -95,13 +95,21 @@ class _Leaf:
 
 @dataclass
 class _Unit:
-    """The streamed blocks that run at once; ``index`` is its position in forward order."""
+    """The streamed blocks that run at once; ``index`` is its position in forward order.
+
+    ``views[k]``: its leaves' views into slot ``k``, built once (the slots never move), so a copy
+    makes no tensor. ``source``: its host copies as one byte range laid out as in a slot (the arena
+    placed them one after the other in one chunk), copied with one call; None when they are not.
+    """
 
     index: int
     blocks: tuple[tuple[int, int], ...]  # (list index, block index)
     leaves: list[_Leaf]
-    nbytes: int
+    nbytes: int  # bytes of its slot layout (aligned)
     slot: int | None = None
+    copy_bytes: int = 0  # bytes of its leaves (unaligned): what one copy moves
+    views: list[list[torch.Tensor]] = field(default_factory=list)
+    source: torch.Tensor | None = None
 
 
 class WeightRef:
@@ -127,6 +135,26 @@ def _leaves(param: torch.Tensor) -> Iterable[tuple[Any, str | None, torch.Tensor
             yield from ((o, n, t) for o, n, t in _leaves(inner))
         else:
             yield param, name, inner
+
+
+def _contiguous_source(leaves: list[_Leaf]) -> torch.Tensor | None:
+    """The leaves' host copies as one ``uint8`` tensor of their slot layout's bytes (up to the end of
+    the last leaf), when they lie in one storage at exactly their slot offsets; None otherwise (a
+    unit across two chunks, or host copies held before a fallback rebuilt the units)."""
+    placed = [leaf for leaf in leaves if leaf.nbytes]
+    if not placed:
+        return None
+    first = placed[0].master
+    storage, start = first.untyped_storage(), first.storage_offset() * first.element_size()
+    for leaf in placed:
+        m = leaf.master
+        if (m.untyped_storage().data_ptr() != storage.data_ptr() or not m.is_contiguous()
+                or m.storage_offset() * m.element_size() - start != leaf.offset - placed[0].offset):
+            return None
+    if placed[0].offset != 0:
+        return None
+    span = placed[-1].offset + placed[-1].nbytes
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (span,), (1,))
 
 
 def _frozen_leaves(modules: list[torch.nn.Module]) -> Iterable[tuple[Any, str | None, torch.Tensor]]:
@@ -183,6 +211,8 @@ class WeightStreamer:
         count = min(prefetch + 1, len(self.units))  # more slots than units would hold nothing new
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(count)]
         self.slot_storages = [s.untyped_storage().data_ptr() for s in self.slots]
+        for unit in self.units:
+            unit.views = [[self._slot_view(k, leaf) for leaf in unit.leaves] for k in range(count)]
         self._slot_of_ptr = {ptr: k for k, ptr in enumerate(self.slot_storages)}
         if self.units and self.resident_slot_bytes >= self.streamed_bytes:
             warnings.warn(f"weight_offload=stream saves no device memory here: the ring of {count} slot(s) of "
@@ -207,7 +237,9 @@ class WeightStreamer:
             leaves.append(leaf)
             self._point_out(leaf)  # the original is freed here: the host copy is a view into a chunk
             offset += aligned(leaf.nbytes)
-        return _Unit(index, tuple(blocks), leaves, offset)
+        unit = _Unit(index, tuple(blocks), leaves, offset, copy_bytes=sum(leaf.nbytes for leaf in leaves))
+        unit.source = _contiguous_source(leaves)
+        return unit
 
     # -- pointers ---------------------------------------------------------------------------
 
@@ -251,18 +283,24 @@ class WeightStreamer:
             # the slot's previous readers were queued on the compute stream before this point
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                for leaf in unit.leaves:
-                    self._slot_view(k, leaf).copy_(leaf.master, non_blocking=True)
+                self._copy(unit, k, non_blocking=True)
                 self._events[k] = self._stream.record_event()
         else:
-            for leaf in unit.leaves:
-                self._slot_view(k, leaf).copy_(leaf.master)
+            self._copy(unit, k)
             self.stats.stall_s += time.perf_counter() - started
-        for leaf in unit.leaves:
-            leaf.point(self._slot_view(k, leaf))
+        for leaf, view in zip(unit.leaves, unit.views[k]):
+            leaf.point(view)
         self._slot_unit[k], unit.slot = unit, k
         self.stats.copies += 1
-        self.stats.h2d_bytes += sum(leaf.nbytes for leaf in unit.leaves)
+        self.stats.h2d_bytes += unit.copy_bytes
+
+    def _copy(self, unit: _Unit, k: int, non_blocking: bool = False) -> None:
+        """Copy ``unit``'s host copies into slot ``k``: one call for a contiguous unit, else one per leaf."""
+        if unit.source is not None:
+            self.slots[k][: unit.source.numel()].copy_(unit.source, non_blocking=non_blocking)
+            return
+        for leaf, view in zip(unit.leaves, unit.views[k]):
+            view.copy_(leaf.master, non_blocking=non_blocking)
 
     def _wait(self, unit: _Unit) -> None:
         event = self._events[unit.slot]
@@ -353,7 +391,7 @@ class WeightStreamer:
         for unit in self.units:
             for leaf in unit.leaves:
                 leaf.point(leaf.master)
-            unit.slot = None
+            unit.slot, unit.views = None, []  # the views hold the slots' storage
         self.slots, self._slot_unit, self._slot_of_ptr, self.active = [], [], {}, None
 
 
