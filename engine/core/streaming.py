@@ -97,9 +97,12 @@ class _Leaf:
 class _Unit:
     """The streamed blocks that run at once; ``index`` is its position in forward order.
 
-    ``views[k]``: its leaves' views into slot ``k``, built once (the slots never move), so a copy
-    makes no tensor. ``source``: its host copies as one byte range laid out as in a slot (the arena
-    placed them one after the other in one chunk), copied with one call; None when they are not.
+    Its slot layout mirrors where the arena placed its host copies: the leaves in one chunk sit one
+    after the other there (placed in order), so each chunk's share is one byte range (a ``run``),
+    copied with one call, not one per weight. ``runs``: ``(host bytes, slot offset)``; a leaf that is
+    not a plain contiguous host view is a run of its own (copied as a tensor). ``views[k]`` and
+    ``copies[k]``: its leaves' views into slot ``k`` and its runs' ``(slot view, host tensor)``,
+    built once (the slots never move), so a copy makes no tensor.
     """
 
     index: int
@@ -108,8 +111,9 @@ class _Unit:
     nbytes: int  # bytes of its slot layout (aligned)
     slot: int | None = None
     copy_bytes: int = 0  # bytes of its leaves (unaligned): what one copy moves
+    runs: list[tuple[torch.Tensor, int | None]] = field(default_factory=list)
     views: list[list[torch.Tensor]] = field(default_factory=list)
-    source: torch.Tensor | None = None
+    copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
 
 class WeightRef:
@@ -137,24 +141,41 @@ def _leaves(param: torch.Tensor) -> Iterable[tuple[Any, str | None, torch.Tensor
             yield param, name, inner
 
 
-def _contiguous_source(leaves: list[_Leaf]) -> torch.Tensor | None:
-    """The leaves' host copies as one ``uint8`` tensor of their slot layout's bytes (up to the end of
-    the last leaf), when they lie in one storage at exactly their slot offsets; None otherwise (a
-    unit across two chunks, or host copies held before a fallback rebuilt the units)."""
-    placed = [leaf for leaf in leaves if leaf.nbytes]
-    if not placed:
-        return None
-    first = placed[0].master
-    storage, start = first.untyped_storage(), first.storage_offset() * first.element_size()
-    for leaf in placed:
+def _layout(leaves: list[_Leaf]) -> tuple[list[tuple[torch.Tensor, int | None]], int]:
+    """Set each leaf's slot ``offset`` so that the leaves of one host storage (an arena chunk) keep
+    their relative places; returns the runs (:class:`_Unit`) and the unit's slot bytes.
+
+    A storage's leaves are one run when they fill its byte range (aligned, nothing else between);
+    otherwise, and for a leaf that is not a contiguous view, each leaf is a run of its own (its
+    host tensor; slot offset None: copied into its view).
+    """
+    groups: dict[int, list[tuple[int, _Leaf]]] = {}
+    single: list[_Leaf] = []
+    for leaf in leaves:
         m = leaf.master
-        if (m.untyped_storage().data_ptr() != storage.data_ptr() or not m.is_contiguous()
-                or m.storage_offset() * m.element_size() - start != leaf.offset - placed[0].offset):
-            return None
-    if placed[0].offset != 0:
-        return None
-    span = placed[-1].offset + placed[-1].nbytes
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (span,), (1,))
+        if leaf.nbytes and m.is_contiguous() and m.layout == torch.strided:
+            groups.setdefault(m.untyped_storage().data_ptr(), []).append((m.storage_offset() * m.element_size(), leaf))
+        else:
+            single.append(leaf)
+    runs, offset = [], 0
+    for members in groups.values():
+        members.sort(key=lambda hl: hl[0])
+        first, last = members[0], members[-1]
+        span = last[0] + last[1].nbytes - first[0]
+        if aligned(span) != sum(aligned(leaf.nbytes) for _, leaf in members):
+            single += [leaf for _, leaf in members]  # not one range of these leaves alone
+            continue
+        for host, leaf in members:
+            leaf.offset = offset + host - first[0]
+        source = first[1].master
+        runs.append((torch.empty(0, dtype=torch.uint8, device=source.device).set_(
+            source.untyped_storage(), first[0], (span,), (1,)), offset))
+        offset += aligned(span)
+    for leaf in single:
+        leaf.offset = offset
+        runs.append((leaf.master, None))
+        offset += aligned(leaf.nbytes)
+    return runs, offset
 
 
 def _frozen_leaves(modules: list[torch.nn.Module]) -> Iterable[tuple[Any, str | None, torch.Tensor]]:
@@ -213,6 +234,10 @@ class WeightStreamer:
         self.slot_storages = [s.untyped_storage().data_ptr() for s in self.slots]
         for unit in self.units:
             unit.views = [[self._slot_view(k, leaf) for leaf in unit.leaves] for k in range(count)]
+            by_leaf = {id(leaf.master): n for n, leaf in enumerate(unit.leaves)}
+            unit.copies = [[(self.slots[k][start: start + src.numel()] if start is not None
+                             else unit.views[k][by_leaf[id(src)]], src) for src, start in unit.runs]
+                           for k in range(count)]
         self._slot_of_ptr = {ptr: k for k, ptr in enumerate(self.slot_storages)}
         if self.units and self.resident_slot_bytes >= self.streamed_bytes:
             warnings.warn(f"weight_offload=stream saves no device memory here: the ring of {count} slot(s) of "
@@ -231,15 +256,13 @@ class WeightStreamer:
                         self._ready_modules.append(sub)
 
     def _make_unit(self, index: int, blocks: tuple, modules: list[torch.nn.Module]) -> _Unit:
-        leaves, offset = [], 0
+        leaves = []
         for owner, attr, tensor in _frozen_leaves(modules):
-            leaf = _Leaf(owner, attr, self.pool.hold(tensor), offset)
+            leaf = _Leaf(owner, attr, self.pool.hold(tensor), 0)
             leaves.append(leaf)
             self._point_out(leaf)  # the original is freed here: the host copy is a view into a chunk
-            offset += aligned(leaf.nbytes)
-        unit = _Unit(index, tuple(blocks), leaves, offset, copy_bytes=sum(leaf.nbytes for leaf in leaves))
-        unit.source = _contiguous_source(leaves)
-        return unit
+        runs, nbytes = _layout(leaves)
+        return _Unit(index, tuple(blocks), leaves, nbytes, copy_bytes=sum(leaf.nbytes for leaf in leaves), runs=runs)
 
     # -- pointers ---------------------------------------------------------------------------
 
@@ -295,12 +318,9 @@ class WeightStreamer:
         self.stats.h2d_bytes += unit.copy_bytes
 
     def _copy(self, unit: _Unit, k: int, non_blocking: bool = False) -> None:
-        """Copy ``unit``'s host copies into slot ``k``: one call for a contiguous unit, else one per leaf."""
-        if unit.source is not None:
-            self.slots[k][: unit.source.numel()].copy_(unit.source, non_blocking=non_blocking)
-            return
-        for leaf, view in zip(unit.leaves, unit.views[k]):
-            view.copy_(leaf.master, non_blocking=non_blocking)
+        """Copy ``unit``'s host copies into slot ``k``: one call per run (per arena chunk it lies in)."""
+        for dst, src in unit.copies[k]:
+            dst.copy_(src, non_blocking=non_blocking)
 
     def _wait(self, unit: _Unit) -> None:
         event = self._events[unit.slot]
@@ -391,7 +411,7 @@ class WeightStreamer:
         for unit in self.units:
             for leaf in unit.leaves:
                 leaf.point(leaf.master)
-            unit.slot, unit.views = None, []  # the views hold the slots' storage
+            unit.slot, unit.views, unit.copies = None, [], []  # these views hold the slots' storage
         self.slots, self._slot_unit, self._slot_of_ptr, self.active = [], [], {}, None
 
 
