@@ -30,7 +30,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import _step, build  # noqa: E402  (the same model and inputs as the runner's bench)
+from overhead import _OpCounter, _step, build  # noqa: E402  (the same model and inputs as the runner's bench)
 
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule  # noqa: E402
 from segmented_checkpointing.engine.core.plan import count_blocks, effective_plan  # noqa: E402
@@ -95,6 +95,22 @@ def step_ratios(family, model, latents, inputs, counts: list[int | None], rounds
     return out
 
 
+def op_counts(family, model, latents, inputs) -> tuple[int, int, int]:
+    """aten operators of one step (the third), resident and every block streamed, and the streamed
+    step's unit copies: a load-independent check that streaming adds copies and no other tensor work."""
+    ops = []
+    for stream in (False, True):
+        runner = runner_for(family, copy.deepcopy(model), None, stream)
+        for i in range(3):
+            runner.model.zero_grad(set_to_none=True)
+            if stream:
+                runner.streamer.stats.reset()
+            with _OpCounter() as counter:
+                _step(family, runner.model, latents, inputs, runner.forward)
+        ops.append(counter.ops)
+    return ops[0], ops[1], runner.streamer.stats.copies
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="measured rounds (each runs every side once)")
@@ -109,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu")
     family, model, latents, inputs = build("flux", device, args.side, {"num_single_layers": args.single_layers})
     total = count_blocks(family, model)
-    total = sum(total) if isinstance(total, (list, tuple)) else total
+    total = sum(total.values()) if isinstance(total, dict) else total
     counts = [None if b == "all" else int(b) for b in args.blocks]
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads "
           f"{torch.get_num_threads()}, flux tiny with {args.single_layers} single blocks ({total} blocks), "
@@ -124,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     for n, (paired, minima, ms, ref_ms, copies) in step_ratios(
             family, model, latents, inputs, counts, args.rounds, args.warmup).items():
         print(f"| {'all' if n is None else n} | {copies} | {ms:.1f} | {ref_ms:.1f} | {paired:.3f} | {minima:.3f} |")
+    resident, streamed, copies = op_counts(family, model, latents, inputs)
+    print(f"\naten operators per step (third step): resident {resident}, every block streamed {streamed} "
+          f"(+{streamed - resident} for {copies} unit copies)")
     print(f"\ntotal {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.1f} at the end")
 
 
