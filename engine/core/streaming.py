@@ -95,13 +95,25 @@ class _Leaf:
 
 @dataclass
 class _Unit:
-    """The streamed blocks that run at once; ``index`` is its position in forward order."""
+    """The streamed blocks that run at once; ``index`` is its position in forward order.
+
+    Its slot layout mirrors where the arena placed its host copies: the leaves in one chunk sit one
+    after the other there (placed in order), so each chunk's share is one byte range (a ``run``),
+    copied with one call, not one per weight. ``runs``: ``(host bytes, slot offset)``; a leaf that is
+    not a plain contiguous host view is a run of its own (copied as a tensor). ``views[k]`` and
+    ``copies[k]``: its leaves' views into slot ``k`` and its runs' ``(slot view, host tensor)``,
+    built once (the slots never move), so a copy makes no tensor.
+    """
 
     index: int
     blocks: tuple[tuple[int, int], ...]  # (list index, block index)
     leaves: list[_Leaf]
-    nbytes: int
+    nbytes: int  # bytes of its slot layout (aligned)
     slot: int | None = None
+    copy_bytes: int = 0  # bytes of its leaves (unaligned): what one copy moves
+    runs: list[tuple[torch.Tensor, int | None]] = field(default_factory=list)
+    views: list[list[torch.Tensor]] = field(default_factory=list)
+    copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
 
 class WeightRef:
@@ -127,6 +139,43 @@ def _leaves(param: torch.Tensor) -> Iterable[tuple[Any, str | None, torch.Tensor
             yield from ((o, n, t) for o, n, t in _leaves(inner))
         else:
             yield param, name, inner
+
+
+def _layout(leaves: list[_Leaf]) -> tuple[list[tuple[torch.Tensor, int | None]], int]:
+    """Set each leaf's slot ``offset`` so that the leaves of one host storage (an arena chunk) keep
+    their relative places; returns the runs (:class:`_Unit`) and the unit's slot bytes.
+
+    A storage's leaves are one run when they fill its byte range (aligned, nothing else between);
+    otherwise, and for a leaf that is not a contiguous view, each leaf is a run of its own (its
+    host tensor; slot offset None: copied into its view).
+    """
+    groups: dict[int, list[tuple[int, _Leaf]]] = {}
+    single: list[_Leaf] = []
+    for leaf in leaves:
+        m = leaf.master
+        if leaf.nbytes and m.is_contiguous() and m.layout == torch.strided:
+            groups.setdefault(m.untyped_storage().data_ptr(), []).append((m.storage_offset() * m.element_size(), leaf))
+        else:
+            single.append(leaf)
+    runs, offset = [], 0
+    for members in groups.values():
+        members.sort(key=lambda hl: hl[0])
+        first, last = members[0], members[-1]
+        span = last[0] + last[1].nbytes - first[0]
+        if aligned(span) != sum(aligned(leaf.nbytes) for _, leaf in members):
+            single += [leaf for _, leaf in members]  # not one range of these leaves alone
+            continue
+        for host, leaf in members:
+            leaf.offset = offset + host - first[0]
+        source = first[1].master
+        runs.append((torch.empty(0, dtype=torch.uint8, device=source.device).set_(
+            source.untyped_storage(), first[0], (span,), (1,)), offset))
+        offset += aligned(span)
+    for leaf in single:
+        leaf.offset = offset
+        runs.append((leaf.master, None))
+        offset += aligned(leaf.nbytes)
+    return runs, offset
 
 
 def _frozen_leaves(modules: list[torch.nn.Module]) -> Iterable[tuple[Any, str | None, torch.Tensor]]:
@@ -183,6 +232,12 @@ class WeightStreamer:
         count = min(prefetch + 1, len(self.units))  # more slots than units would hold nothing new
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(count)]
         self.slot_storages = [s.untyped_storage().data_ptr() for s in self.slots]
+        for unit in self.units:
+            unit.views = [[self._slot_view(k, leaf) for leaf in unit.leaves] for k in range(count)]
+            by_leaf = {id(leaf.master): n for n, leaf in enumerate(unit.leaves)}
+            unit.copies = [[(self.slots[k][start: start + src.numel()] if start is not None
+                             else unit.views[k][by_leaf[id(src)]], src) for src, start in unit.runs]
+                           for k in range(count)]
         self._slot_of_ptr = {ptr: k for k, ptr in enumerate(self.slot_storages)}
         if self.units and self.resident_slot_bytes >= self.streamed_bytes:
             warnings.warn(f"weight_offload=stream saves no device memory here: the ring of {count} slot(s) of "
@@ -201,13 +256,13 @@ class WeightStreamer:
                         self._ready_modules.append(sub)
 
     def _make_unit(self, index: int, blocks: tuple, modules: list[torch.nn.Module]) -> _Unit:
-        leaves, offset = [], 0
+        leaves = []
         for owner, attr, tensor in _frozen_leaves(modules):
-            leaf = _Leaf(owner, attr, self.pool.hold(tensor), offset)
+            leaf = _Leaf(owner, attr, self.pool.hold(tensor), 0)
             leaves.append(leaf)
             self._point_out(leaf)  # the original is freed here: the host copy is a view into a chunk
-            offset += aligned(leaf.nbytes)
-        return _Unit(index, tuple(blocks), leaves, offset)
+        runs, nbytes = _layout(leaves)
+        return _Unit(index, tuple(blocks), leaves, nbytes, copy_bytes=sum(leaf.nbytes for leaf in leaves), runs=runs)
 
     # -- pointers ---------------------------------------------------------------------------
 
@@ -251,18 +306,21 @@ class WeightStreamer:
             # the slot's previous readers were queued on the compute stream before this point
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                for leaf in unit.leaves:
-                    self._slot_view(k, leaf).copy_(leaf.master, non_blocking=True)
+                self._copy(unit, k, non_blocking=True)
                 self._events[k] = self._stream.record_event()
         else:
-            for leaf in unit.leaves:
-                self._slot_view(k, leaf).copy_(leaf.master)
+            self._copy(unit, k)
             self.stats.stall_s += time.perf_counter() - started
-        for leaf in unit.leaves:
-            leaf.point(self._slot_view(k, leaf))
+        for leaf, view in zip(unit.leaves, unit.views[k]):
+            leaf.point(view)
         self._slot_unit[k], unit.slot = unit, k
         self.stats.copies += 1
-        self.stats.h2d_bytes += sum(leaf.nbytes for leaf in unit.leaves)
+        self.stats.h2d_bytes += unit.copy_bytes
+
+    def _copy(self, unit: _Unit, k: int, non_blocking: bool = False) -> None:
+        """Copy ``unit``'s host copies into slot ``k``: one call per run (per arena chunk it lies in)."""
+        for dst, src in unit.copies[k]:
+            dst.copy_(src, non_blocking=non_blocking)
 
     def _wait(self, unit: _Unit) -> None:
         event = self._events[unit.slot]
@@ -353,7 +411,7 @@ class WeightStreamer:
         for unit in self.units:
             for leaf in unit.leaves:
                 leaf.point(leaf.master)
-            unit.slot = None
+            unit.slot, unit.views, unit.copies = None, [], []  # these views hold the slots' storage
         self.slots, self._slot_unit, self._slot_of_ptr, self.active = [], [], {}, None
 
 

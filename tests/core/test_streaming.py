@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from helpers import MODES, one_step, random_batch, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
@@ -150,3 +151,43 @@ def test_the_ring_never_holds_more_slots_than_units_and_says_when_it_saves_nothi
     with pytest.warns(StreamingWarning, match="saves no device memory here: the ring of 2 slot"):
         runner = SegmentRunner(model, family, plan)
     assert len(runner.streamer.slots) == len(runner.streamer.units) == 2
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the aten ``copy_`` calls dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_unit_is_copied_with_one_call_per_arena_chunk_and_lands_where_its_weights_are_read():
+    """The slot layout mirrors the arena's placement, so a unit copy is one ``copy_`` per chunk its host
+    copies lie in (not one per weight: the host-side cost of a copy grows with the calls,
+    bench/streaming.py), and after it every leaf's slot view holds exactly its host copy."""
+    schedule = MODES["layer"].replace(weight_offload="stream")
+    family, model = tiny_model("flux")
+    plan = effective_plan(family, schedule, count_blocks(family, model), warn=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = SegmentRunner(model, family, plan).install()
+    streamer = runner.streamer
+    chunks = runner.pool.weights.chunk_count
+    assert len(streamer.units) == 16 and chunks > 1
+    per_unit = []
+    for unit in streamer.units * 2:  # every unit into each slot
+        with _Copies() as counter:
+            streamer._load(unit, {unit.index})
+        per_unit.append(counter.copies)
+        chunks_used = {leaf.master.untyped_storage().data_ptr() for leaf in unit.leaves}
+        assert counter.copies == len(chunks_used) == len(unit.runs)
+        for leaf in unit.leaves:
+            assert leaf.owner.data_ptr() == streamer.slots[unit.slot].data_ptr() + leaf.offset
+            assert torch.equal(leaf.owner.data, leaf.master)
+        assert unit.nbytes <= streamer.slot_bytes
+    assert max(per_unit) <= chunks and sum(per_unit) < len(per_unit) * 2  # most units: one call
+    runner.close()
