@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -264,6 +265,10 @@ def test_prodigy_below_its_learning_rate_convention_warns():
 
     with pytest.warns(ConfigWarning, match=r"optimizer=prodigy with learning_rate=0.001: .* advise 1.0 \(--lr 1\)"):
         make_optimizer(_grads(4), OptimizerConfig(name="prodigy"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # at its convention it says nothing
+        optimizer = make_optimizer(_grads(4), OptimizerConfig(name="prodigy", learning_rate=1.0))
+    assert type(optimizer).__name__ == "Prodigy" and optimizer.param_groups[0]["lr"] == 1.0
 
 
 def test_caption_dropout_on_prepared_data_is_refused(tmp_path):
