@@ -185,15 +185,9 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
     config, model, family, runner, device = ctx.config, ctx.model, ctx.family, ctx.runner, ctx.device
     lr = config.optimizer.learning_rate * ctx.lr_factor(step)
     set_learning_rate(ctx.optimizer, lr)
-    runner.stats.reset()
-    if runner.saving:
-        runner.saving.stats.reset()
+    _reset_stats(runner)
     # optimizer state that exists before the step is held on the device (the CPU tracker misses it)
     held_state = _state_bytes(ctx.optimizer) if device.type != "cuda" else 0
-    if runner.offloader:
-        runner.offloader.stats.reset()
-    if runner.streamer:
-        runner.streamer.stats.reset()
     # the micro-batches' rows and latents (random clip windows are decoded and encoded here, unmeasured)
     batches = [_draw(ctx) for _ in range(config.optimizer.gradient_accumulation_steps)]
     with ctx.memory.measure() as reading, ctx.timer.step():
@@ -241,20 +235,7 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
             errors = ctx.dist.mean(errors) * ctx.dist.world_size  # each row's error is on one rank only
         check = check_finite(loss_sum, ctx.named_params, ctx.dist.all_true if ctx.dist is not None else None,
                              grad_norm)  # the step's one synchronisation
-        skipped = None
-        if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
-            ctx.updating = True  # from here an out-of-memory error leaves the LoRA half-updated
-            ctx.scaler.step(ctx.optimizer)  # with loss scaling an overflow is skipped here, the scale lowered
-            ctx.updating = False
-            if not check.ok:
-                skipped = f"fp16 loss-scale overflow in {check.bad_module}; scale lowered"
-        elif config.guards.on_nonfinite == "stop":
-            raise TrainingDiverged(describe(check, step + 1, ctx.guard_context()))
-        else:
-            skipped = describe(check, step + 1, ctx.guard_context())
-        if ctx.scaler.is_enabled():
-            ctx.scaler.update()
-        ctx.optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
+        skipped = _update(ctx, check, step)
         seconds = time.perf_counter() - started
     stats, off = runner.stats, runner.offloader
     if runner.streamer:
@@ -274,6 +255,38 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                       grad_norm=check.grad_norm, clipped=clipped(config.optimizer.max_grad_norm, check.grad_norm),
                       dropped_captions=dropped_captions, noise_levels=torch.cat(levels).tolist(),
                       sample_losses=errors.tolist())
+
+
+def _reset_stats(runner) -> None:
+    """Zero the runner's per-step counters (checkpointing, attention saving, offload, streaming)."""
+    runner.stats.reset()
+    for part in (runner.saving, runner.offloader, runner.streamer):
+        if part:
+            part.stats.reset()
+
+
+def _update(ctx: StepContext, check, step: int) -> str | None:
+    """The optimizer update after the finiteness ``check``: applied, skipped (the reason returned) or,
+    with ``on_nonfinite=stop``, refused; then the loss scale updated and the gradients released.
+
+    Raises:
+        TrainingDiverged: a non-finite loss or gradient with ``on_nonfinite=stop``.
+    """
+    skipped = None
+    if check.ok or (ctx.scaler.is_enabled() and check.loss_finite):
+        ctx.updating = True  # from here an out-of-memory error leaves the LoRA half-updated
+        ctx.scaler.step(ctx.optimizer)  # with loss scaling an overflow is skipped here, the scale lowered
+        ctx.updating = False
+        if not check.ok:
+            skipped = f"fp16 loss-scale overflow in {check.bad_module}; scale lowered"
+    elif ctx.config.guards.on_nonfinite == "stop":
+        raise TrainingDiverged(describe(check, step + 1, ctx.guard_context()))
+    else:
+        skipped = describe(check, step + 1, ctx.guard_context())
+    if ctx.scaler.is_enabled():
+        ctx.scaler.update()
+    ctx.optimizer.zero_grad(set_to_none=True)  # release gradients before the next forward
+    return skipped
 
 
 def _sample_errors(prediction: torch.Tensor, target: torch.Tensor, batch: int, rows: slice | None,
