@@ -1,13 +1,15 @@
-"""Planner accuracy: predicted against measured peak and sec/step for every candidate schedule,
-and the speed of the planner's choice against the fastest fitting mode of the sweep.
+"""Planner accuracy: predicted against measured peak and sec/step for every mode ``segckpt sweep
+--stream`` measures, and the planner's choice at 25/50/75% budgets against the fastest fitting mode.
 
-Runs one planner probe and one sweep over the same candidates, in the same process, and prints
-per mode the measured and predicted numbers and the relative error of the peak, then the worst
-error. On CPU the peak is the live-tensor tracker's; on CUDA ``max_memory_allocated``. Then, for
-budgets of 25/50/75% of the no-checkpointing peak, the planner chooses (measuring its contenders
-``--plan-measure`` steps in lockstep); when the sweep's fastest fitting cell is more than
-``--speed`` faster than the choice's cell, the two are timed again head to head (lockstep, 10
-paired steps) and the median paired ratio is printed with ``ok`` when within ``--speed``.
+One planner probe, then every mode trained in lockstep (:mod:`engine.measure.lockstep`: one step
+of each mode in turn, so a shared machine's drift hits every mode alike) for ``--measure`` steps
+after ``--warmup``; a mode's measured sec/step is the median of its steps, its peak the largest
+after warm-up. Per mode it prints measured and predicted ``sec/step / peak MiB`` and both relative
+errors, then the median and worst absolute errors. For budgets of 25/50/75% of the plain step's
+measured peak, the planner chooses from the probe alone (:func:`choose`, the same candidates,
+streaming allowed) and the choice is compared with the fastest measured mode that fits: ``ok``
+when it is that mode or measured within ``--tie`` of it (the modes' step-to-step spread on a
+shared machine; the paired ratio of the two is printed).
 
     python bench/planner_accuracy.py --family flux --resolution 128
 """
@@ -15,15 +17,17 @@ paired steps) and the median paired ratio is printed with ``ok`` when within ``-
 from __future__ import annotations
 
 import argparse
+import statistics
 import warnings
 
 import torch
 
 from segmented_checkpointing.engine.config import TrainConfig
-from segmented_checkpointing.engine.measure.lockstep import lockstep_runs, paired_ratio
-from segmented_checkpointing.engine.measure.planner import PlannerError, plan_for_budget, predict
+from segmented_checkpointing.engine.measure.lockstep import lockstep_runs, paired_ratio, step_seconds
+from segmented_checkpointing.engine.measure.planner import PlannerError, choose, predict
 from segmented_checkpointing.engine.measure.probe import probe
-from segmented_checkpointing.engine.measure.sweep import run_sweep, sweep_schedules
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
+from segmented_checkpointing.engine.measure.sweep import sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
 
 
@@ -31,59 +35,65 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="flux")
     parser.add_argument("--resolution", type=int, default=128)
-    parser.add_argument("--measure", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--measure", type=int, default=7, help="lockstep steps of every mode after warm-up")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--plan-measure", type=int, default=6, help="lockstep steps of the planner's contenders")
-    parser.add_argument("--speed", type=float, default=1.10, help="allowed sec/step ratio to the fastest fitting")
+    parser.add_argument("--tie", type=float, default=0.05, help="measured sec/step within which two modes tie")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     config = TrainConfig.create(family=args.family, resolution=args.resolution, device=args.device,
-                         output="output/bench-planner")
+                                output="output/bench-planner")
     bundle = build_preset(args.family)
-    measured_probe = probe(config, bundle)
-    schedules = sweep_schedules()
-    cells = run_sweep(config, bundle, schedules, 1, args.measure, log=lambda line: None)
-    print(f"{args.family} at {args.resolution}px; probe {measured_probe.sec_per_step:.3f} sec/step, "
-          f"peak {measured_probe.peak_bytes / 2**20:.3f} MiB")
-    print(f"{'mode':<44} {'measured':>20} {'predicted':>20} {'peak error':>10}")
-    worst = 0.0
-    for schedule, cell in zip(schedules, cells):
-        if cell.status != "ok":
-            print(f"{cell.mode:<44} {cell.status}")
-            continue
+    schedules = sweep_schedules(streaming=True)
+    with RunWorkspace(config, bundle) as workspace:
+        measured_probe = probe(config, bundle, workspace=workspace)
+        results = lockstep_runs(config, bundle, schedules, args.warmup, args.measure, workspace=workspace)
+    print(f"{args.family} at {args.resolution}px; probe {measured_probe.sec_per_step:.4f} sec/step, "
+          f"peak {measured_probe.peak_bytes / 2**20:.3f} MiB; {len(schedules)} modes x {args.measure} lockstep steps")
+    print(f"{'mode':<44} {'measured s / MiB':>18} {'predicted s / MiB':>18} {'time error':>10} {'peak error':>10}")
+    measured, time_errors, peak_errors = {}, [], []
+    for schedule, result in zip(schedules, results):
+        seconds = statistics.median(step_seconds(result, args.warmup))
+        peak = peak_after_warmup(result, args.warmup)
+        measured[schedule.mode] = (schedule, result, seconds, peak)
         guess = predict(measured_probe, schedule)
-        error = (guess.peak_bytes - cell.peak_bytes) / cell.peak_bytes
-        worst = max(worst, abs(error))
-        print(f"{cell.mode:<44} {cell.sec_per_step:8.3f} / {cell.peak_bytes / 2**20:7.3f} MiB "
-              f"{guess.sec_per_step:8.3f} / {guess.peak_bytes / 2**20:7.3f} MiB {error:+10.1%}")
-    print(f"worst peak error: {worst:.1%}")
-    speed_of_choices(config, bundle, cells, schedules, args.plan_measure, args.speed)
+        time_error = (guess.sec_per_step - seconds) / seconds
+        peak_error = (guess.peak_bytes - peak) / peak
+        time_errors.append(abs(time_error))
+        peak_errors.append(abs(peak_error))
+        print(f"{schedule.mode:<44} {seconds:8.4f} / {peak / 2**20:7.3f} {guess.sec_per_step:8.4f} / "
+              f"{guess.peak_bytes / 2**20:7.3f} {time_error:+10.1%} {peak_error:+10.1%}")
+    print(f"sec/step error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
+          f"peak error: median {statistics.median(peak_errors):.1%}, worst {max(peak_errors):.1%}")
+    choices(measured_probe, schedules, measured, args.warmup, args.tie)
 
 
-def speed_of_choices(config, bundle, cells, schedules, measure_steps: int, factor: float) -> None:
-    """The planner's choice for 25/50/75% budgets against the sweep's fastest fitting mode."""
-    by_mode = {s.mode: s for s in schedules}
-    none_peak = next(c.peak_bytes for c in cells if c.mode == "none")
+def choices(measured_probe, schedules, measured: dict, warmup: int, tie: float) -> None:
+    """The planner's choice at 25/50/75% of the plain step's peak against the fastest measured
+    mode whose measured peak fits."""
+    none_peak = measured["none"][3]
     for share in (0.25, 0.5, 0.75):
         budget = int(share * none_peak)
         try:
-            mode = plan_for_budget(config, bundle, budget, measure_steps=measure_steps).chosen.schedule.mode
+            chosen = choose(measured_probe, budget, schedules, stream=True).chosen.schedule.mode
         except PlannerError as exc:
             print(f"budget {share:.0%}: {exc}")
             continue
-        fitting = [c for c in cells if c.status == "ok" and c.peak_bytes <= budget]
-        own = next(c for c in cells if c.mode == mode)
-        fastest = min(fitting, key=lambda c: c.sec_per_step)
-        line = f"budget {share:.0%}: chose {mode} ({own.sec_per_step:.3f} s), fastest fitting {fastest.mode} " \
-               f"({fastest.sec_per_step:.3f} s)"
-        if fastest.mode != mode and own.sec_per_step > factor * fastest.sec_per_step:
-            mine, theirs = lockstep_runs(config, bundle, [by_mode[mode], by_mode[fastest.mode]], 1, 10)
-            ratio = paired_ratio(mine, theirs, 1)
-            line += f"; paired ratio {ratio:.3f} {'ok' if ratio <= factor else 'SLOWER'}"
-        else:
-            line += " ok"
-        print(line)
+        fitting = [m for m in measured.values() if m[3] <= budget]
+        if chosen not in measured:
+            print(f"budget {share:.0%}: chose {chosen}, which the sweep does not measure")
+            continue
+        own = measured[chosen]
+        line = f"budget {share:.0%} ({budget / 2**20:.2f} MiB): chose {chosen} ({own[2]:.4f} s"
+        line += ", measured over the budget)" if own[3] > budget else ")"
+        if not fitting:
+            print(line + "; no mode measured within the budget")
+            continue
+        fastest = min(fitting, key=lambda m: m[2])
+        ratio = paired_ratio(own[1], fastest[1], warmup)
+        verdict = "ok" if own[3] <= budget and (fastest is own or ratio <= 1 + tie) else "NOT the fastest fitting"
+        print(f"{line}; fastest fitting {fastest[0].mode} ({fastest[2]:.4f} s), paired ratio {ratio:.3f}: {verdict}")
 
 
 if __name__ == "__main__":

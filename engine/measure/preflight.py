@@ -30,7 +30,7 @@ from ..families import get_family
 from ..families.limits import token_count
 from .frames import use_frames
 from .planner import MARGIN, NOT_STREAMED, TIE, Prediction, fewest_streamed, predict, preference, streaming_helps
-from .probe import Probe, probe, probe_steps
+from .probe import Probe, plain_steps, probe, probe_steps
 from .runs import RunWorkspace, StartRun
 from .sweep import sweep_schedules
 
@@ -268,11 +268,11 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
                 for shape, rows in classes[n]:
                     key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
                     # the preview phase is sampled once, after the largest shape's last probe step
-                    previews = {"validation_every": warmup_steps + 2, "validation_num_inference_steps": 1} \
+                    previews = {"validation_every": plain_steps(warmup_steps), "validation_num_inference_steps": 1} \
                         if not probes and config.validation.validation_every else {}
                     measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows,
                                      calibration=calibration, **previews)
-                    calibration = (measured.offload_s_per_tensor, measured.offload_s_per_byte)
+                    calibration = measured.calibration
                     probes[key], shares[key] = measured, len(rows) / total / len(counts)
                     sizes[key] = shape_size(bundle, shape)
     phases = training_phases(probes, shares, config.schedule, budget_bytes, sizes)

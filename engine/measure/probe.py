@@ -4,8 +4,9 @@ One training run (:class:`~..train.loop.TrainingRun`) without checkpointing (so 
 exactly like a sweep cell) records, through module hooks and a saved-tensor hook, per block of
 every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
 attention parts of them, its carried inputs, its forward time and forward transient, and its
-trainable (LoRA) bytes; plus the step's peak and sec/step. Two more short runs in lockstep, with
-and without attention offload, calibrate the offloader's cost per tensor on this machine.
+trainable (LoRA) bytes, the tensors it saves; plus the step's peak and sec/step (the median of
+clean steps). Short runs in lockstep then calibrate the per-tensor costs of recompute, offload and
+streaming on this machine (:mod:`.calibration`).
 :mod:`.planner` predicts every candidate schedule from the resulting :class:`Probe`.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,7 +25,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.module_tracker import ModuleTracker
 
 from ..config import TrainConfig
-from ..config.schedule import CheckpointSchedule
 from ..core.memory import PeakMemory
 from ..core.offload import resident_storages
 from ..core.plan import count_blocks
@@ -32,7 +33,7 @@ from ..families.base import FamilyAdapter
 from ..model.precision import tensor_bytes
 from ..train.loop import resolve_device
 from ..train.recovery import OutOfMemoryStop
-from .lockstep import lockstep_runs, paired_difference
+from .calibration import PLAIN, Calibration, Counts, calibrate, calibration_steps, copy_seconds_per_byte
 from .runs import RunWorkspace, StartRun
 
 
@@ -53,6 +54,9 @@ class BlockCost:
     grad: int = 0
     ffn_in_attn: int = 0
     attn_tensors: int = 0
+    attn_copied: int = 0
+    saved_tensors: int = 0
+    ffn_tensors: int = 0
 
 
 @dataclass
@@ -64,8 +68,8 @@ class Probe:
         blocks: per-list block costs, in forward order of the lists.
         peak_bytes: the probe step's device peak (same scope as a sweep cell: with the weights the
             device holds, on the CPU too). sec_per_step: its time.
-        offload_s_per_tensor / offload_s_per_byte: cost of one tensor kept in host memory by the
-            engine's offloader (pack and unpack), calibrated by two short runs in lockstep.
+        offload_s_per_tensor / offload_s_per_byte / recompute_s_per_tensor / stream_s_per_tensor:
+            this machine's :class:`~.calibration.Calibration` (short runs in lockstep).
         blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
     """
 
@@ -89,10 +93,18 @@ class Probe:
     held_bytes: int = 0
     """Device bytes held before the step starts (weights, LoRA, optimizer state): part of
     ``peak_bytes``, which no schedule changes (streaming moves the frozen part to the host)."""
+    recompute_s_per_tensor: float = 0.0
+    stream_s_per_tensor: float = 0.0
     extrapolated_from: int = 0
     """0: every block was measured. k: the plain step did not fit, so a copy of the model with its
     first k blocks per list was measured and its last block stands for the others
     (:func:`shallow_probe`)."""
+
+    @property
+    def calibration(self) -> Calibration:
+        """The per-tensor costs measured for this probe (:mod:`.calibration`)."""
+        return Calibration(self.offload_s_per_tensor, self.offload_s_per_byte, self.recompute_s_per_tensor,
+                           self.stream_s_per_tensor)
 
     @property
     def activation_bytes(self) -> int:
@@ -122,6 +134,7 @@ class _Seen:
     outputs: set[int] = field(default_factory=set)
     ffn_inputs: dict[int, int] = field(default_factory=dict)  # ptr -> bytes
     window: tuple[int, int] | None = None
+    attn_copies: dict[tuple, int] = field(default_factory=dict)  # what attention offload copies -> bytes
 
 
 class _Collector:
@@ -137,8 +150,10 @@ class _Collector:
     """
 
     def __init__(self, model: torch.nn.Module, family: FamilyAdapter, sync: Callable[[], None]):
-        self.active = False
+        self.active = False  # recording bytes (the recorded step)
+        self.timing = False  # timing blocks (the clean steps after it)
         self.sync = sync
+        self.seconds: dict[tuple[str, tuple[str, int]], list[float]] = {}  # per block and FFN: one per clean step
         self.modules = ModuleTracker()
         self.memory: PeakMemory | None = None  # the run's meter: its CPU tracker gives the transient
         self.resident: set[int] = set()
@@ -170,9 +185,12 @@ class _Collector:
 
     def _hooks(self, module, kind, key, last=None) -> None:
         def pre(_module, args, kwargs):
-            if not self.active:
+            if not (self.active or self.timing):
                 return
             self.sync()
+            if not self.active:
+                self.started[(kind, key)] = time.perf_counter()
+                return
             seen = self.seen[key]
             if kind == "block":
                 seen.inputs = [(k, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -187,15 +205,16 @@ class _Collector:
             self.started[(kind, key)] = time.perf_counter()
 
         def post(_module, _args, _kwargs, output):
-            if not self.active or (kind, key) not in self.started:
+            if not (self.active or self.timing) or (kind, key) not in self.started:
                 return
             self.sync()
             elapsed = time.perf_counter() - self.started.pop((kind, key))
-            cost = self.costs_[key]
-            if kind == "ffn":
-                cost.ffn_s += elapsed
+            if not self.active:
+                self.seconds.setdefault((kind, key), [0.0])[-1] += elapsed
                 return
-            cost.fwd_s += elapsed
+            if kind == "ffn":
+                return
+            cost = self.costs_[key]
             tracker, window = self._tracker(), self.seen[key].window
             if tracker is not None and window is not None:
                 cost.fwd_peak = max(cost.fwd_peak, tracker.peak_bytes - window[0])
@@ -216,14 +235,23 @@ class _Collector:
         if len(blocks) == 1:  # saved inside exactly one block (outside any block: base)
             kinds = {kind for kind, key in running if key == blocks[0]}
             storage = tensor.untyped_storage()
-            saved = self.seen[blocks[0]].saved
-            if storage.data_ptr() not in saved:
-                saved[storage.data_ptr()] = (storage.nbytes(), "ffn" in kinds, "attn" in kinds)
+            seen, cost = self.seen[blocks[0]], self.costs_[blocks[0]]
+            if storage.data_ptr() not in seen.saved:
+                seen.saved[storage.data_ptr()] = (storage.nbytes(), "ffn" in kinds, "attn" in kinds)
+            # every saved tensor passes through the saved-tensor hooks of a checkpoint or a streamed block
+            cost.saved_tensors += 1
+            cost.ffn_tensors += "ffn" in kinds
+            if "attn" in kinds and tensor.numel() and storage.data_ptr() not in self.resident:
+                # one copy per distinct view, as the offloader keys them (engine/core/offload.py)
+                view = (storage.data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+                seen.attn_copies[view] = tensor.numel() * tensor.element_size()
         return tensor
 
     def costs(self) -> dict[str, list[BlockCost]]:
         """Resolve the raw observations into per-block costs."""
         credited: set[int] = set(self.resident)
+        for (kind, key), seconds in self.seconds.items():  # the median clean step's time
+            setattr(self.costs_[key], "ffn_s" if kind == "ffn" else "fwd_s", statistics.median(seconds))
         result: dict[str, list[BlockCost]] = {}
         for name, blocks in self.lists:
             seen = [self.seen[(name, i)] for i in range(len(blocks))]
@@ -247,7 +275,7 @@ class _Collector:
                     cost.act += nbytes
                     cost.ffn += nbytes if in_ffn else 0
                     cost.attn += nbytes if in_attn else 0
-                    cost.attn_tensors += 1 if in_attn else 0
+                cost.attn_tensors, cost.attn_copied = len(s.attn_copies), sum(s.attn_copies.values())
                 # what a checkpoint of the FFN keeps that plain execution does not: its input,
                 # unless the block saves it outside the FFN anyway (a frozen linear saves nothing)
                 cost.ffn_in = sum(n for ptr, n in s.ffn_inputs.items()
@@ -260,58 +288,33 @@ class _Collector:
             result[name] = costs
         return result
 
+    def next_timing_step(self) -> None:
+        """Start timing one more clean step (each block's and FFN's seconds start at 0)."""
+        self.timing = True
+        for seconds in self.seconds.values():
+            seconds.append(0.0)
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
-CALIBRATION_STEPS = 3
-"""Measured steps of each of the two calibration runs (:func:`_offload_cost`)."""
+TIMING_STEPS = 3
+"""Clean steps after the recorded one: sec/step and each block's forward seconds are their medians."""
 
 
 def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
-    """The steps one probe runs: its plain run (``warmup_steps`` + the recorded step + a clean
-    one) and, with ``calibrate`` (no calibration given), the two calibration runs; what a caller
-    announces to its workspace (:meth:`~.runs.RunWorkspace.expect`) before probing. A family
-    without attention activations to offload skips the calibration, and the probe takes those
-    steps back."""
-    return warmup_steps + 2 + (2 * (warmup_steps + CALIBRATION_STEPS) if calibrate else 0)
+    """The steps one probe runs: its plain run (:func:`plain_steps`) and, with ``calibrate`` (no
+    calibration given), the calibration runs (:func:`~.calibration.calibration_steps`); what a
+    caller announces to its workspace (:meth:`~.runs.RunWorkspace.expect`) before probing. A
+    family without attention activations to offload skips that calibration run, a config that
+    streams weights adds one (streaming's), and the probe corrects the announced total."""
+    return plain_steps(warmup_steps) + (calibration_steps(warmup_steps) if calibrate else 0)
 
 
-def _offload_cost(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace, tensors: int,
-                  nbytes: int) -> tuple[float, float]:
-    """(seconds per offloaded tensor, seconds per offloaded byte) of the engine's offloader on this
-    machine: the median extra time of a run with attention offload over one without, timed in
-    lockstep (:mod:`.lockstep`: a step of each in turn, so machine drift cancels), divided by what
-    it offloads (0 when the family has no attention boundary)."""
-    if not tensors:
-        workspace.expect(-(probe_steps(warmup_steps) - probe_steps(warmup_steps, calibrate=False)))
-        return 0.0, 0.0
-    plain = CheckpointSchedule(gradient_checkpointing=False)
-    without, with_offload = lockstep_runs(config, bundle, [plain, plain.replace(
-        gradient_checkpointing_offload_attention=True)], warmup_steps, CALIBRATION_STEPS, workspace=workspace)
-    extra = max(0.0, paired_difference(with_offload, without, warmup_steps))
-    # split between per-tensor bookkeeping and per-byte copies: copies at the measured memcpy rate
-    per_byte = _copy_seconds_per_byte(torch.device(with_offload.report["environment"]["device"]))
-    per_tensor = max(0.0, extra - per_byte * nbytes) / tensors
-    return per_tensor, per_byte
-
-
-def _copy_seconds_per_byte(device: torch.device) -> float:
-    """Seconds per byte of one device -> host -> device round trip (16 MiB, best of 3)."""
-    source = torch.empty(4 << 20, dtype=torch.float32, device=device)
-    target = torch.empty(source.shape, dtype=source.dtype, pin_memory=device.type == "cuda")
-    best = float("inf")
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        target.copy_(source)
-        source.copy_(target)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return best / source.nbytes
+def plain_steps(warmup_steps: int) -> int:
+    """Steps of the probe's plain run: warm-up, the recorded step, :data:`TIMING_STEPS` clean ones."""
+    return warmup_steps + 1 + TIMING_STEPS
 
 
 SHALLOW_BLOCKS = 2
@@ -320,7 +323,7 @@ SHALLOW_BLOCKS = 2
 
 def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRun | None = None,
           workspace: RunWorkspace | None = None, rows: list[int] | None = None,
-          calibration: tuple[float, float] | None = None, shallow: int | None = None, **changes) -> Probe:
+          calibration: Calibration | None = None, shallow: int | None = None, **changes) -> Probe:
     """Measure per-block activation bytes and forward time on one step without checkpointing.
 
     When that step runs out of memory (the weights and every block's activations do not fit the
@@ -335,8 +338,8 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
         workspace: an open workspace to run in (shared data and latent cache); default: its own.
         rows: probe batches of these cache rows only (one bucket: one shape).
-        calibration: the offloader's ``(seconds per tensor, seconds per byte)`` of an earlier probe
-            on this machine (skips the two calibration runs).
+        calibration: the :class:`~.calibration.Calibration` of an earlier probe on this machine
+            (:attr:`Probe.calibration`; skips the calibration runs).
         changes: other settings of the probe run (e.g. ``validation_every``).
 
     Raises:
@@ -393,7 +396,7 @@ def shallow_copy(model: torch.nn.Module, family: FamilyAdapter, keep: int) -> to
 
 
 def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, workspace: RunWorkspace,
-                  rows: list[int] | None = None, calibration: tuple[float, float] | None = None,
+                  rows: list[int] | None = None, calibration: Calibration | None = None,
                   **changes) -> Probe:
     """The probe of a model whose plain step does not fit: one plain step of a copy with the first
     ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
@@ -437,32 +440,16 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
 
 
 def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace,
-                 rows: list[int] | None, calibration: tuple[float, float] | None, **changes) -> Probe:
-    """One plain step of ``bundle``'s model in ``workspace``, recorded block by block."""
+                 rows: list[int] | None, calibration: Calibration | None, **changes) -> Probe:
+    """One plain step of ``bundle``'s model in ``workspace``, recorded block by block, then the
+    clean steps timed and (without ``calibration``) the calibration runs."""
     family = get_family(bundle.family.name)
     device = resolve_device(config.model)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    # warm-up steps, the recorded step (hooks active), then one clean step for sec/step
-    run = workspace.start(CheckpointSchedule(gradient_checkpointing=False), warmup_steps, 2, rows=rows, **changes)
-    # the run adds the LoRA to the copy; hooks attach to its blocks, which the run keeps
-    collector = _Collector(run.bundle.transformer, family, sync)
-    try:
-        with collector.modules, torch.autograd.graph.saved_tensors_hooks(collector.pack, lambda t: t):
-            for record in run:
-                # record the step after the warm-up: the LoRA weights are resident by then
-                collector.active = record.step == warmup_steps
-                if collector.active:
-                    collector.resident = resident_storages(run.context.model)
-                    collector.memory = run.context.memory
-    finally:
-        collector.close()
+    run, collector = _record(family, device, warmup_steps, workspace, rows, **changes)
     result = run.result
-    recorded, clean = result.history[warmup_steps], result.history[-1]
+    recorded = result.history[warmup_steps]
+    clean = result.history[warmup_steps + 1:]
     costs = collector.costs()
-    routed_attention = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
-    attn = [c for name, cs in costs.items() if name in routed_attention for c in cs]
-    per_tensor, per_byte = calibration or _offload_cost(config, bundle, warmup_steps, workspace,
-                                                        sum(c.attn_tensors for c in attn), sum(c.attn for c in attn))
     # device terms (a sweep cell's): on the CPU the tracker's figures plus what the device holds
     held = recorded["device_peak_bytes"] - recorded["peak_bytes"]
     blocks_end = None if collector.blocks_end_bytes is None else collector.blocks_end_bytes + held
@@ -473,8 +460,54 @@ def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunW
     states = {bl.name: [sum(tensor_bytes(t) for p in block.parameters() if p.requires_grad
                             for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
-    return Probe(family.name, device.type, costs, max(recorded["device_peak_bytes"], clean["device_peak_bytes"]),
-                 clean["seconds"], per_tensor, per_byte, blocks_end,
-                 result.report["memory"]["validation_peak_bytes"], frozen,
-                 per_byte / 2 if per_byte else _copy_seconds_per_byte(device) / 2, states,
-                 recorded["start_bytes"] if device.type == "cuda" else held)
+    h2d_s_per_byte = copy_seconds_per_byte(device) / 2
+    if calibration is None:
+        counts = _counts(family, costs, frozen if config.schedule.streams else {})
+        workspace.expect(calibration_steps(warmup_steps, bool(counts.attn_tensors), bool(counts.frozen_bytes))
+                         - calibration_steps(warmup_steps))
+        calibration = calibrate(config, bundle, warmup_steps, workspace, counts, h2d_s_per_byte)
+    return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
+                 statistics.median(r["seconds"] for r in clean), calibration.offload_s_per_tensor,
+                 calibration.offload_s_per_byte, blocks_end, result.report["memory"]["validation_peak_bytes"], frozen,
+                 h2d_s_per_byte, states, recorded["start_bytes"] if device.type == "cuda" else held,
+                 recompute_s_per_tensor=calibration.recompute_s_per_tensor,
+                 stream_s_per_tensor=calibration.stream_s_per_tensor)
+
+
+def _record(family: FamilyAdapter, device: torch.device, warmup_steps: int, workspace: RunWorkspace,
+            rows: list[int] | None, **changes) -> tuple[Any, _Collector]:
+    """Run the probe's plain run: warm-up steps, the recorded step (module tracker and saved-tensor
+    hook on), then :data:`TIMING_STEPS` clean steps with only the blocks' timing hooks."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    run = workspace.start(PLAIN, warmup_steps, 1 + TIMING_STEPS, rows=rows, **changes)
+    # the run adds the LoRA to the copy; hooks attach to its blocks, which the run keeps
+    collector = _Collector(run.bundle.transformer, family, sync)
+    steps = iter(run)
+    try:
+        for _ in range(warmup_steps):
+            next(steps)
+        # record the step after the warm-up: the LoRA weights are resident by then; the module
+        # tracker and the saved-tensor hook cost time, so they are on for this step only
+        collector.active, collector.resident = True, resident_storages(run.context.model)
+        collector.memory = run.context.memory
+        with collector.modules, torch.autograd.graph.saved_tensors_hooks(collector.pack, lambda t: t):
+            next(steps)
+        collector.active = False
+        for _ in range(TIMING_STEPS):
+            collector.next_timing_step()
+            next(steps)
+        collector.timing = False
+        next(steps, None)  # the run ends (its outputs are written)
+    finally:
+        collector.close()
+        steps.close()
+    return run, collector
+
+
+def _counts(family: FamilyAdapter, costs: dict[str, list[BlockCost]], frozen: dict[str, list[int]]) -> Counts:
+    """What each calibration run adds to the plain step (``frozen`` empty: no streaming run)."""
+    routed = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
+    every = [c for cs in costs.values() for c in cs]
+    attn = [c for name, cs in costs.items() if name in routed for c in cs]
+    return Counts(sum(c.attn_tensors for c in attn), sum(c.attn_copied for c in attn), sum(c.fwd_s for c in every),
+                  sum(c.saved_tensors for c in every), sum(sum(b) for b in frozen.values()))
