@@ -1,13 +1,14 @@
 // Gradient Checkpointing Schedule node: draws its effective per-block plan as a strip of cells
 // per block list, from GET /segckpt/plan (the engine's plan; one source of truth), refreshed when
 // a widget changes, in a results widget below the node's widgets (segckpt_canvas.js). Blocks whose
-// frozen weights stream from host memory get a band in the stream colour along their top.
+// frozen weights stream from host memory get a band in the stream colour along their top. Every
+// colour and label comes with the plan (its marks and stream_marks), none is declared here.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { addResultsWidget, fillText, fitHeight } from "./segckpt_canvas.js";
 import {
-  linkedTrainInput, MARKS, markStyle, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, STREAM_KEYS, STREAM_MARK, STREAM_STYLE,
-  stripLayout, TINY_PRESET, widgetValue,
+  FALLBACK_COLOR, linkedTrainInput, markStyle, OFFLOAD_KEYS, planQuery, SCHEDULE_KEYS, STREAM_KEYS, stripLayout,
+  TINY_PRESET, widgetValue,
 } from "./segckpt_common.js";
 
 const ROW = 12, GAP = 3, LEGEND_ROW = 14, HEADER = 16, BAND = 4;
@@ -52,9 +53,9 @@ async function refresh(node, query) {
   fitHeight(node);
 }
 
-// a band in the stream colour along the top of a streamed block's cell (or legend swatch)
-function drawStreamBand(ctx, x, y, w) {
-  ctx.fillStyle = STREAM_STYLE.color;
+// a band in a stream mark's colour along the top of a streamed block's cell (or legend swatch)
+function drawStreamBand(ctx, x, y, w, color) {
+  ctx.fillStyle = color;
   ctx.fillRect(x, y, w, BAND);
 }
 
@@ -90,19 +91,19 @@ function draw(node, ctx, area) {
       ctx.fillStyle = "#d4d4d8";
       fillText(ctx, row.name, area.x, y + ROW / 2, 60);
       for (const cell of row.cells) {
-        ctx.fillStyle = MARKS[cell.mark]?.color ?? "#000";
+        ctx.fillStyle = markStyle(state.plan, cell.mark).color;
         ctx.fillRect(area.x + cell.x, y, cell.w, ROW);
-        if (cell.streamed) drawStreamBand(ctx, area.x + cell.x, y, cell.w);
+        if (cell.stream) drawStreamBand(ctx, area.x + cell.x, y, cell.w, markStyle(state.plan, cell.stream, true).color);
       }
     }
     const top = area.y + HEADER + layout.height + 4;
-    layout.legend.forEach((mark, i) => {
+    layout.legend.forEach(({ mark, stream }, i) => {
       const x = area.x + (i % 2) * (area.w / 2);
       const y = top + Math.floor(i / 2) * LEGEND_ROW;
-      const style = markStyle(mark);
-      ctx.fillStyle = mark === STREAM_MARK ? MARKS["."].color : style.color; // a plain block with the band
+      const style = markStyle(state.plan, mark, stream);
+      ctx.fillStyle = stream ? style.base ?? FALLBACK_COLOR : style.color; // a stream mark: a block with the band
       ctx.fillRect(x, y + 3, 9, 9);
-      if (mark === STREAM_MARK) drawStreamBand(ctx, x, y + 3, 9);
+      if (stream) drawStreamBand(ctx, x, y + 3, 9, style.color);
       ctx.fillStyle = "#d4d4d8";
       fillText(ctx, style.label, x + 13, y + 8, area.w / 2 - 16);
     });

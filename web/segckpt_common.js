@@ -18,31 +18,27 @@ export const SCHEDULE_KEYS = [
  */
 export const STREAM_KEYS = ["weight_offload", "weight_offload_blocks", "weight_offload_prefetch"];
 
-/** Block-map marks (engine/core/plan.py LEGEND): fill colour and short label. */
-export const MARKS = {
-  C: { color: "#3b82f6", label: "checkpointed" },
-  O: { color: "#a855f7", label: "checkpointed, inputs offloaded" },
-  K: { color: "#0ea5e9", label: "checkpointed, attention outputs kept" },
-  k: { color: "#c084fc", label: "checkpointed, inputs and kept attention offloaded" },
-  F: { color: "#10b981", label: "FFN checkpointed" },
-  f: { color: "#14b8a6", label: "FFN checkpointed, offloaded" },
-  a: { color: "#f59e0b", label: "plain, attention offloaded" },
-  ".": { color: "#52525b", label: "plain" },
-};
-
-/** The stream-map mark of a block whose frozen weights stream from host memory (plan.stream_map). */
-export const STREAM_MARK = "S";
-
-/** How a streamed block is drawn (a band over its cell) and named in the legend. */
-export const STREAM_STYLE = { color: "#f472b6", label: "frozen weights streamed" };
+/**
+ * Fill colour of a mark the plan does not describe: a neutral black. The plan describes every
+ * mark the engine emits (tests/core/test_marks.py), so the strip shows it only for a mismatch.
+ */
+export const FALLBACK_COLOR = "#000000";
 
 /**
- * Colour and label of a legend entry: a block-map mark, or STREAM_MARK.
+ * Colour and label of a mark, as the plan serves them (GET /segckpt/plan: `marks` for the block
+ * map, `stream_marks` for the stream map; declared in engine/config/backends.py and
+ * engine/config/marks.py, nowhere in the frontend).
+ * @param {{marks?: Record<string, {color: string, label: string}>,
+ *          stream_marks?: Record<string, {color: string, label: string, base?: string}>}} plan
  * @param {string} mark
- * @returns {{color: string, label: string}|undefined} undefined for an unknown mark
+ * @param {boolean} stream a stream-map mark (drawn as a band over the cell; `base`: the colour
+ *     under the band in its legend swatch)
+ * @returns {{color: string, label: string, base?: string}} FALLBACK_COLOR and the mark itself as
+ *     label for a mark the plan does not describe
  */
-export function markStyle(mark) {
-  return mark === STREAM_MARK ? STREAM_STYLE : MARKS[mark];
+export function markStyle(plan, mark, stream = false) {
+  const styles = (stream ? plan?.stream_marks : plan?.marks) ?? {};
+  return Object.hasOwn(styles, mark) ? styles[mark] : { color: FALLBACK_COLOR, label: mark };
 }
 
 export const TINY_PRESET = "(tiny preset)";
@@ -71,21 +67,24 @@ export function planQuery(values, size = "full") {
 
 /**
  * Layout of the block strip: one row per block list, one cell per block.
- * @param {{block_map: Record<string, string>, stream_map?: Record<string, string>}} plan the route's
- *     answer (stream_map: "S" = that block's frozen weights stream, "." = resident; empty or absent
- *     when nothing streams)
+ * @param {{block_map: Record<string, string>, stream_map?: Record<string, string>,
+ *          marks?: Record<string, object>, stream_marks?: Record<string, object>}} plan the route's
+ *     answer (stream_map: one character per block, a key of stream_marks where a band is drawn;
+ *     empty or absent when nothing streams)
  * @param {number} width pixels available
  * @param {{label?: number, row?: number, gap?: number}} opts label column width, row height, gap
  * @returns {{rows: {name: string, y: number, cells: {x: number, w: number, mark: string,
- *            streamed: boolean}[]}[], legend: string[], height: number}} cells in pixels relative to
- *          the strip's origin; legend = marks present, in MARKS order, then STREAM_MARK when a
- *          block streams.
+ *            stream: string|null}[]}[], legend: {mark: string, stream: boolean}[], height: number}}
+ *          cells in pixels relative to the strip's origin (stream: the cell's stream-map mark when
+ *          it is drawn, else null); legend = the block marks present, in the order of plan.marks
+ *          (marks it lacks last), then the stream marks present, in the order of plan.stream_marks.
  */
 export function stripLayout(plan, width, opts = {}) {
   const label = opts.label ?? 64, row = opts.row ?? 14, gap = opts.gap ?? 4;
+  const drawn = plan.stream_marks ?? {};
   const rows = [];
-  const used = new Set();
-  let y = 0, streams = false;
+  const used = new Set(), streams = new Set();
+  let y = 0;
   for (const [name, map] of Object.entries(plan.block_map ?? {})) {
     const n = map.length;
     const streamMap = plan.stream_map?.[name] ?? "";
@@ -94,16 +93,18 @@ export function stripLayout(plan, width, opts = {}) {
     for (let i = 0; i < n; i++) {
       const x0 = label + Math.floor((i * span) / n);
       const x1 = label + Math.floor(((i + 1) * span) / n);
-      const streamed = streamMap[i] === STREAM_MARK;
-      cells.push({ x: x0, w: Math.max(1, x1 - x0 - (span / n >= 4 ? 1 : 0)), mark: map[i], streamed });
+      const stream = Object.hasOwn(drawn, streamMap[i] ?? "") ? streamMap[i] : null;
+      cells.push({ x: x0, w: Math.max(1, x1 - x0 - (span / n >= 4 ? 1 : 0)), mark: map[i], stream });
       used.add(map[i]);
-      streams ||= streamed;
+      if (stream) streams.add(stream);
     }
     rows.push({ name, y, cells });
     y += row + gap;
   }
-  const legend = Object.keys(MARKS).filter((m) => used.has(m));
-  if (streams) legend.push(STREAM_MARK);
+  const order = Object.keys(plan.marks ?? {});
+  const marks = [...order.filter((m) => used.has(m)), ...[...used].filter((m) => !order.includes(m))];
+  const legend = [...marks.map((mark) => ({ mark, stream: false })),
+    ...Object.keys(drawn).filter((m) => streams.has(m)).map((mark) => ({ mark, stream: true }))];
   return { rows, legend, height: y };
 }
 

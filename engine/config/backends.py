@@ -3,7 +3,8 @@
 One row per public ``gradient_checkpointing_backend`` value (docs/SCHEDULES.md "Backends"; the
 documents' SimpleTuner "Unsloth-style Checkpointing"): the scope of its checkpoint region (the
 whole block, or the block's feed-forward sub-block alone) and whether the region's boundary
-inputs wait in host memory between forward and backward. The block-map character and the
+inputs wait in host memory between forward and backward. The block-map marks (character, colour
+and label that the printed plan and the schedule node's strip show, ``marks.py``) and the
 documents' decision order (torch-ffn, torch, unsloth-ffn, unsloth) are kept in the same row.
 Everything else reads this table; no other module compares backend names.
 """
@@ -11,6 +12,8 @@ Everything else reads this table; no other module compares backend names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .marks import Mark
 
 
 @dataclass(frozen=True)
@@ -21,22 +24,42 @@ class Backend:
         name: the public key value.
         ffn_scope: the region is the block's FFN sub-block (else the whole block or segment).
         offload_inputs: the region's carried boundary inputs are kept in host memory.
-        mark: the block-map character of a block it checkpoints.
+        mark: the block-map mark of a block it checkpoints.
+        save_attention_mark: the mark of a block it checkpoints that keeps its attention outputs
+            (``gradient_checkpointing_save_attention``); ``None`` where that key is refused (an
+            FFN-scope region holds no attention, engine/config/schedule.py).
         preference: rank in the documents' decision rule (0 = tried first).
     """
 
     name: str
     ffn_scope: bool
     offload_inputs: bool
-    mark: str
+    mark: Mark
+    save_attention_mark: Mark | None
     preference: int
+
+    @property
+    def marks(self) -> tuple[Mark, ...]:
+        """Every mark a block it checkpoints can show: :attr:`mark`, then :attr:`save_attention_mark`."""
+        return (self.mark,) if self.save_attention_mark is None else (self.mark, self.save_attention_mark)
 
 
 TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("torch", ffn_scope=False, offload_inputs=False, mark="C", preference=1),
-    Backend("torch-ffn", ffn_scope=True, offload_inputs=False, mark="F", preference=0),
-    Backend("unsloth", ffn_scope=False, offload_inputs=True, mark="O", preference=3),
-    Backend("unsloth-ffn", ffn_scope=True, offload_inputs=True, mark="f", preference=2),
+    Backend("torch", ffn_scope=False, offload_inputs=False, preference=1,
+            mark=Mark("C", "checkpointed", "#3b82f6", "checkpointed block (recomputed in backward)"),
+            save_attention_mark=Mark("K", "checkpointed, attention outputs kept", "#0ea5e9",
+                                     "checkpointed block keeping its attention outputs (save_attention)")),
+    Backend("torch-ffn", ffn_scope=True, offload_inputs=False, preference=0, save_attention_mark=None,
+            mark=Mark("F", "FFN checkpointed", "#10b981", "FFN checkpointed (torch-ffn)")),
+    Backend("unsloth", ffn_scope=False, offload_inputs=True, preference=3,
+            mark=Mark("O", "checkpointed, inputs offloaded", "#a855f7",
+                      "checkpointed block with its boundary inputs offloaded (unsloth)"),
+            save_attention_mark=Mark("k", "checkpointed, inputs and kept attention offloaded", "#c084fc",
+                                     "checkpointed block keeping its attention outputs, with its boundary inputs "
+                                     "and kept attention outputs offloaded (unsloth, save_attention)")),
+    Backend("unsloth-ffn", ffn_scope=True, offload_inputs=True, preference=2, save_attention_mark=None,
+            mark=Mark("f", "FFN checkpointed, offloaded", "#14b8a6",
+                      "FFN checkpointed with its input offloaded (unsloth-ffn)")),
 )}
 BACKENDS = tuple(TABLE)
 """Allowed values of ``gradient_checkpointing_backend``, in the order shown to users."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..config.backends import DEFAULT as DEFAULT_BACKEND
+from ..config.backends import TABLE as BACKEND_TABLE
+from ..config.marks import PLAIN, PLAIN_ATTENTION_OFFLOADED, PLAIN_MARKS, RESIDENT, STREAM_MARKS, STREAMED
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families.base import FamilyAdapter
 
@@ -28,14 +30,15 @@ FSDP_WRAPPER = "fsdp checkpoint_wrapper"
 """Who applies a plan (:attr:`ModelPlan.applied_by`): the engine's :class:`~.runner.SegmentRunner`
 through diffusers' checkpoint hook, or FSDP-style ``checkpoint_wrapper`` around every block
 (``fsdp_activation_checkpointing``; the runner then checkpoints nothing)."""
-STREAM_LEGEND = "S = frozen weights streamed from host memory, . = frozen weights resident on the device"
+BLOCK_MARKS = tuple(mark for backend in sorted(BACKEND_TABLE.values(), key=lambda b: (b.ffn_scope, b.offload_inputs))
+                    for mark in backend.marks) + PLAIN_MARKS
+"""Every mark of :meth:`ModelPlan.block_maps`, in legend order: the backends' (whole-block before
+FFN-scope, on-device before offloaded), then the plain blocks'. Declared in the backend table and
+engine/config/marks.py only."""
+LEGEND = ", ".join(f"{mark.char} = {mark.text}" for mark in BLOCK_MARKS)
+"""Legend of :meth:`ModelPlan.block_maps`, as the printed plan shows it."""
+STREAM_LEGEND = f"{STREAMED.char} = {STREAMED.text}, {RESIDENT} = frozen weights resident on the device"
 """Legend of :meth:`ModelPlan.stream_maps` (``weight_offload=stream``)."""
-LEGEND = ("C = checkpointed block (recomputed in backward), O = checkpointed block with its boundary "
-          "inputs offloaded (unsloth), K = checkpointed block keeping its attention outputs (save_attention), "
-          "k = K with its boundary inputs and kept attention outputs offloaded (unsloth), F = FFN checkpointed "
-          "(torch-ffn), f = FFN checkpointed with its "
-          "input offloaded (unsloth-ffn), a = plain with attention activations offloaded, "
-          ". = plain (activations kept)")
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class ModelPlan:
         (see :data:`STREAM_LEGEND`); empty when nothing streams."""
         if not self.streamed_blocks:
             return {}
-        return {p.name: "".join("S" if i in set(p.streamed) else "." for i in range(p.num_blocks)) for p in self.lists}
+        return {p.name: "".join(STREAMED.char if i in set(p.streamed) else RESIDENT for i in range(p.num_blocks))
+                for p in self.lists}
 
     def effect(self) -> tuple:
         """What the plan does, block by block, as a hashable value: two plans with equal effects run
@@ -151,14 +155,14 @@ class ModelPlan:
         return tuple(lists), self.applied_by, prefetch
 
     def block_maps(self) -> dict[str, str]:
-        """Per list, one character per block (see :data:`LEGEND`)."""
-        mark = self.schedule.backend.mark
-        if self.schedule.gradient_checkpointing_save_attention:
-            mark = {"C": "K", "O": "k"}.get(mark, mark)
+        """Per list, one character per block (see :data:`BLOCK_MARKS`)."""
+        backend = self.schedule.backend
+        mark = backend.save_attention_mark if self.schedule.gradient_checkpointing_save_attention else backend.mark
         maps = {}
         for plan in self.lists:
-            plain = "a" if self.schedule.gradient_checkpointing_offload_attention and plan.routed else "."
-            maps[plan.name] = plan.block_map(mark, plain)
+            plain = PLAIN_ATTENTION_OFFLOADED if self.schedule.gradient_checkpointing_offload_attention and plan.routed \
+                else PLAIN
+            maps[plan.name] = plan.block_map(mark.char, plain.char)
         return maps
 
     def render(self) -> str:
@@ -182,7 +186,11 @@ class ModelPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: family, schedule keys, lists (segments, checkpointed, plain), notes."""
+        """JSON-ready form: family, schedule keys, lists (segments, checkpointed, plain), notes, and
+        the block and stream maps with their legends: ``marks`` / ``stream_marks`` map every mark
+        of :data:`BLOCK_MARKS` / :data:`~..config.marks.STREAM_MARKS`, in legend order, to
+        ``{"color": "#rrggbb", "label": ...}``, what the schedule node's strip draws
+        (web/schedule_strip.js)."""
         return {
             "family": self.family,
             "mode": self.mode,
@@ -191,8 +199,10 @@ class ModelPlan:
             "lists": [p.to_dict() for p in self.lists],
             "block_map": self.block_maps(),
             "legend": LEGEND,
+            "marks": {mark.char: mark.style() for mark in BLOCK_MARKS},
             "stream_map": self.stream_maps(),
             "stream_legend": STREAM_LEGEND,
+            "stream_marks": {mark.char: mark.style() for mark in STREAM_MARKS},
             "streamed_blocks": self.streamed_blocks,
             "notes": list(self.notes),
         }

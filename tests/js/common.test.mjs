@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  frameAt, linkedTrainInput, lossPoints, MARKS, OFFLOAD_KEYS, planQuery, recordLoss, SCHEDULE_KEYS, stripLayout, widgetValue,
+  FALLBACK_COLOR, frameAt, linkedTrainInput, lossPoints, markStyle, OFFLOAD_KEYS, planQuery, recordLoss, SCHEDULE_KEYS, stripLayout, widgetValue,
 } from "../../web/segckpt_common.js";
 
 test("planQuery sends every key and turns interval/stride 0 into unset", () => {
@@ -22,8 +22,11 @@ test("planQuery sends every key and turns interval/stride 0 into unset", () => {
   assert.deepEqual([...q.keys()], ["family", "size", ...SCHEDULE_KEYS]);
 });
 
+// The marks as the plan serves them (engine/core/plan.py to_dict); test colours, not the engine's.
+const MARKS = { C: { color: "#000001", label: "c" }, O: { color: "#000002", label: "o" }, ".": { color: "#000003", label: "p" } };
+
 test("stripLayout gives one row per list and one cell per block, inside the width", () => {
-  const plan = { block_map: { double: "CC..CC..", single: "OOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO." } };
+  const plan = { block_map: { double: "CC..CC..", single: "OOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO." }, marks: MARKS };
   const { rows, legend, height } = stripLayout(plan, 300, { label: 60, row: 10, gap: 2 });
   assert.deepEqual(rows.map((r) => r.name), ["double", "single"]);
   assert.equal(rows[0].cells.length, 8);
@@ -37,8 +40,23 @@ test("stripLayout gives one row per list and one cell per block, inside the widt
     assert.ok(last.x + last.w <= 300);
     for (let i = 1; i < row.cells.length; i++) assert.ok(row.cells[i].x >= row.cells[i - 1].x + row.cells[i - 1].w);
   }
-  assert.deepEqual(legend, ["C", "O", "."]);
-  for (const mark of legend) assert.ok(MARKS[mark].color && MARKS[mark].label);
+  assert.deepEqual(legend, ["C", "O", "."].map((mark) => ({ mark, stream: false })));
+});
+
+test("stripLayout orders the legend as the plan's marks, marks it lacks last", () => {
+  const marks = { ".": MARKS["."], O: MARKS.O, C: MARKS.C };
+  const { legend } = stripLayout({ block_map: { a: "C.?O" }, marks }, 200);
+  assert.deepEqual(legend.map((e) => e.mark), [".", "O", "C", "?"]);
+});
+
+test("markStyle reads the plan's marks and falls back to a neutral colour for an unknown mark", () => {
+  const plan = { marks: MARKS, stream_marks: { S: { color: "#000004", label: "s", base: "#000003" } } };
+  assert.equal(markStyle(plan, "O"), MARKS.O);
+  assert.equal(markStyle(plan, "S", true).color, "#000004");
+  assert.deepEqual(markStyle(plan, "S"), { color: FALLBACK_COLOR, label: "S" }, "a stream mark is not a block mark");
+  assert.deepEqual(markStyle(plan, "?"), { color: FALLBACK_COLOR, label: "?" });
+  assert.deepEqual(markStyle({}, "C"), { color: FALLBACK_COLOR, label: "C" }, "a plan without marks");
+  assert.deepEqual(markStyle(plan, "toString"), { color: FALLBACK_COLOR, label: "toString" }, "own keys only");
 });
 
 test("stripLayout of an empty plan is empty", () => {

@@ -3,38 +3,42 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  linkedTrainInput, markStyle, MARKS, planQuery, SCHEDULE_KEYS, STREAM_KEYS, STREAM_MARK, STREAM_STYLE, stripLayout,
+  linkedTrainInput, markStyle, planQuery, SCHEDULE_KEYS, STREAM_KEYS, stripLayout,
 } from "../../web/segckpt_common.js";
+
+// The marks as the plan serves them (engine/core/plan.py to_dict); test colours, not the engine's.
+const MARKS = { C: { color: "#000001", label: "c" }, O: { color: "#000002", label: "o" }, ".": { color: "#000003", label: "p" } };
+const STREAM_MARKS = { S: { color: "#000004", label: "streamed", base: "#000003" } };
 
 test("stripLayout marks exactly the streamed cells and adds the stream legend entry last", () => {
   const plan = {
     block_map: { double: "CC..CC..", single: "OOOO" },
     stream_map: { double: "..S.S..S", single: "S..." },
-    streamed_blocks: 4,
+    streamed_blocks: 4, marks: MARKS, stream_marks: STREAM_MARKS,
   };
   const { rows, legend } = stripLayout(plan, 300);
   for (const row of rows) {
-    const marks = row.cells.map((c) => (c.streamed ? "S" : ".")).join("");
+    const marks = row.cells.map((c) => c.stream ?? ".").join("");
     assert.equal(marks, plan.stream_map[row.name], row.name);
   }
   assert.equal(rows[0].cells.map((c) => c.mark).join(""), "CC..CC..", "block marks unchanged");
-  assert.deepEqual(legend, ["C", "O", ".", STREAM_MARK]);
-  assert.equal(markStyle(STREAM_MARK), STREAM_STYLE);
-  assert.ok(STREAM_STYLE.color && STREAM_STYLE.label.includes("streamed"));
-  assert.ok(!Object.values(MARKS).some((m) => m.color === STREAM_STYLE.color), "a colour of its own");
-  assert.equal(markStyle("C"), MARKS.C);
-  assert.equal(markStyle("?"), undefined);
+  assert.deepEqual(legend, [...["C", "O", "."].map((mark) => ({ mark, stream: false })), { mark: "S", stream: true }]);
+  assert.equal(markStyle(plan, "S", true), STREAM_MARKS.S);
+  assert.equal(markStyle(plan, "C"), MARKS.C);
 });
 
 test("stripLayout without streaming marks no cell and adds no stream entry", () => {
-  for (const plan of [{ block_map: { blocks: "CC.." } }, { block_map: { blocks: "CC.." }, stream_map: {} }]) {
-    const { rows, legend } = stripLayout(plan, 200);
-    assert.ok(rows[0].cells.every((c) => c.streamed === false));
-    assert.ok(!legend.includes(STREAM_MARK));
+  for (const plan of [{ block_map: { blocks: "CC.." } }, { block_map: { blocks: "CC.." }, stream_map: {} },
+    { block_map: { blocks: "CC.." }, stream_map: { blocks: "...." }, stream_marks: STREAM_MARKS }]) {
+    const { rows, legend } = stripLayout({ marks: MARKS, ...plan }, 200);
+    assert.ok(rows[0].cells.every((c) => c.stream === null));
+    assert.ok(legend.every((e) => !e.stream));
   }
   // a list missing from the stream map streams nothing
-  const { rows } = stripLayout({ block_map: { a: "..", b: ".." }, stream_map: { a: "SS" } }, 200);
-  assert.deepEqual(rows.map((r) => r.cells.map((c) => c.streamed)), [[true, true], [false, false]]);
+  const { rows } = stripLayout({ block_map: { a: "..", b: ".." }, stream_map: { a: "SS" }, stream_marks: STREAM_MARKS }, 200);
+  assert.deepEqual(rows.map((r) => r.cells.map((c) => c.stream)), [["S", "S"], [null, null]]);
+  // a stream map of a plan that serves no stream marks draws no band
+  assert.ok(stripLayout({ block_map: { a: ".." }, stream_map: { a: "SS" } }, 200).rows[0].cells.every((c) => !c.stream));
 });
 
 test("planQuery sends the stream keys after the schedule's, blocks 0 as all", () => {

@@ -8,6 +8,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from segmented_checkpointing.engine.config.backends import TABLE
+from segmented_checkpointing.engine.config.marks import STREAMED
 from segmented_checkpointing.engine.core.plan_query import plan_for_query, reference_block_counts
 from segmented_checkpointing.nodes.routes import PLAN_ROUTE, register_routes
 
@@ -32,6 +34,9 @@ def test_plan_route_returns_the_engine_plan():
     assert plan == {**plan_for_query(query)}
     assert plan["block_map"] == {"double": "OO..OO..", "single": "OO..OO.."}
     assert plan["num_blocks"] == {"double": 8, "single": 8}
+    # the strip's colour and label of each mark come with the plan, from the backend table
+    assert plan["marks"]["O"] == {"color": TABLE["unsloth"].mark.color, "label": "checkpointed, inputs offloaded"}
+    assert list(plan["marks"]) == list("CKOkFfa.")
 
 
 def test_full_size_uses_the_class_defaults():
@@ -52,6 +57,8 @@ def test_plan_route_shows_the_streamed_blocks(blocks):
     marks = "".join(plan["stream_map"].values())
     assert set(marks) <= {"S", "."} and marks.count("S") == plan["streamed_blocks"] == (3 if blocks == "3" else 16)
     assert plan["mode"] == "interval2" + ("-stream3" if blocks == "3" else "-stream")
+    assert plan["stream_marks"] == {"S": {"color": STREAMED.color, "label": "frozen weights streamed",
+                                          "base": plan["marks"]["."]["color"]}}
     status, plain = _get({"family": "flux", "size": "tiny"})
     assert status == 200 and plain["stream_map"] == {} and plain["streamed_blocks"] == 0
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from segmented_checkpointing.engine.config.marks import STREAM_MARKS
+from segmented_checkpointing.engine.core.plan import BLOCK_MARKS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,3 +28,15 @@ def test_web_files_are_es_modules_without_dependencies():
         assert all(s.startswith(("./", "../../scripts/")) for s in sources), (path.name, sources)
         if path.name == "segckpt_common.js":
             assert not sources, "the pure module imports nothing (node --test loads it)"
+
+
+def test_the_frontend_declares_no_mark_colour_or_label():
+    # the strip's colours and labels come with the plan (engine/config/backends.py, engine/config/marks.py)
+    marks = [*BLOCK_MARKS, *STREAM_MARKS]
+    declared = {mark.color.lower() for mark in marks} | {mark.base.lower() for mark in marks if mark.base}
+    labels = {f'"{mark.label}"' for mark in marks}
+    for path in (ROOT / "web").glob("*.js"):
+        text = path.read_text()
+        colors = set(re.findall(r"#[0-9a-fA-F]{6}\b|#[0-9a-fA-F]{3}\b", text))
+        assert not {c.lower() for c in colors} & declared, (path.name, sorted(colors))
+        assert not [label for label in labels if label in text], path.name
