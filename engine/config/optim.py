@@ -20,7 +20,7 @@ SIMPLETUNER_OPTIMIZERS = {"adamw_bf16": "adamw", "optimi-adamw": "adamw", "ao-ad
                           "ao-adamwfp8": "adamw", "ao-adamw8bit": "adamw8bit", "bnb-adamw8bit": "adamw8bit"}
 """SimpleTuner's ``optimizer`` names spelled otherwise here, and the optimizer each trains with
 here: its AdamWs whose state is stored in bf16, 4-bit or fp8 are torch's AdamW (fp32 state), its
-8-bit AdamWs ``adamw8bit`` (README "SimpleTuner configs"); ``adamw`` and ``prodigy`` are spelled alike."""
+8-bit AdamWs ``adamw8bit`` (docs/OPTIONS.md "SimpleTuner configs"); ``adamw`` and ``prodigy`` are spelled alike."""
 
 
 PROVIDERS = {"adamw": ("torch.optim",), "adafactor": ("torch.optim",), "adamw8bit": ("torchao", "bitsandbytes"),

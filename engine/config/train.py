@@ -126,7 +126,7 @@ class TrainConfig:
                               "model file.")
 
     def _check_fsdp(self) -> None:
-        """What runs sharded (README "Several GPUs"): refused here, before any process group."""
+        """What runs sharded (docs/MULTI_GPU.md): refused here, before any process group."""
         base = self.model.base_model_precision
         if base.endswith("-torchao") or base == "fp16":
             raise ConfigError(f"base_model_precision={base!r} is invalid: allowed bf16, fp32, no_change or auto with "
@@ -248,13 +248,13 @@ class TrainConfig:
         if len(ignored) == len(values):
             shown = ", ".join(sorted(map(str, values))[:8]) + (", ..." if len(values) > 8 else "")
             raise ConfigError(f"config={str(path)!r} is invalid: it sets no key this pack reads ({shown or 'no key'}); "
-                              "allowed our keys (segckpt options) and the SimpleTuner keys README lists")
+                              "allowed our keys (segckpt options) and the SimpleTuner keys docs/OPTIONS.md lists")
         if ignored:
             warnings.warn(f"config {path}: ignored keys (no meaning here): {describe_ignored(ignored)}",
                           ConfigWarning, stacklevel=2)
         if config.simpletuner_defaults:
             warnings.warn(f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves "
-                          f"out (README \"SimpleTuner configs\"): {', '.join(config.simpletuner_defaults)}",
+                          f"out (docs/OPTIONS.md \"SimpleTuner configs\"): {', '.join(config.simpletuner_defaults)}",
                           ConfigWarning, stacklevel=2)
         keys = read_keys(values, {opt.key for opt in options_for(cls)},
                          flow=lambda name: _flow_family(name or (base or cls()).model.family))[0]
