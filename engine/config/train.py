@@ -26,7 +26,7 @@ from .guardrails import GuardrailsConfig
 from .lora import LoraSettings
 from .model import ModelConfig
 from .objective import ObjectiveConfig, check_objective
-from .optim import OptimizerConfig
+from .optim import LR_SCHEDULES, OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
 from .outputs import OutputConfig, ValidationConfig
 from .peers.simpletuner import describe_ignored, flat_keys, read_keys
@@ -340,8 +340,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def warn_resume_schedule(config: TrainConfig, saved_steps: int | None, done: int) -> None:
-    """Warn when a resumed run with a decaying learning rate changes its total steps."""
-    if config.optimizer.lr_scheduler in ("linear", "cosine") and saved_steps != config.steps:
+    """Warn when a resumed run with a decaying learning rate (``LRSchedule.decays``,
+    ``engine/config/optim.py``) changes its total steps."""
+    if LR_SCHEDULES[config.optimizer.lr_scheduler].decays and saved_steps != config.steps:
         warnings.warn(
             f"resume: steps={config.steps} differs from the saved run's {saved_steps}, and lr_scheduler="
             f"{config.optimizer.lr_scheduler} decays over the whole run: steps 1-{done} were taken on the "
