@@ -229,3 +229,29 @@ def test_readme_runs_the_tests_with_the_command_ci_runs():
     blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
     tests = next(b.strip() for b in blocks if "pytest" in b)
     assert tests.endswith(" && " + ci[-1]) and 'pip install -e ".[test]"' in tests and "torch==2.13.0" in tests
+
+
+RECIPE_PATH = re.compile(r"(?<![\w/.-])((?:engine|nodes|tests|docs|web|workflows|bench)/[\w/*<>.-]*[\w*>/])")
+RECIPES_NAME = {
+    "Add a family": {"engine/families/<kind>/<family>.py", "engine/families/comfyui.py", "engine/model/layouts/<module>.py",
+                     "engine/model/single_file_formats.py", "engine/model/model_configs/<variant>.json",
+                     "docs/FAMILIES.md", "tests/model/test_layouts_image.py"},
+    "Add a checkpoint backend": {"engine/config/backends.py", "engine/core/plan.py", "web/segckpt_common.js",
+                                 "docs/OPTIONS.md"},
+    "Add an option": {"engine/config/", "nodes/*_nodes.py", "tests/config/test_options.py", "docs/OPTIONS.md"},
+    "Add a learning-rate schedule": {"engine/config/optim.py", "engine/train/optim.py", "engine/config/train.py",
+                                     "tests/train/test_loop.py", "docs/OPTIONS.md"},
+}
+"""Files each recipe of docs/EXTENDING.md must name (issue 37: a family's adapter, ComfyUI tables,
+layout and single-file format; a backend's row and what is not generated from it yet; an LR
+schedule's one declaration and its readers)."""
+
+
+def test_every_file_an_extending_recipe_names_exists():
+    page = (ROOT / "docs" / "EXTENDING.md").read_text()
+    recipes = {part.split("\n", 1)[0]: part for part in page.split("\n## ")[1:]}
+    named = {title: set(RECIPE_PATH.findall(text)) for title, text in recipes.items()}
+    assert {t: sorted(RECIPES_NAME[t] - named.get(t, set())) for t in RECIPES_NAME} == {t: [] for t in RECIPES_NAME}
+    missing = [f"{title}: {path}" for title, paths in named.items() for path in sorted(paths)
+               if not any(ROOT.glob(re.sub(r"<[^>]*>", "*", path).rstrip("/")))]
+    assert missing == []
