@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     families.add_argument("--limits", action="store_true", default=False,
                           help="Also the model limits table (largest grid, frames, text per family), read from the "
                                "diffusers classes' default configs (imports them): docs/FAMILIES.md is this output.")
-    sub.add_parser("options", help="Print README's options table (generated from the options' metadata).")
+    sub.add_parser("options", help="Print docs/OPTIONS.md: every option and the SimpleTuner keys (generated from "
+                                   "the options' metadata).")
     sub.add_parser("recipes", help="Print docs/RECIPES.md: each family's default recipe and the peers' defaults "
                                    "(imports diffusers: the families' model configs).")
     sweep = sub.add_parser("sweep", help="Measure every checkpointing mode on one model (sec/step / peak GiB).",
@@ -168,7 +169,7 @@ def _add_options(parser: argparse.ArgumentParser, output_help: str | None = None
             parser.add_argument(opt.cli, dest=opt.key, type=kind, default=None, help=text)
     parser.add_argument("--config", dest="config_file", default=None,
                         help="JSON config (our keys, SimpleTuner's keys with or without their leading --, the six "
-                             "gradient_checkpointing_* keys; README lists the SimpleTuner keys read and ignored).")
+                             "gradient_checkpointing_* keys; docs/OPTIONS.md lists the SimpleTuner keys read and ignored).")
 
 
 def _help(opt: api.Option) -> str:
@@ -287,7 +288,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(api.families(args.limits), end="")
         return 0
     if args.command == "options":
-        print(api.options_table(), end="")
+        print(api.options_page(), end="")
         return 0
     if args.command == "recipes":
         print(api.recipes_markdown(), end="")

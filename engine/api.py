@@ -35,7 +35,7 @@ from .config.backends import BACKENDS
 from .config.data import FRAME_KEYS
 from .config.options import Option
 from .config.schedule import check_supported
-from .config.table import options_table
+from .config.table import options_page, options_table
 from .core.support import support_table
 from .families import FamilyAdapter, family_names, get_family
 from .families.lazy import import_module, lazy_imports
@@ -109,7 +109,7 @@ __all__ = [
     "GuardrailsConfig", "LoraSettings", "ObjectiveConfig", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_page", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "loss_graph_png", "model_family", "recipes_markdown", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",

@@ -3,7 +3,7 @@ node's widget values make.
 
 A widget is declared once, in the option's field: its type (INT, FLOAT, BOOLEAN, STRING or a
 combo of its choices), default, bounds, step and tooltip come from there, so a node, the CLI and
-README say the same thing and accept the same values. A node names each of its widgets' option
+docs/OPTIONS.md say the same thing and accept the same values. A node names each of its widgets' option
 keys (``NodeOptions``); its ``VALIDATE_INPUTS`` builds the engine config from the values, so the
 config's own validator refuses what the engine would refuse, before the prompt runs.
 """

@@ -167,6 +167,16 @@ def test_backend_names_live_in_the_backend_table_only():
     assert hits == []
 
 
+def test_lr_schedules_are_told_apart_in_their_table_only():
+    """What a learning-rate schedule does is its row of ``LR_SCHEDULES`` (``engine/config/optim.py``):
+    no other module compares ``lr_scheduler`` with a name (docs/EXTENDING.md "Add a learning-rate schedule")."""
+    table = ENGINE / "config" / "optim.py"
+    hits = [f"{path.relative_to(ENGINE)}:{node.lineno}" for path in ENGINE.rglob("*.py") if path != table
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Compare)
+            and any(isinstance(n, ast.Attribute) and n.attr == "lr_scheduler" for n in (node.left, *node.comparators))]
+    assert hits == []
+
+
 @pytest.mark.parametrize("path", sorted((ENGINE / "families").rglob("*.py")), ids=lambda p: p.name)
 def test_family_files_are_small_and_document_briefly(path):
     text = path.read_text()

@@ -7,6 +7,10 @@
 * Every Sphinx role in the docstrings of engine/, nodes/ and cli.py (``:func:`~.plan.effective_plan```)
   names a module that imports and attributes it has: relative targets are resolved against the
   module's package (``..`` goes up), bare names against the module's namespace and its classes.
+* README.md is what a newcomer reads (issue 37): at most 150 lines, its test command the one
+  ``.ci/run`` runs, and every section moved out of it to docs/ reachable from it by a link; every
+  relative link of the markdown files names a file that exists, and a heading there when it names
+  an anchor.
 """
 
 from __future__ import annotations
@@ -144,3 +148,109 @@ def test_the_schedules_page_names_every_family_the_support_matrix_maps():
     page = (ROOT / "docs" / "SCHEDULES.md").read_text()
     section = page.split('## Families named by the documents')[1].split("\n## ")[0]
     assert [title for title, _ in DOCUMENT_FAMILIES if title not in section] == []
+
+
+README_LINES = 150
+"""README.md's length at most (issue 37: the set-up, what the job prints, a ComfyUI quick start, links)."""
+MOVED = (
+    ("OPTIONS.md", "Options"), ("OPTIONS.md", "SimpleTuner configs"),
+    ("TRAINING.md", "Training: what a run writes, and what it refuses"), ("TRAINING.md", "Noise schedule"),
+    ("TRAINING.md", "Refused before any model is built"), ("TRAINING.md", "Previews"), ("TRAINING.md", "Precision"),
+    ("TRAINING.md", "Attention kernels"), ("TRAINING.md", "Non-finite values"),
+    ("TRAINING.md", "Optimizer, clipping, caption dropout"),
+    ("TRAINING.md", "Writes that fail, one run per folder, resumes that check their inputs"),
+    ("TRAINING.md", "Recompute that is not deterministic"), ("TRAINING.md", "Damaged files"),
+    ("DATA.md", "Data: image folders, captions, buckets"), ("DATA.md", "Buckets"),
+    ("MODELS.md", "Model files: single files, quantized files, text encoders"), ("MODELS.md", "Single files"),
+    ("MODELS.md", "Quantized files"), ("MODELS.md", "Text encoders"),
+    ("LORA_FILES.md", "LoRA files for ComfyUI"), ("LORA_FILES.md", "LoRA variants"),
+    ("COMFYUI.md", "In ComfyUI, and the same workflow headless"),
+    ("VIDEO.md", "Video LoRAs: clips, frame rules, frame buckets"),
+    ("CHECKPOINTING.md", "How the schedule works"), ("CHECKPOINTING.md", "Backends and offload"),
+    ("CHECKPOINTING.md", "How to decide (the documents' rule)"),
+    ("STREAMING.md", "Weight streaming: the frozen base in host memory, copied in per segment"),
+    ("MEASURE.md", "Measure, then choose: sweep and planner"), ("MEASURE.md", "On a GPU"),
+    ("GUARDRAILS.md", "Fit guardrails: will it fit, in every phase, and what does it cost"),
+    ("MULTI_GPU.md", "Several GPUs: DDP, or FSDP2 when a replica does not fit"),
+    ("ARCHITECTURE.md", "Layout"),
+)
+"""The sections README.md held before issue 37 and the docs/ page (and heading) each moved to."""
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _outside_code(text: str) -> str:
+    """Markdown without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives ``path``'s headings: lower case, punctuation dropped, spaces as
+    hyphens, a repeated one suffixed ``-1``, ``-2``, ..."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", _outside_code(path.read_text()), flags=re.M):
+        slug = _slug(heading)
+        found.add(next(s for s in (slug, *(f"{slug}-{n}" for n in range(1, 100))) if s not in found))
+    return found
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _links(path: Path) -> list[str]:
+    return [t for t in LINK.findall(_outside_code(path.read_text())) if not re.match(r"[a-z]+:", t)]
+
+
+def test_every_relative_markdown_link_resolves():
+    broken = []
+    for path in _files(".md"):
+        for target in _links(path):
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+def test_readme_is_short_and_links_every_moved_section_and_page():
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= README_LINES
+    links = set(_links(readme))
+    missing = [f"docs/{page}: {heading}" for page, heading in MOVED if _slug(heading) not in _anchors(ROOT / "docs" / page)]
+    unlinked = [f"docs/{page}#{_slug(heading)}" for page, heading in MOVED if f"docs/{page}#{_slug(heading)}" not in links]
+    assert (missing, unlinked) == ([], [])
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert sorted(p for p in pages if not any(link.partition("#")[0] == f"docs/{p}" for link in links)) == []
+
+
+def test_readme_runs_the_tests_with_the_command_ci_runs():
+    """``.ci/run`` runs exactly the test command README.md gives (the last line of both)."""
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
+    tests = next(b.strip() for b in blocks if "pytest" in b)
+    assert tests.endswith(" && " + ci[-1]) and 'pip install -e ".[test]"' in tests and "torch==2.13.0" in tests
+
+
+RECIPE_PATH = re.compile(r"(?<![\w/.-])((?:engine|nodes|tests|docs|web|workflows|bench)/[\w/*<>.-]*[\w*>/])")
+RECIPES_NAME = {
+    "Add a family": {"engine/families/<kind>/<family>.py", "engine/families/comfyui.py", "engine/model/layouts/<module>.py",
+                     "engine/model/single_file_formats.py", "engine/model/model_configs/<variant>.json",
+                     "docs/FAMILIES.md", "tests/model/test_layouts_image.py"},
+    "Add a checkpoint backend": {"engine/config/backends.py", "docs/OPTIONS.md"},
+    "Add an option": {"engine/config/", "nodes/*_nodes.py", "tests/config/test_options.py", "docs/OPTIONS.md"},
+    "Add a learning-rate schedule": {"engine/config/optim.py", "engine/train/optim.py", "engine/config/train.py",
+                                     "tests/train/test_loop.py", "docs/OPTIONS.md"},
+}
+"""Files each recipe of docs/EXTENDING.md must name (issue 37: a family's adapter, ComfyUI tables,
+layout and single-file format; a backend's row (its marks and colours included); an LR
+schedule's one declaration and its readers)."""
+
+
+def test_every_file_an_extending_recipe_names_exists():
+    page = (ROOT / "docs" / "EXTENDING.md").read_text()
+    recipes = {part.split("\n", 1)[0]: part for part in page.split("\n## ")[1:]}
+    named = {title: set(RECIPE_PATH.findall(text)) for title, text in recipes.items()}
+    assert {t: sorted(RECIPES_NAME[t] - named.get(t, set())) for t in RECIPES_NAME} == {t: [] for t in RECIPES_NAME}
+    missing = [f"{title}: {path}" for title, paths in named.items() for path in sorted(paths)
+               if not any(ROOT.glob(re.sub(r"<[^>]*>", "*", path).rstrip("/")))]
+    assert missing == []

@@ -9,8 +9,33 @@ from typing import Any
 
 from .options import ConfigError, check_options, option
 
-LR_SCHEDULERS = ("constant", "linear", "cosine")
-"""Learning-rate schedules after the warm-up (diffusers' ``get_scheduler`` shapes)."""
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """One learning-rate schedule after the warm-up: everything the engine reads of it.
+
+    Attributes:
+        name: the ``lr_scheduler`` value.
+        diffusers: the name of diffusers' ``get_scheduler`` shape that gives its factor per step
+            (``engine/train/optim.py`` ``lr_factor``).
+        decays: its rate at a step depends on the run's total steps (it decays over the whole run),
+            so a resume that changes ``steps`` changes the rate of the steps left, which the resume
+            check warns of (``engine/config/train.py`` ``warn_resume_schedule``).
+    """
+
+    name: str
+    diffusers: str
+    decays: bool
+
+
+LR_SCHEDULES: dict[str, LRSchedule] = {s.name: s for s in (
+    LRSchedule("constant", "constant_with_warmup", decays=False),
+    LRSchedule("linear", "linear", decays=True),
+    LRSchedule("cosine", "cosine", decays=True),
+)}
+"""Every learning-rate schedule, declared once (docs/EXTENDING.md "Add a learning-rate schedule")."""
+LR_SCHEDULERS = tuple(LR_SCHEDULES)
+"""Allowed values of ``lr_scheduler`` (the option's choices, the CLI's and the node's)."""
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
 """Allowed values of ``optimizer``; each one's constructor and state rules are a row of
@@ -20,7 +45,7 @@ SIMPLETUNER_OPTIMIZERS = {"adamw_bf16": "adamw", "optimi-adamw": "adamw", "ao-ad
                           "ao-adamwfp8": "adamw", "ao-adamw8bit": "adamw8bit", "bnb-adamw8bit": "adamw8bit"}
 """SimpleTuner's ``optimizer`` names spelled otherwise here, and the optimizer each trains with
 here: its AdamWs whose state is stored in bf16, 4-bit or fp8 are torch's AdamW (fp32 state), its
-8-bit AdamWs ``adamw8bit`` (README "SimpleTuner configs"); ``adamw`` and ``prodigy`` are spelled alike."""
+8-bit AdamWs ``adamw8bit`` (docs/OPTIONS.md "SimpleTuner configs"); ``adamw`` and ``prodigy`` are spelled alike."""
 
 
 PROVIDERS = {"adamw": ("torch.optim",), "adafactor": ("torch.optim",), "adamw8bit": ("torchao", "bitsandbytes"),

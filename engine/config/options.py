@@ -4,7 +4,7 @@ field of a config against them, naming the key, the value and what is allowed.
 
 Every front end reads the same declarations through :func:`options_of`: the ``segckpt`` flags,
 the JSON reader, the ComfyUI node widgets (default, min, max, step, choices, tooltip), the
-nodes' validation and README's options table. The shape follows torchtitan's job config (each
+nodes' validation and the options table of docs/OPTIONS.md. The shape follows torchtitan's job config (each
 option documented once, under its field); the rest of this module is ours.
 
 Layout: :class:`ConfigError`, :func:`option`, :class:`Option`, :func:`check_options`,
@@ -41,7 +41,7 @@ def option(default: Any, help: str, cli: str | None = None, *, choices: Sequence
 
     Args:
         default: the default value (a callable: a default factory).
-        help: the text of ``--help``, of the node tooltips and of README's options table.
+        help: the text of ``--help``, of the node tooltips and of docs/OPTIONS.md's options table.
         cli: the ``segckpt`` flag (``None``: not a flag).
         choices: the allowed values (or a function returning them, read when checked).
         min, max: inclusive bounds of a number. above, below: exclusive bounds of a number.

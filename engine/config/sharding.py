@@ -23,7 +23,7 @@ class ShardingConfig:
     ddp: bool = option(False, "Data parallel with PyTorch DDP (DistributedDataParallel over the LoRA parameters; "
                        "every process holds the whole frozen base, streamed or offloaded as on one process) over the "
                        "processes torchrun starts: NCCL on CUDA, gloo on the CPU. The faster choice for LoRA when a "
-                       "replica fits one device (README 'Several GPUs'; segckpt plan --nproc N predicts which). "
+                       "replica fits one device (docs/MULTI_GPU.md; segckpt plan --nproc N predicts which). "
                        "batch_size is per process "
                        "(global_batch_size: over all processes); only rank 0 logs, writes and samples previews; "
                        "any number of processes resumes the state.", "--ddp", long_run=True)
@@ -36,7 +36,7 @@ class ShardingConfig:
         check_options(self)
         if self.ddp and self.fsdp:
             raise ConfigError("ddp=True is invalid: allowed false with fsdp=True (one of them: ddp replicates the "
-                              "model on every process, fsdp shards it; README 'Several GPUs').")
+                              "model on every process, fsdp shards it; docs/MULTI_GPU.md).")
         if self.fsdp_activation_checkpointing and not self.fsdp:
             raise ConfigError("fsdp_activation_checkpointing=True is invalid: allowed false without fsdp (it is "
                               "FSDP's own checkpointing; set fsdp too).")

@@ -26,7 +26,7 @@ from .guardrails import GuardrailsConfig
 from .lora import LoraSettings
 from .model import ModelConfig
 from .objective import ObjectiveConfig, check_objective
-from .optim import OptimizerConfig
+from .optim import LR_SCHEDULES, OptimizerConfig
 from .options import ConfigError, ConfigWarning, Option, check_options, option, options_of
 from .outputs import OutputConfig, ValidationConfig
 from .peers.simpletuner import describe_ignored, flat_keys, read_keys
@@ -126,7 +126,7 @@ class TrainConfig:
                               "model file.")
 
     def _check_fsdp(self) -> None:
-        """What runs sharded (README "Several GPUs"): refused here, before any process group."""
+        """What runs sharded (docs/MULTI_GPU.md): refused here, before any process group."""
         base = self.model.base_model_precision
         if base.endswith("-torchao") or base == "fp16":
             raise ConfigError(f"base_model_precision={base!r} is invalid: allowed bf16, fp32, no_change or auto with "
@@ -248,13 +248,13 @@ class TrainConfig:
         if len(ignored) == len(values):
             shown = ", ".join(sorted(map(str, values))[:8]) + (", ..." if len(values) > 8 else "")
             raise ConfigError(f"config={str(path)!r} is invalid: it sets no key this pack reads ({shown or 'no key'}); "
-                              "allowed our keys (segckpt options) and the SimpleTuner keys README lists")
+                              "allowed our keys (segckpt options) and the SimpleTuner keys docs/OPTIONS.md lists")
         if ignored:
             warnings.warn(f"config {path}: ignored keys (no meaning here): {describe_ignored(ignored)}",
                           ConfigWarning, stacklevel=2)
         if config.simpletuner_defaults:
             warnings.warn(f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves "
-                          f"out (README \"SimpleTuner configs\"): {', '.join(config.simpletuner_defaults)}",
+                          f"out (docs/OPTIONS.md \"SimpleTuner configs\"): {', '.join(config.simpletuner_defaults)}",
                           ConfigWarning, stacklevel=2)
         keys = read_keys(values, {opt.key for opt in options_for(cls)},
                          flow=lambda name: _flow_family(name or (base or cls()).model.family))[0]
@@ -340,8 +340,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def warn_resume_schedule(config: TrainConfig, saved_steps: int | None, done: int) -> None:
-    """Warn when a resumed run with a decaying learning rate changes its total steps."""
-    if config.optimizer.lr_scheduler in ("linear", "cosine") and saved_steps != config.steps:
+    """Warn when a resumed run with a decaying learning rate (``LRSchedule.decays``,
+    ``engine/config/optim.py``) changes its total steps."""
+    if LR_SCHEDULES[config.optimizer.lr_scheduler].decays and saved_steps != config.steps:
         warnings.warn(
             f"resume: steps={config.steps} differs from the saved run's {saved_steps}, and lr_scheduler="
             f"{config.optimizer.lr_scheduler} decays over the whole run: steps 1-{done} were taken on the "

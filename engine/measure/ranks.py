@@ -18,7 +18,7 @@ From the planner's probe (:class:`~.probe.Probe`) and the schedule it chose for 
   whole. Both leave the estimate on the high side.
 
 DDP is recommended when its per-rank peak fits the budget with the planner's headroom
-(:data:`~.planner.MARGIN`): for LoRA it is the faster of the two (README "Several GPUs"). When no
+(:data:`~.planner.MARGIN`): for LoRA it is the faster of the two (docs/MULTI_GPU.md). When no
 schedule fits one process, even streaming, :func:`sharded_choice` chooses among what FSDP2 can
 run by its per-rank peak (:func:`sharded_probe`) and recommends FSDP2. With streaming on a GPU
 that is rare for a LoRA: a streamed replica holds about what an FSDP2 rank gathers, so FSDP2 wins

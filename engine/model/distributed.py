@@ -157,7 +157,7 @@ def check_launch(kind: str = "fsdp") -> None:
     if missing:
         raise DistributedError(
             f"{kind}=True needs the process group torchrun sets up ({', '.join(missing)} unset): launch with "
-            f"torchrun --nproc-per-node N --no-python segckpt train --{kind} ... (README 'Several GPUs')")
+            f"torchrun --nproc-per-node N --no-python segckpt train --{kind} ... (docs/MULTI_GPU.md)")
 
 
 def init_distributed(device_type: str, kind: str = "fsdp") -> Distributed:

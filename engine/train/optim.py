@@ -7,8 +7,8 @@ bitsandbytes' AdamW8bit (Dettmers et al. 2022, block-wise 8-bit moments), prodig
 (Mishchenko & Defazio 2024, which estimates its own step size: ``learning_rate`` multiplies it, 1.0
 as its authors advise). Each takes the configured learning rate and decoupled weight decay; their
 state goes into the resumable state through ``engine/train/state.py``. The learning rate of each
-step is the configured peak times :func:`lr_factor`; a new schedule is a name in
-``engine/config/optim.py`` (``LR_SCHEDULERS``) and its diffusers schedule here.
+step is the configured peak times :func:`lr_factor`; a new schedule is a row of
+``engine/config/optim.py`` (``LR_SCHEDULES``: its name, its diffusers shape, whether it decays).
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import torch
 from diffusers.optimization import get_scheduler
 
 from ..config import ConfigWarning, OptimizerConfig
-from ..config.optim import optimizer_provider
+from ..config.optim import LR_SCHEDULES, optimizer_provider
 from ..families.lazy import lazy_imports
 from ..model.distributed import full_tensor
 from ..model.precision import quiet_torchao
-
-_DIFFUSERS_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-"""Each ``lr_scheduler`` value and the diffusers schedule that gives its shape."""
 
 Params = list[torch.nn.Parameter]
 PRODIGY_LEAST_RATE = 0.1
@@ -181,7 +178,7 @@ def lr_factor(optimizer: OptimizerConfig, steps: int) -> Callable[[int], float]:
     step ``s`` of the warm-up uses ``(s + 1) / warmup`` and the schedule is read at ``s`` after it.
     """
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    schedule = get_scheduler(_DIFFUSERS_SCHEDULES[optimizer.lr_scheduler], dummy,
+    schedule = get_scheduler(LR_SCHEDULES[optimizer.lr_scheduler].diffusers, dummy,
                              num_warmup_steps=optimizer.lr_warmup_steps, num_training_steps=steps)
     factor, warmup = schedule.lr_lambdas[0], optimizer.lr_warmup_steps
     return lambda step: factor(step + 1 if step < warmup else step)

@@ -1,5 +1,5 @@
 """Options are declared once: the set of options is pinned, and one declaration gives the CLI flag,
-the JSON key, the node widget with its range and README's row; seeds take ComfyUI's full range."""
+the JSON key, the node widget with its range and its row of docs/OPTIONS.md; seeds take ComfyUI's full range."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import OPTIONS, ConfigError, DataConfig, TrainConfig
 from segmented_checkpointing.engine.config.options import option, options_of
-from segmented_checkpointing.engine.config.table import options_table, readme_with_table
+from segmented_checkpointing.engine.config.table import options_page, options_table
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes.graph import validate
 from segmented_checkpointing.nodes.widgets import NodeOptions, widget
@@ -48,14 +48,13 @@ def test_the_set_of_options_is_pinned():
     assert tuple(opt.key for opt in OPTIONS) == PINNED
 
 
-def test_readme_holds_the_generated_options_table():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_with_table(readme, options_table()) == readme
-
-
-def test_segckpt_options_prints_the_table(capsys):
+def test_segckpt_options_prints_the_committed_options_page(capsys):
     assert cli.main(["options"]) == 0
-    assert capsys.readouterr().out == options_table()
+    printed = capsys.readouterr().out
+    assert printed == options_page()
+    assert printed == (ROOT / "docs" / "OPTIONS.md").read_text(), \
+        "docs/OPTIONS.md is stale: regenerate with `segckpt options > docs/OPTIONS.md`"
+    assert options_table() in printed  # every option of a run, one row each
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class _RunWithThrowaway(TrainConfig):
     data: _DataWithThrowaway = field(default_factory=_DataWithThrowaway)
 
 
-def test_one_declaration_gives_flag_json_key_widget_and_readme_row():
+def test_one_declaration_gives_flag_json_key_widget_and_options_row():
     options = tuple(options_of(_RunWithThrowaway))
     # the CLI flag
     parser = argparse.ArgumentParser()
@@ -86,9 +85,10 @@ def test_one_declaration_gives_flag_json_key_widget_and_readme_row():
         "INT", {"tooltip": "A throwaway option of the data (test only).", "default": 3, "min": 1, "max": 9})
     node_options = NodeOptions({"level": "throwaway_level"})
     assert node_options.config({"level": 4}, _RunWithThrowaway()).data.throwaway_level == 4
-    # README's row
+    # its row of the options table (docs/OPTIONS.md), from the option tree or from its class
     assert ("| `--throwaway-level` | `throwaway_level` | 3 | an integer from 1 to 9 | A throwaway option of the data "
             "(test only). |") in options_table(options)
+    assert options_table(_RunWithThrowaway) == options_table(options)
     # and the real run's options do not have it
     assert "throwaway_level" not in {opt.key for opt in OPTIONS}
 

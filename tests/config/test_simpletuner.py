@@ -1,6 +1,6 @@
 """SimpleTuner configs mean what they mean there: dashed keys, the web UI's wrapper, the aliases and
 their values, the keys spelled alike, the ignored keys (one warning, recorded) and the refusal of a
-file that sets nothing this pack reads; README's list of them is generated from the tables."""
+file that sets nothing this pack reads; docs/OPTIONS.md's list of them is generated from the tables."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import OPTIONS, CheckpointSchedule, ConfigError, ConfigWarning, TrainConfig
 from segmented_checkpointing.engine.config.peers.simpletuner import ALIASES, FAMILY_NAMES, IGNORED, NEEDS, SAME_KEYS
-from segmented_checkpointing.engine.config.table import ST_BEGIN, ST_END, readme_with_table, simpletuner_table
+from segmented_checkpointing.engine.config.table import simpletuner_table
 from segmented_checkpointing.engine.families import family_names
 from segmented_checkpointing.engine.model.precision import resolve_precision
 
@@ -24,14 +24,14 @@ KEYS = {opt.key for opt in OPTIONS}
 
 TAKEN = {"learning_rate": 4e-7, "batch_size": 4, "resolution": 1024, "weight_decay": 0.01, "max_grad_norm": 2.0,
          "caption_dropout": 0.1, "flow_shift": 3.0, "lora_dropout": 0.1, "lora_alpha": 16}
-"""SimpleTuner's defaults a flow family's file takes, by our key (README's table, restated)."""
+"""SimpleTuner's defaults a flow family's file takes, by our key (docs/OPTIONS.md's table, restated)."""
 
 
 def _taken_warning(path, **changed) -> str:
     taken = {"learning_rate": 4e-7, "train_batch_size": 4, "resolution": 1024, "adam_weight_decay": 0.01,
              "max_grad_norm": 2.0, "caption_dropout_probability": 0.1, "flow_schedule_shift": 3.0, "lora_dropout": 0.1,
              "lora_alpha": 16, **changed}
-    return (f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves out (README "
+    return (f"config {path} is read as SimpleTuner's: its defaults are taken for the keys it leaves out (docs/OPTIONS.md "
             f"\"SimpleTuner configs\"): {', '.join(f'{k}={v!r}' for k, v in taken.items() if v is not None)}")
 
 
@@ -230,9 +230,10 @@ def test_the_tables_name_what_exists():
     assert not set(IGNORED) & (KEYS | set(ALIASES)) and set(NEEDS) <= set(IGNORED) and set(NEEDS.values()) <= KEYS
 
 
-def test_readme_holds_the_generated_simpletuner_keys():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_with_table(readme, simpletuner_table(), ST_BEGIN, ST_END) == readme
+def test_the_options_page_holds_the_generated_simpletuner_keys():
+    page = (ROOT / "docs" / "OPTIONS.md").read_text()
+    section = page.split("\n## SimpleTuner configs\n")[1]
+    assert simpletuner_table() in section
     assert "| `validation_steps` | `validation_every` |" in simpletuner_table()
 
 
@@ -316,7 +317,7 @@ def _ours(config: TrainConfig, key: str):
 
 @pytest.mark.parametrize("family", ["flux", "unet2dcondition"])
 def test_a_file_that_leaves_keys_out_takes_simpletuners_defaults_from_the_table(family):
-    """The defaults table (README, generated from ``DEFAULTS``) is what a file that sets none of
+    """The defaults table (docs/OPTIONS.md, generated from ``DEFAULTS``) is what a file that sets none of
     its keys trains with; the flow shift only for a flow family, the rank's alpha for the rank."""
     from segmented_checkpointing.engine.config.peers.recipe import DEFAULTS
 

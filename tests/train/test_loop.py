@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import json
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config.optim import LR_SCHEDULES, LRSchedule
+from segmented_checkpointing.engine.config.train import warn_resume_schedule
 from segmented_checkpointing.engine.train.loop import train
 from segmented_checkpointing.engine.train.optim import learning_rate_at
 
@@ -86,6 +90,34 @@ def test_learning_rate_schedule_equals_the_hand_written_one_step_by_step(schedul
     config = TrainConfig.create(steps=12, learning_rate=2e-3, lr_warmup_steps=warmup, lr_scheduler=scheduler)
     assert [learning_rate_at(config.optimizer, config.steps, s) for s in range(12)] == pytest.approx(
         [_hand_written_lr(config, s) for s in range(12)], rel=1e-12, abs=0)
+
+
+def _resume_warnings(config, saved_steps: int) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_resume_schedule(config, saved_steps, done=4)
+    return len(caught)
+
+
+@pytest.mark.parametrize("schedule", LR_SCHEDULES.values(), ids=lambda s: s.name)
+def test_a_schedule_decays_as_declared_and_the_resume_check_reads_the_declaration(schedule):
+    """``decays`` is what diffusers' shape does (the rate of the first steps changes with the total
+    steps), and a resume to another step count warns exactly then."""
+    config = TrainConfig.create(steps=12, learning_rate=2e-3, lr_warmup_steps=2, lr_scheduler=schedule.name)
+    rates = {steps: [learning_rate_at(config.optimizer, steps, s) for s in range(12)] for steps in (12, 24)}
+    assert (rates[12] != rates[24]) == schedule.decays
+    assert (_resume_warnings(config, 24), _resume_warnings(config, 12)) == (int(schedule.decays), 0)
+
+
+def test_a_schedule_is_one_row_the_rate_and_the_resume_check_both_read(monkeypatch):
+    """A row added to ``LR_SCHEDULES`` alone reaches the learning rate (its diffusers shape) and the
+    resume check (its ``decays``): no other list of schedule names to extend."""
+    row = LRSchedule("cosine_with_restarts", "cosine_with_restarts", decays=True)
+    monkeypatch.setitem(LR_SCHEDULES, row.name, row)
+    config = SimpleNamespace(optimizer=SimpleNamespace(lr_scheduler=row.name, lr_warmup_steps=0, learning_rate=1.0),
+                             steps=8)
+    assert learning_rate_at(config.optimizer, 8, 4) == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)), abs=1e-12)
+    assert _resume_warnings(config, 16) == 1
 
 
 def test_the_run_uses_that_schedule_with_gradient_accumulation(data_dir):

@@ -1,6 +1,6 @@
 """The training recipe as SimpleTuner and diffusers' training scripts state it: their noise-schedule,
 guidance and LyCORIS keys read as ours, and SimpleTuner's defaults for the keys a SimpleTuner file
-leaves out (README "SimpleTuner configs" lists both; the table of defaults is generated from
+leaves out (docs/OPTIONS.md "SimpleTuner configs" lists both; the table of defaults is generated from
 :data:`DEFAULTS`).
 
 SimpleTuner's values are those of bghira/SimpleTuner at bc8e6ab77 (2026-08-22): its command line is
@@ -155,9 +155,9 @@ class Default:
 
     Attributes:
         key: SimpleTuner's key, read through its alias. value: its default (``None``: see ``meaning``).
-        ours: our key and its default, for README. source: the field registry section file.
+        ours: our key and its default, for docs/OPTIONS.md. source: the field registry section file.
         applies: ``(file values, flow family) -> bool``: whether it is taken for this file.
-        meaning: README's note.
+        meaning: docs/OPTIONS.md's note.
     """
 
     key: str

@@ -1,4 +1,4 @@
-"""SimpleTuner's config keys, read with the meaning they have in SimpleTuner (README "SimpleTuner configs").
+"""SimpleTuner's config keys, read with the meaning they have in SimpleTuner (docs/OPTIONS.md "SimpleTuner configs").
 
 A SimpleTuner ``config.json`` holds its command-line options by name, with or without the leading
 ``--``; the files its web UI saves wrap them as ``{"_metadata": {...}, "config": {...}}``.
@@ -9,7 +9,7 @@ with no meaning here, and why); any other key is not one of ours and is ignored 
 a near miss of one of ours (:func:`near_miss`: ``lora_rnak``, ``Lora-Rank``, the flag name ``rank``),
 which is refused with the key it meant. Every ignored key is returned by name, so the caller warns
 once and records them (:meth:`~..train.TrainConfig.from_json_file`). The SimpleTuner meanings are restated from its
-options documentation; README's table of them is generated from these tables
+options documentation; docs/OPTIONS.md's table of them is generated from these tables
 (:func:`~..table.simpletuner_table`).
 """
 
@@ -39,7 +39,7 @@ class Alias:
     """A SimpleTuner key with a meaning here.
 
     Attributes:
-        key: SimpleTuner's key. ours: the key(s) it sets here (README). meaning: what it does here (README).
+        key: SimpleTuner's key. ours: the key(s) it sets here (docs/OPTIONS.md). meaning: what it does here (docs/OPTIONS.md).
         read: ``value -> {our key: value}`` (``{}``: accepted, nothing to set); raises
             :class:`~..options.ConfigError` naming the key, the value and what is allowed.
         peer: whose name it is: ``SimpleTuner``, or ``diffusers`` (its training scripts' flags).
@@ -317,7 +317,7 @@ def _refuse_near_miss(key: str, value: Any, ours: set[str], spellings: Mapping[s
         via = next((f" (the key of --{s.replace('_', '-')})" for s, k in spellings.items()
                     if k == meant and s == key.lower().replace("-", "_")), "")
         raise ConfigError(f"{key}={value!r} is invalid: not a key of this pack; did you mean {meant}{via}? (allowed "
-                          "the keys of segckpt options and the SimpleTuner keys README lists)")
+                          "the keys of segckpt options and the SimpleTuner keys docs/OPTIONS.md lists)")
 
 
 def describe_ignored(keys: list[str]) -> str:
