@@ -262,6 +262,16 @@ def _dense_layout(tensor: torch.Tensor) -> bool:
     return True
 
 
+def copy_key(tensor: torch.Tensor) -> tuple:
+    """What one offload copy stands for within one :meth:`Offloader.hooks` context: a dense view
+    by its storage, offset, length and dtype (views of the same elements share one copy), any
+    other tensor by its identity (a contiguous copy of its own). The planner's probe counts
+    copies with the same key (engine/measure/probe.py)."""
+    if _dense_layout(tensor):
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+    return (id(tensor),)
+
+
 class _Region:
     """One offloaded memory range: a 1-D host copy shared by every saved view of that range."""
 
@@ -333,11 +343,11 @@ class Offloader:
                     or (select is not None and id(tensor) not in select)
                     or tensor.untyped_storage().data_ptr() in self.resident):
                 return tensor
-            if _dense_layout(tensor):  # its elements are exactly one contiguous memory range
-                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+            key = copy_key(tensor)
+            if len(key) > 1:  # its elements are exactly one contiguous memory range
                 flat, stride = tensor.as_strided((tensor.numel(),), (1,)), tensor.stride()
             else:  # overlapping or gapped strides (expand, slices): a contiguous copy of its own
-                key, flat, stride = (id(tensor),), tensor.reshape(-1), None
+                flat, stride = tensor.reshape(-1), None
             if key not in regions:  # the source is held in `regions`, so its memory is not reused
                 regions[key] = (tensor, self._copy_to_host(flat))
             region = regions[key][1]

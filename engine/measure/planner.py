@@ -33,9 +33,10 @@ schedule that streams subtracts the streamed blocks' frozen bytes and adds its d
   activations (a segment is recomputed whole, so its interior is alive at once) plus the
   gradients of the blocks after it; and the forward base + for each segment's recompute, the
   blocks before it, its interior's activations and its last block's ``fwd_peak``;
-* sec/step = probe sec/step + recomputed forward seconds + the offloader's cost per offloaded
-  tensor and byte (calibrated by one short run with attention offload: its extra time over the
-  probe, divided by the tensors and bytes it offloaded).
+* sec/step = the probe's sec/step + what the schedule adds (:class:`~.costs.Work`: recomputed
+  forward seconds, checkpoint calls and the tensors their hooks see, offloaded tensors and bytes,
+  streamed weight copies and the tensors the streamer's hook sees) at the rates
+  :mod:`.calibration` measured on this machine (docs/MEASURE.md "How the planner predicts").
 
 The planner returns the fastest predicted schedule whose predicted peak fits; predictions within
 ``TIE`` of each other follow the documents' decision rule (docs/SCHEDULES.md "How to decide"): no
@@ -65,10 +66,12 @@ from ..core.memory import budget_bytes
 from ..core.plan import effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_text
+from .calibration import seconds
+from .costs import work
 from .frames import frames_label, use_frames
 from .levers import try_levers
 from .lockstep import lockstep_runs, paired_ratio
-from .probe import BlockCost, Probe, probe, probe_steps
+from .probe import Probe, probe, probe_steps
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
 from .sweep import sweep_schedules
 
@@ -203,87 +206,11 @@ def predict(probe_: Probe, schedule: CheckpointSchedule) -> Prediction:
     Raises:
         ScheduleError: the family cannot run ``schedule``.
     """
-    family = get_family(probe_.family)
-    counts = {name: len(costs) for name, costs in probe_.blocks.items()}
-    plan = effective_plan(family, schedule, counts, warn=False)
-    walk = _Walk(probe_, schedule)
-    for list_plan, block_list in zip(plan.lists, family.block_lists):
-        walk.block_list(list_plan, block_list)
+    walk = work(get_family(probe_.family), probe_.blocks, schedule)
     peak = max(probe_.base_bytes + max(walk.worst, walk.kept_before), probe_.forward_base_bytes + walk.forward_worst)
-    seconds = (probe_.sec_per_step + walk.recompute_s + walk.recompute_tensors * probe_.recompute_s_per_tensor
-               + walk.tensors * probe_.offload_s_per_tensor + walk.copied * probe_.offload_s_per_byte)
-    prediction = Prediction(schedule, int(peak), seconds, offloaded_tensors=walk.tensors, host_bytes=walk.kept_on_host)
-    return _with_streaming(probe_, plan, prediction) if plan.streamed_blocks else prediction
-
-
-class _Walk:
-    """:func:`predict`'s pass over the blocks in forward order: what each keeps until backward,
-    the worst moment of forward, recompute and backward (bytes), and the time terms (recomputed
-    forward seconds and saved tensors, offloaded tensors and bytes)."""
-
-    def __init__(self, probe_: Probe, schedule: CheckpointSchedule):
-        backend = schedule.backend if schedule.gradient_checkpointing else None
-        self.ffn_scope = bool(backend and backend.ffn_scope)
-        self.offload_inputs = bool(backend and backend.offload_inputs)
-        self.offload_attn = schedule.gradient_checkpointing_offload_attention
-        self.probe = probe_
-        self.kept_before = self.worst = self.forward_worst = 0
-        self.recompute_s, self.recompute_tensors = 0.0, 0
-        self.tensors = self.copied = self.kept_on_host = 0
-        # backward runs last block first: when block b's backward runs, the gradients of every
-        # later block already exist (they stay until the optimizer step)
-        self.grads_after, total, running = {}, sum(c.grad for cs in probe_.blocks.values() for c in cs), 0
-        for name, costs in probe_.blocks.items():
-            for c in costs:
-                running += c.grad
-                self.grads_after[(name, c.index)] = total - running
-
-    def block_list(self, list_plan, block_list) -> None:
-        costs = self.probe.blocks[list_plan.name]
-        starts, checkpointed = dict(list_plan.segments), set(list_plan.checkpointed)
-        i = 0
-        while i < len(costs):
-            if not self.ffn_scope and i in starts:  # whole-block segment [i, end): recomputed as one
-                self.segment(list_plan.name, costs[i:starts[i]], len(block_list.carry.links))
-                i = starts[i]
-                continue
-            attention = self.offload_attn and block_list.attention and block_list.routed
-            self.block(list_plan.name, costs[i], bool(attention), self.ffn_scope and i in checkpointed
-                       and bool(block_list.ffn))
-            i += 1
-
-    def segment(self, name: str, segment: list[BlockCost], links: int) -> None:
-        first, last = segment[0], segment[-1]
-        if self.offload_inputs:
-            self.tensors, self.copied, self.kept_on_host = (self.tensors + links, self.copied + first.carried,
-                                                            self.kept_on_host + first.carried)
-        # backward of the segment: all its activations; its recompute: the last block's forward
-        # transient on top of the others' activations (no gradients alive yet)
-        self.worst = max(self.worst, self.kept_before + sum(c.act for c in segment) + self.grads_after[(name, last.index)])
-        self.forward_worst = max(self.forward_worst, self.kept_before + sum(c.act for c in segment[:-1]) + last.fwd_peak)
-        self.recompute_s += sum(c.fwd_s for c in segment)
-        self.recompute_tensors += sum(c.saved_tensors for c in segment)
-        self.kept_before += 0 if self.offload_inputs else first.carried
-
-    def block(self, name: str, cost: BlockCost, attention: bool, ffn: bool) -> None:
-        attn_off = cost.attn if attention else 0
-        keep = cost.act - attn_off
-        if ffn:
-            keep = cost.act - cost.ffn + (0 if self.offload_inputs else cost.ffn_in) - attn_off
-            if attn_off and not self.offload_inputs:
-                keep += cost.ffn_in_attn
-            if self.offload_inputs:
-                self.tensors, self.copied, self.kept_on_host = (self.tensors + 1, self.copied + cost.ffn_in,
-                                                                self.kept_on_host + cost.ffn_in)
-            self.recompute_s += cost.ffn_s
-            self.recompute_tensors += cost.ffn_tensors
-        if attention:
-            self.tensors, self.copied, self.kept_on_host = (self.tensors + cost.attn_tensors,
-                                                            self.copied + cost.attn_copied, self.kept_on_host + attn_off)
-        # offloaded attention activations come back late in the block's backward, after the
-        # FFN's and the block's other transients are freed: they do not raise its peak
-        self.worst = max(self.worst, self.kept_before + cost.act - attn_off + self.grads_after[(name, cost.index)])
-        self.kept_before += keep
+    prediction = Prediction(schedule, int(peak), probe_.sec_per_step + seconds(probe_.calibration, walk.work),
+                            offloaded_tensors=walk.work.offload_tensors, host_bytes=walk.kept_on_host)
+    return _with_streaming(probe_, walk.plan, prediction) if walk.plan.streamed_blocks else prediction
 
 
 def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
@@ -307,9 +234,6 @@ def _with_streaming(probe_: Probe, plan, prediction: Prediction) -> Prediction:
         exposed += sum(max(0.0, c - (2 * compute[k + 1] if k + 1 < len(copy) else 0.0)) for k, c in enumerate(copy))
     else:
         exposed = 2 * sum(copy)
-    # the streamer's saved-tensor hook sees every tensor a streamed block saves (calibrated per tensor)
-    exposed += probe_.stream_s_per_tensor * sum(probe_.blocks[names[li]][bi].saved_tensors
-                                                for unit in units for li, bi in unit)
     return dataclasses.replace(prediction, peak_bytes=int(prediction.peak_bytes - streamed + ring),
                                sec_per_step=prediction.sec_per_step + exposed,
                                host_bytes=prediction.host_bytes + planned_total(streamed), streamed_bytes=streamed,

@@ -26,37 +26,16 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..config import TrainConfig
 from ..core.memory import PeakMemory
-from ..core.offload import resident_storages
+from ..core.offload import copy_key, resident_storages
 from ..core.plan import count_blocks
 from ..families import get_family
 from ..families.base import FamilyAdapter
 from ..model.precision import tensor_bytes
 from ..train.loop import resolve_device
 from ..train.recovery import OutOfMemoryStop
-from .calibration import PLAIN, Calibration, Counts, calibrate, calibration_steps, copy_seconds_per_byte
+from .calibration import PLAIN, Calibration, calibrate, calibration_schedules, calibration_steps, copy_seconds_per_byte
+from .costs import BlockCost
 from .runs import RunWorkspace, StartRun
-
-
-@dataclass
-class BlockCost:
-    """Measured cost of one block (bytes, seconds); the fields are described in :mod:`.planner`."""
-
-    list_name: str
-    index: int
-    act: int = 0
-    carried: int = 0
-    ffn: int = 0
-    ffn_in: int = 0
-    attn: int = 0
-    fwd_s: float = 0.0
-    ffn_s: float = 0.0
-    fwd_peak: int = 0
-    grad: int = 0
-    ffn_in_attn: int = 0
-    attn_tensors: int = 0
-    attn_copied: int = 0
-    saved_tensors: int = 0
-    ffn_tensors: int = 0
 
 
 @dataclass
@@ -68,8 +47,8 @@ class Probe:
         blocks: per-list block costs, in forward order of the lists.
         peak_bytes: the probe step's device peak (same scope as a sweep cell: with the weights the
             device holds, on the CPU too). sec_per_step: its time.
-        offload_s_per_tensor / offload_s_per_byte / recompute_s_per_tensor / stream_s_per_tensor:
-            this machine's :class:`~.calibration.Calibration` (short runs in lockstep).
+        offload_s_per_tensor / offload_s_per_byte / recompute_s_per_call / recompute_s_per_tensor /
+            stream_s_per_tensor: this machine's :class:`~.calibration.Calibration` (short runs in lockstep).
         blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
     """
 
@@ -93,6 +72,7 @@ class Probe:
     held_bytes: int = 0
     """Device bytes held before the step starts (weights, LoRA, optimizer state): part of
     ``peak_bytes``, which no schedule changes (streaming moves the frozen part to the host)."""
+    recompute_s_per_call: float = 0.0
     recompute_s_per_tensor: float = 0.0
     stream_s_per_tensor: float = 0.0
     extrapolated_from: int = 0
@@ -103,8 +83,8 @@ class Probe:
     @property
     def calibration(self) -> Calibration:
         """The per-tensor costs measured for this probe (:mod:`.calibration`)."""
-        return Calibration(self.offload_s_per_tensor, self.offload_s_per_byte, self.recompute_s_per_tensor,
-                           self.stream_s_per_tensor)
+        return Calibration(self.offload_s_per_tensor, self.offload_s_per_byte, self.recompute_s_per_call,
+                           self.recompute_s_per_tensor, self.stream_s_per_tensor)
 
     @property
     def activation_bytes(self) -> int:
@@ -242,9 +222,8 @@ class _Collector:
             cost.saved_tensors += 1
             cost.ffn_tensors += "ffn" in kinds
             if "attn" in kinds and tensor.numel() and storage.data_ptr() not in self.resident:
-                # one copy per distinct view, as the offloader keys them (engine/core/offload.py)
-                view = (storage.data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
-                seen.attn_copies[view] = tensor.numel() * tensor.element_size()
+                # one copy per key, as the offloader makes them (engine/core/offload.py)
+                seen.attn_copies[copy_key(tensor)] = tensor.numel() * tensor.element_size()
         return tensor
 
     def costs(self) -> dict[str, list[BlockCost]]:
@@ -462,14 +441,15 @@ def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunW
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
     if calibration is None:
-        counts = _counts(family, costs, frozen if config.schedule.streams else {})
-        workspace.expect(calibration_steps(warmup_steps, bool(counts.attn_tensors), bool(counts.frozen_bytes))
-                         - calibration_steps(warmup_steps))
-        calibration = calibrate(config, bundle, warmup_steps, workspace, counts, h2d_s_per_byte)
+        schedules = calibration_schedules(family, costs, config.schedule.streams)
+        workspace.expect(calibration_steps(warmup_steps, 1 + len(schedules)) - calibration_steps(warmup_steps))
+        calibration = calibrate(config, bundle, warmup_steps, workspace, schedules, costs,
+                                sum(sum(b) for b in frozen.values()), h2d_s_per_byte)
     return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
                  statistics.median(r["seconds"] for r in clean), calibration.offload_s_per_tensor,
                  calibration.offload_s_per_byte, blocks_end, result.report["memory"]["validation_peak_bytes"], frozen,
                  h2d_s_per_byte, states, recorded["start_bytes"] if device.type == "cuda" else held,
+                 recompute_s_per_call=calibration.recompute_s_per_call,
                  recompute_s_per_tensor=calibration.recompute_s_per_tensor,
                  stream_s_per_tensor=calibration.stream_s_per_tensor)
 
@@ -502,12 +482,3 @@ def _record(family: FamilyAdapter, device: torch.device, warmup_steps: int, work
         collector.close()
         steps.close()
     return run, collector
-
-
-def _counts(family: FamilyAdapter, costs: dict[str, list[BlockCost]], frozen: dict[str, list[int]]) -> Counts:
-    """What each calibration run adds to the plain step (``frozen`` empty: no streaming run)."""
-    routed = {bl.name for bl in family.block_lists if bl.attention and bl.routed}
-    every = [c for cs in costs.values() for c in cs]
-    attn = [c for name, cs in costs.items() if name in routed for c in cs]
-    return Counts(sum(c.attn_tensors for c in attn), sum(c.attn_copied for c in attn), sum(c.fwd_s for c in every),
-                  sum(c.saved_tensors for c in every), sum(sum(b) for b in frozen.values()))

@@ -10,6 +10,8 @@ import pytest
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.measure.costs import work
 from segmented_checkpointing.engine.measure.planner import (
     PlannerError,
     choose,
@@ -46,7 +48,13 @@ def test_predictions_match_measured_peaks_and_the_choice_fits(family):
         blocks = [c for costs in measured_probe.blocks.values() for c in costs]
         assert all(c.act > 0 and c.grad > 0 and c.fwd_s > 0 for c in blocks)
         assert 0 < measured_probe.activation_bytes < measured_probe.peak_bytes
-        measured = {mode: peak_after_warmup(workspace.run(schedules[mode], 1, 1), 1) for mode in HANDFUL}
+        runs = {mode: workspace.run(schedules[mode], 1, 1) for mode in HANDFUL}
+        measured = {mode: peak_after_warmup(result, 1) for mode, result in runs.items()}
+        # the time model's counts are what each run did: checkpoint calls, tensors offloaded
+        counted = {mode: (r.history[-1]["checkpoint_calls"], r.history[-1]["offloaded_tensors"]) for mode, r in runs.items()}
+        added = {mode: work(get_family(family), measured_probe.blocks, schedules[mode]).work for mode in HANDFUL}
+        assert {mode: (a.calls, a.offload_tensors) for mode, a in added.items()} == counted
+        assert counted["layer"][0] == len(blocks) and counted["none-offload-attn"][1] > 0
         for mode, real in measured.items():
             guess = predict(measured_probe, schedules[mode]).peak_bytes
             # within 10% of what the step adds to the weights held before it (device-terms peaks)

@@ -12,8 +12,9 @@ from segmented_checkpointing import cli
 from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.measure.costs import BlockCost
 from segmented_checkpointing.engine.measure.planner import PlannerError, choose, predict
-from segmented_checkpointing.engine.measure.probe import BlockCost, Probe
+from segmented_checkpointing.engine.measure.probe import Probe
 from segmented_checkpointing.engine.measure.ranks import check_nproc, rank_peaks
 from segmented_checkpointing.engine.model.bundle import build_preset
 

@@ -9,9 +9,10 @@ from helpers import refuse_to_build_models
 
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.measure.costs import BlockCost
 from segmented_checkpointing.engine.measure.host import HostBudgetError, host_budget_bytes
 from segmented_checkpointing.engine.measure.planner import PlannerError, choose
-from segmented_checkpointing.engine.measure.probe import BlockCost, Probe, probe
+from segmented_checkpointing.engine.measure.probe import Probe, probe
 from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.model.bundle import build_preset
 

@@ -1,0 +1,77 @@
+"""The planner's time model: what a schedule adds (engine/measure/costs.py) priced at the calibrated
+rates (engine/measure/calibration.py), on a synthetic probe, so every value is exact. The counts
+themselves are checked against real runs in tests/measure/test_planner.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
+from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.measure.calibration import Calibration, _recompute_rates, seconds
+from segmented_checkpointing.engine.measure.costs import BlockCost, Work, work
+from segmented_checkpointing.engine.measure.planner import predict
+from segmented_checkpointing.engine.measure.probe import Probe
+
+RATES = Calibration(offload_s_per_tensor=1e-4, offload_s_per_byte=1e-9, recompute_s_per_call=2e-4,
+                    recompute_s_per_tensor=1e-5, stream_s_per_tensor=3e-6)
+
+
+def _probe(calibration: Calibration = RATES) -> Probe:
+    """2 + 2 flux blocks: 30 saved tensors each (4 in the FFN), 10 ms forward (1 ms FFN), the
+    attention saving 5 tensors of 200 bytes, 4000 frozen bytes."""
+    blocks = {name: [BlockCost(name, i, act=1000, carried=100, attn=1000, fwd_s=0.01, ffn_s=0.001, saved_tensors=30,
+                               ffn_tensors=4, attn_tensors=5, attn_copied=1000) for i in range(2)]
+              for name in ("double", "single")}
+    return Probe("flux", "cpu", blocks, peak_bytes=30_000, sec_per_step=0.1,
+                 offload_s_per_tensor=calibration.offload_s_per_tensor,
+                 offload_s_per_byte=calibration.offload_s_per_byte,
+                 frozen_block_bytes={"double": [4000] * 2, "single": [4000] * 2}, h2d_s_per_byte=1e-9,
+                 held_bytes=20_000, recompute_s_per_call=calibration.recompute_s_per_call,
+                 recompute_s_per_tensor=calibration.recompute_s_per_tensor,
+                 stream_s_per_tensor=calibration.stream_s_per_tensor)
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ({"gradient_checkpointing": False}, Work()),
+    ({}, Work(recompute_s=0.04, calls=4, recompute_tensors=120)),
+    ({"gradient_checkpointing_interval": 2}, Work(recompute_s=0.04, calls=2, recompute_tensors=120)),
+    ({"gradient_checkpointing_backend": "torch-ffn"}, Work(recompute_s=0.004, calls=4, recompute_tensors=16)),
+    ({"gradient_checkpointing_backend": "unsloth"}, Work(recompute_s=0.04, calls=4, recompute_tensors=120,
+                                                         offload_tensors=4 + 4 * 1, offload_bytes=400)),
+    ({"gradient_checkpointing": False, "gradient_checkpointing_offload_attention": True},
+     Work(offload_tensors=20, offload_bytes=4000)),
+    ({"gradient_checkpointing": False, "weight_offload": "stream"}, Work(stream_tensors=120)),
+    ({"weight_offload": "stream"}, Work(recompute_s=0.04, calls=4, recompute_tensors=120)),
+])
+def test_what_a_schedule_adds_is_counted_per_block(keys, expected):
+    added = work(get_family("flux"), _probe().blocks, CheckpointSchedule(**keys)).work
+    counts = lambda w: (w.calls, w.recompute_tensors, w.offload_tensors, w.offload_bytes, w.stream_tensors)  # noqa: E731
+    assert counts(added) == counts(expected)
+    assert added.recompute_s == pytest.approx(expected.recompute_s, rel=1e-12)
+
+
+def test_predicted_seconds_are_the_plain_step_plus_the_work_at_the_calibrated_rates():
+    probe_ = _probe()
+    layer = predict(probe_, CheckpointSchedule()).sec_per_step
+    assert layer == pytest.approx(0.1 + 0.04 + 4 * 2e-4 + 120 * 1e-5, rel=1e-12)
+    offload = predict(probe_, CheckpointSchedule(gradient_checkpointing=False,
+                                                 gradient_checkpointing_offload_attention=True)).sec_per_step
+    assert offload == pytest.approx(0.1 + 20 * 1e-4 + 4000 * 1e-9, rel=1e-12)
+    # streaming on the CPU: every unit copied in forward and in backward, plus the hook per saved tensor
+    streamed = predict(probe_, CheckpointSchedule(gradient_checkpointing=False, weight_offload="stream")).sec_per_step
+    assert streamed == pytest.approx(0.1 + 2 * 16_000 * 1e-9 + 120 * 3e-6, rel=1e-12)
+    assert seconds(RATES, Work()) == 0.0
+
+
+def test_the_recompute_rates_are_solved_from_the_block_and_the_ffn_runs():
+    per_call, per_tensor = 3e-4, 2e-5
+    layer = Work(recompute_s=0.04, calls=16, recompute_tensors=941)
+    ffn = Work(recompute_s=0.002, calls=16, recompute_tensors=40)
+    extra = lambda w: w.recompute_s + w.calls * per_call + w.recompute_tensors * per_tensor  # noqa: E731
+    assert _recompute_rates((extra(layer), layer), (extra(ffn), ffn)) == pytest.approx((per_call, per_tensor))
+    # without the FFN run, or where noise makes a solved rate negative: one rate per tensor
+    assert _recompute_rates((extra(layer), layer), None) == pytest.approx(
+        (0.0, (16 * per_call + 941 * per_tensor) / 941))
+    assert _recompute_rates((extra(layer), layer), (0.5, ffn))[0] == 0.0
+    assert _recompute_rates(None, None) == (0.0, 0.0)
