@@ -19,10 +19,12 @@ import warnings
 
 import torch
 
-from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.config import MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.measure.lockstep import lockstep_runs, paired_ratio
-from segmented_checkpointing.engine.measure.planner import PlannerError, plan_for_budget, predict
+from segmented_checkpointing.engine.measure.planner import PlannerError, predict
+from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.measure.probe import probe
+from segmented_checkpointing.engine.measure.runs import Progress
 from segmented_checkpointing.engine.measure.sweep import run_sweep, sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
 
@@ -43,7 +45,8 @@ def main() -> None:
     bundle = build_preset(args.family)
     measured_probe = probe(config, bundle)
     schedules = sweep_schedules()
-    cells = run_sweep(config, bundle, schedules, 1, args.measure, log=lambda line: None)
+    cells = run_sweep(config, bundle, MeasureConfig.create(measured_steps=args.measure), Progress(log=lambda line: None),
+                      schedules=schedules)
     print(f"{args.family} at {args.resolution}px; probe {measured_probe.sec_per_step:.3f} sec/step, "
           f"peak {measured_probe.peak_bytes / 2**20:.3f} MiB")
     print(f"{'mode':<44} {'measured':>20} {'predicted':>20} {'peak error':>10}")
@@ -68,7 +71,8 @@ def speed_of_choices(config, bundle, cells, schedules, measure_steps: int, facto
     for share in (0.25, 0.5, 0.75):
         budget = int(share * none_peak)
         try:
-            mode = plan_for_budget(config, bundle, budget, measure_steps=measure_steps).chosen.schedule.mode
+            mode = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=measure_steps),
+                                   budget).chosen.schedule.mode
         except PlannerError as exc:
             print(f"budget {share:.0%}: {exc}")
             continue

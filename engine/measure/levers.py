@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from ..config.measure import LEVERS
 from .runs import MeasurementInterrupted, RunWorkspace, peak_after_warmup
 
 if TYPE_CHECKING:
@@ -18,10 +19,6 @@ LEVER_GAIN = 0.02
 paired measurement on a shared machine) with its measured peak within the budget."""
 
 
-LEVERS = ("save_attention", "compile")
-"""What :func:`try_levers` can try: ``gradient_checkpointing_save_attention``, ``compile_blocks``."""
-
-
 def try_levers(choice: "PlanChoice", workspace: RunWorkspace, warmup_steps: int, measure_steps: int,
                names: tuple[str, ...] = LEVERS) -> None:
     """Measure the chosen schedule with each lever of ``names`` (:data:`LEVERS`) and keep a lever
@@ -29,7 +26,9 @@ def try_levers(choice: "PlanChoice", workspace: RunWorkspace, warmup_steps: int,
     depends on the model and the card; FastVideo PR #1410, OneTrainer #1114 and the documents'
     compile regressions): ``gradient_checkpointing_save_attention`` (checkpointed ``torch`` or
     ``unsloth`` regions), then ``compile_blocks`` over what was kept. The choice's schedule, its
-    measured figures and ``compile_blocks`` follow; ``notes`` say which lever was kept and why.
+    measured figures and ``compile_blocks`` (True when kept, False when tried and not kept) follow,
+    so :meth:`~.planner.PlanChoice.options` holds every decision; ``notes`` say which lever was
+    kept and why.
     """
     base = choice.chosen.schedule
     levers = []
@@ -51,6 +50,7 @@ def try_levers(choice: "PlanChoice", workspace: RunWorkspace, warmup_steps: int,
             raise
         except Exception as exc:  # noqa: BLE001 - a lever that fails is not kept
             choice.notes.append(f"{name}: not kept ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            _decided(choice, changes, False)
             continue
         seconds, peak = result.report["totals"]["sec_per_step"], peak_after_warmup(result, warmup_steps)
         ratio = seconds / choice.measured_sec_per_step
@@ -62,7 +62,14 @@ def try_levers(choice: "PlanChoice", workspace: RunWorkspace, warmup_steps: int,
         else:
             choice.notes.append(f"{name}: kept ({figures}, within the budget)")
             choice.measured_sec_per_step, choice.measured_peak_bytes = seconds, peak
-            if changes:
-                choice.compile_blocks = True
-            else:
+            if not changes:
                 choice.chosen = dataclasses.replace(choice.chosen, schedule=schedule)
+            _decided(choice, changes, True)
+            continue
+        _decided(choice, changes, False)
+
+
+def _decided(choice: "PlanChoice", changes: dict, kept: bool) -> None:
+    """Record the ``compile`` lever's decision (``changes`` holds ``compile_blocks``) in the choice."""
+    if changes:
+        choice.compile_blocks = kept

@@ -9,7 +9,8 @@ from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.levers import try_levers
-from segmented_checkpointing.engine.measure.planner import PlanChoice, predict, probe
+from segmented_checkpointing.engine.measure.planner import PlanChoice, predict
+from segmented_checkpointing.engine.measure.probe import probe
 from segmented_checkpointing.engine.measure.runs import RunWorkspace
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
