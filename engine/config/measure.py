@@ -19,7 +19,7 @@ from .guardrails import check_budget
 from .options import ConfigError, check_options, option, options_of
 
 LEVERS = ("save_attention", "compile")
-"""What ``plan --levers`` can try (``engine/measure/levers.py``): ``gradient_checkpointing_save_attention``
+"""What ``plan --levers`` can try (``engine/measure/planning.py`` ``try_levers``): ``gradient_checkpointing_save_attention``
 and ``compile_blocks``, each kept only when measured faster within the budget."""
 MAX_STEPS = 1000
 """The most measured steps per mode (the nodes' widgets have always allowed this many)."""

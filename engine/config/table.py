@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .measure import MEASURE_OPTIONS
 from .options import Option
 from .peers.recipe import DEFAULTS, DEFAULTS_NOTE, SOURCE
 from .peers.simpletuner import ALIASES, IGNORED, NEEDS, SAME_KEYS
@@ -34,26 +33,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def options_table(options: Iterable[Option] = OPTIONS, measure: Iterable[Option] = MEASURE_OPTIONS) -> str:
-    """The Markdown tables of ``options`` (a run's) and of ``measure`` (a measurement's: ``segckpt
-    sweep`` and ``plan``, the planning nodes): flag, config key, default, allowed values, meaning
-    (its help text), between the markers README.md keeps them in."""
-    lines = [BEGIN, "", *_rows(options)]
-    measured = _rows(measure)
-    if len(measured) > 2:
-        lines += ["", "Measurement options (`segckpt sweep`, `segckpt plan`, the Checkpointing Sweep and Schedule "
-                  "Planner nodes; `engine/config/measure.py`):", "", *measured]
-    return "\n".join(lines + ["", END]) + "\n"
-
-
-def _rows(options: Iterable[Option]) -> list[str]:
-    """A table of ``options``, its header first."""
-    lines = ["| option | config key | default | allowed | meaning |", "|---|---|---|---|---|"]
+def options_table(options: Iterable[Option] = OPTIONS) -> str:
+    """The Markdown table of ``options``: flag, config key, default, allowed values, meaning (its
+    help text), between the markers README.md keeps it in."""
+    lines = [BEGIN, "", "| option | config key | default | allowed | meaning |", "|---|---|---|---|---|"]
     for opt in options:
         flag = f"`{opt.cli}`" if opt.cli else ""
         lines.append(f"| {flag} | `{opt.key}` | {_cell(_default(opt.default))} | {_cell(opt.allowed())} | "
                      f"{_cell(opt.help)} |")
-    return lines
+    return "\n".join(lines + ["", END]) + "\n"
 
 
 def simpletuner_table() -> str:

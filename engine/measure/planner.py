@@ -137,7 +137,7 @@ class PlanChoice:
     labels: dict[int, str] = field(default_factory=dict)
     """Per frame count: what it trains on (``5 frames (2 latent frames, 128 tokens per sample)``)."""
     compile_blocks: bool | None = None
-    """The ``compile`` lever's decision (:func:`~.levers.try_levers`): True when ``compile_blocks``
+    """The ``compile`` lever's decision (:func:`~.planning.try_levers`): True when ``compile_blocks``
     measured faster within the budget, False when it did not; None when it was not tried (the
     run's own value stands)."""
     ranks: Any = None
