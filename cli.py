@@ -200,9 +200,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """:func:`main` without its Ctrl-C handling."""
     args = _parser().parse_args(argv)
     console_messages()
-    commands = {"train": _train, "run": _run_workflow, "sweep": _sweep, "plan": _plan,
-                "families": lambda: api.families(args.limits), "options": api.options_table,
-                "recipes": api.recipes_markdown}
+    commands = {"train": _train, "run": _run_workflow, "sweep": _sweep, "plan": _plan,  # a table's on first use:
+                "families": lambda: api.families(args.limits), "options": lambda: api.options_table(),
+                "recipes": lambda: api.recipes_markdown()}  # api.recipes_markdown imports diffusers
     if args.command in ("train", "run", "sweep", "plan"):
         return commands[args.command](args)
     print(commands[args.command](), end="")  # a table
