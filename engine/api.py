@@ -115,7 +115,7 @@ __all__ = [
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
     "ScheduleError", "SweepCell", "SweepInterrupted", "SweepTable", "TrainConfig", "TrainResult", "Verdict",
     "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_run", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_run", "check_vae", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
     "family_names", "get_family", "load_model", "loss_curve_rgb", "loss_graph_png", "model_family", "recipes_markdown", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
@@ -301,8 +301,9 @@ def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     return write_choice(choice, folder)
 
 
-def _check_vae(config: TrainConfig) -> None:
-    """A measurement (like ``segckpt train``) encodes its images: a single model file needs a VAE folder.
+def check_vae(config: TrainConfig) -> None:
+    """A run or a measurement of the command line encodes its images (a node's model comes with
+    its VAE): a single model file needs a VAE folder.
 
     Raises:
         ConfigError: ``model_file`` without ``vae_path``.
@@ -345,7 +346,7 @@ def _measurement(config: TrainConfig, measure: MeasureConfig,
         host_bytes = host_budget(measure.plan.host_budget, config)
     check_input_paths(config)
     check_resolution(config)
-    _check_vae(config)
+    check_vae(config)
     check_writable(config.outputs.output, "output")
     return measure, budget_bytes, host_bytes
 
