@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -27,10 +26,13 @@ from typing import Sequence
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+from .console import StopOnSignal, console_messages, cpu_threads, error
 from .engine import api
 
 SCHEDULE_GROUP = "schedule"
 """The options of ``CheckpointSchedule``: ``train`` and ``plan --check`` take them, ``sweep`` runs every mode."""
+_RUN_KEYS = frozenset(opt.key for opt in api.OPTIONS)
+"""The destinations of the run's flags (the rest are a measurement's, or the command's own)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,61 +83,17 @@ def _parser() -> argparse.ArgumentParser:
                            description="Run each mode (none, layer, interval 2, interval 2 stride 4; every backend "
                                        "and attention offload the family supports) for a few steps after warm-up "
                                        "and write sweep.md, sweep.csv, sweep.json and sweep.png into --output.")
-    _add_options(sweep, "Folder for sweep.md, sweep.csv, sweep.json and sweep.png (default output/sweep).",
+    _add_options(sweep, f"Folder for sweep.md, sweep.csv, sweep.json and sweep.png (default {api.OUTPUTS['sweep']}).",
                  schedule=False)
+    _add_options(sweep, options=_measure_options("sweep"))
     plan = sub.add_parser("plan", help="Pick the fastest schedule predicted to fit a memory budget.",
                           description="Probe one step without checkpointing (per-block activation bytes and "
                                       "time), predict every candidate schedule's peak and sec/step, and print "
                                       "the fastest one that fits --budget; with --measure N, time it and up to two "
                                       "other fitting candidates head to head (lockstep) and keep the fastest "
                                       "measured one that fits.")
-    _add_options(plan, "Folder for plan.txt and schedule.json (default output/plan).")
-    plan.add_argument("--budget", dest="plan_budget", required=True,
-                      help="Memory budget in GiB, or 'device' (fit this device's memory).")
-    plan.add_argument("--host-budget", dest="plan_host_budget", default=None,
-                      help="Host memory for streamed weights and offloaded activations, GiB, 'free' (the host's "
-                           "available memory now) or 'device' (its total memory); default: the available memory "
-                           "less 10%%.")
-    plan.add_argument("--levers", dest="plan_levers", nargs="+", default=(), choices=("save_attention", "compile"),
-                      help="After the choice is measured, measure it with each lever (save_attention: "
-                           "gradient_checkpointing_save_attention; compile: compile_blocks) and keep one only when "
-                           "it is faster within the budget; the plan output says which and why.")
-    plan.add_argument("--measure", dest="plan_measure", type=int, default=3,
-                      help="Steps to time the chosen prediction and up to 2 other fitting ones in lockstep "
-                           "before deciding (0 = predict only; default 3).")
-    plan.add_argument("--check", dest="plan_check", action="store_true", default=False,
-                      help="Pre-flight instead: judge the given schedule (the options below, or --config) against "
-                           "--budget in every phase (each batch shape, the previews) and name the schedule that "
-                           "would fit; exit status 0 when it fits, 1 when it does not.")
-    plan.add_argument("--frames", dest="plan_frames", type=int, nargs="+", default=None, metavar="N",
-                      help="Pixel-frame counts to plan for (video families; the family's frame rule applies): "
-                           "the peak predicted per count (with --check: one phase per count), on synthetic "
-                           "latents of the run's resolution; the schedule chosen fits every count.")
-    plan.add_argument("--nproc", dest="plan_nproc", type=int, default=1, metavar="N",
-                      help="Processes (GPUs) the run will use under torchrun: also predict the choice's per-rank "
-                           "peak under --ddp and --fsdp and recommend DDP when a replica fits --budget, FSDP2 "
-                           "otherwise, then choosing the schedule by FSDP2's per-rank peak (plan.txt's last line, nproc.json; "
-                           "default 1: one process).")
-    sweep.add_argument("--warmup", dest="sweep_warmup", type=int, default=1, help="Warm-up steps per mode (default 1).")
-    sweep.add_argument("--measure", dest="sweep_measure", type=int, default=3,
-                       help="Measured steps per mode after warm-up (default 3).")
-    sweep.add_argument("--budget-gib", dest="sweep_budget", type=float, default=None,
-                       help="Memory budget drawn as a line on the plot, GiB.")
-    sweep.add_argument("--no-attention-offload", dest="sweep_attention", action="store_false", default=True,
-                       help="Leave out the attention-offload modes (halves the sweep).")
-    sweep.add_argument("--frames", dest="sweep_frames", type=int, nargs="+", default=None, metavar="N",
-                       help="Pixel-frame counts to sweep (video families; each follows the family's frame rule, e.g. "
-                            "Wan 4k+1): one table per count, on synthetic latents (N, C, F', h, w) of the run's "
-                            "resolution, written into --output/frames-N/.")
-    sweep.add_argument("--save-attention", dest="sweep_save", action="store_true", default=False,
-                       help="Add every checkpointed torch and unsloth mode keeping its attention outputs "
-                            "(-save-attn columns: gradient_checkpointing_save_attention).")
-    sweep.add_argument("--compile", dest="sweep_compile", action="store_true", default=False,
-                       help="Measure every mode again with compile_blocks (+compile columns; compile time is in "
-                            "the warm-up steps, so give --warmup 2 or more).")
-    sweep.add_argument("--stream", dest="sweep_stream", action="store_true", default=False,
-                       help="Add the four base modes with every block's frozen weights streamed from host memory "
-                            "(weight H2D GiB/step and stall %% columns).")
+    _add_options(plan, f"Folder for plan.txt and schedule.json (default {api.OUTPUTS['plan']}).")
+    _add_options(plan, options=_measure_options("plan"), required=("budget",))
     run = sub.add_parser("run", help="Run an API-format workflow in-process with this pack's nodes.",
                          description="Run an API-format workflow (ComfyUI 'Save (API)') without ComfyUI. "
                                      "Folders follow ComfyUI's layout under --base-dir: input/, "
@@ -146,16 +104,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _measure_options(command: str) -> tuple[api.Option, ...]:
+    """The measurement options of ``command``: the shared ones and its own group's
+    (``engine/config/measure.py``: ``sweep`` or ``plan``)."""
+    return tuple(opt for opt in api.MEASURE_OPTIONS if len(opt.path) == 1 or opt.path[0] == command)
+
+
 def _add_options(parser: argparse.ArgumentParser, output_help: str | None = None, schedule: bool = True,
-                 options: tuple[api.Option, ...] = api.OPTIONS) -> None:
+                 options: tuple[api.Option, ...] = api.OPTIONS, required: tuple[str, ...] = ()) -> None:
     """The flags of ``options``, generated from their metadata (``engine/config/options.py``): all
     of them for ``train``; ``sweep`` and ``plan`` (``output_help`` given) leave out those of a long
-    run (steps, saving, resuming, timing warm-up), and ``sweep`` the schedule's. Given values
-    override the config file; a flag's destination is the option's config key."""
+    run (steps, saving, resuming, timing warm-up), and ``sweep`` the schedule's; then their
+    measurement options (``engine/config/measure.py``), ``required``: those the command needs. Given
+    values override the config file; a flag's destination is the option's config key. The run's
+    options end with ``--config``, the file they are read from."""
     for opt in options:
         if opt.cli is None or output_help is not None and opt.meta["long_run"]:
             continue
-        in_schedule = opt.path[0] == SCHEDULE_GROUP
+        in_schedule = opt.path[0] == SCHEDULE_GROUP and options is api.OPTIONS
         if in_schedule and not schedule:
             continue
         text = output_help if opt.key == "output" and output_help else _help(opt)
@@ -165,11 +131,13 @@ def _add_options(parser: argparse.ArgumentParser, output_help: str | None = None
         elif opt.type is tuple:  # --text-encoder DIR [DIR ...]
             parser.add_argument(opt.cli, dest=opt.key, nargs="+", default=None, help=text)
         else:  # the schedule's keys take 'none' and are read by CheckpointSchedule.from_config
-            kind = str if in_schedule else opt.type
-            parser.add_argument(opt.cli, dest=opt.key, type=kind, default=None, help=text)
-    parser.add_argument("--config", dest="config_file", default=None,
-                        help="JSON config (our keys, SimpleTuner's keys with or without their leading --, the six "
-                             "gradient_checkpointing_* keys; docs/OPTIONS.md lists the SimpleTuner keys read and ignored).")
+            kind = str if in_schedule or opt.meta["parse"] is not None else opt.type
+            parser.add_argument(opt.cli, dest=opt.key, type=kind, default=None, help=text,
+                                required=opt.key in required)
+    if options is api.OPTIONS:
+        parser.add_argument("--config", dest="config_file", default=None,
+                            help="JSON config (our keys, SimpleTuner's keys with or without their leading --, the six "
+                                 "gradient_checkpointing_* keys; docs/OPTIONS.md lists the SimpleTuner keys read and ignored).")
 
 
 def _help(opt: api.Option) -> str:
@@ -179,9 +147,9 @@ def _help(opt: api.Option) -> str:
         text += f" One of: {', '.join(map(str, opt.choices))}."
     elif opt.optional and opt.path[0] == SCHEDULE_GROUP and opt.meta["parse"] is None:
         text += " 'none' = unset."
-    if opt.default is not None and opt.default is not False and opt.type is not bool:
+    if opt.default is not None and opt.default is not False and opt.default != () and opt.type is not bool:
         text += f" Default: {opt.default}."
-    return text
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def config_from_args(args: argparse.Namespace, precheck: bool = False) -> api.TrainConfig:
@@ -201,8 +169,7 @@ def config_from_args(args: argparse.Namespace, precheck: bool = False) -> api.Tr
     config, from_file = api.TrainConfig(), {}
     if args.config_file:  # the keys it ignores are named in one warning
         config, from_file = api.TrainConfig.from_json_file(args.config_file, config)
-    given = {k: v for k, v in vars(args).items()
-             if v is not None and k not in ("command", "config_file") and not k.startswith(("sweep_", "plan_"))}
+    given = {k: v for k, v in vars(args).items() if v is not None and k in _RUN_KEYS}
     config = api.TrainConfig.from_dict(given, config)[0]
     detect = "family" not in set(given) | set(from_file)
     if precheck:  # the family is the run's unless a model it is read from is given
@@ -213,18 +180,6 @@ def config_from_args(args: argparse.Namespace, precheck: bool = False) -> api.Tr
         if family is not None:
             config = config.replace(family=family)
     return config
-
-
-def _check_vae(config: api.TrainConfig) -> None:
-    """The CLI trains on images (train, sweep, plan): a single file needs a VAE folder to encode them.
-
-    Raises:
-        ConfigError: ``model_file`` without ``vae_path``.
-    """
-    if config.model.model_file and not config.model.vae_path:
-        raise api.ConfigError(f"vae_path=None is invalid with model_file={config.model.model_file!r}: allowed a "
-                              "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
-                              "encode the images with")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,167 +193,103 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:  # read only when raised: ``api.OutputWriteError`` imports the writers
         if isinstance(exc, api.OutputWriteError):  # a table, plan or preview the file system refused
-            return _error(exc)
+            return error(exc)
         raise
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """:func:`main` without its Ctrl-C handling."""
     args = _parser().parse_args(argv)
-    _console_messages()
-    if args.command == "train":
-        try:
-            config = config_from_args(args, precheck=True)  # the disk's refusals before any heavy import
-            _check_vae(config)
-            api.check_run(config)
-        except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError, FolderInUseError, ...
-            return _error(exc)
-        cpu_threads(config)
-        stop = _StopOnSignal()
-        try:
-            with stop:
-                result = api.train(config, should_stop=stop)
-        except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
-            return _error(exc)
-        finally:
-            api.close_distributed()  # --fsdp or --ddp under torchrun
-        if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
-            return 130 if result.interrupted else 0
-        if result.interrupted:
-            print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
-                  f"continue with the same options and --resume", file=sys.stderr)
-            return 130
-        graph = Path(result.report_path).parent / "loss.png"  # the Loss Graph node's two plots
-        api.atomic_write_bytes(graph, api.loss_graph_png(result.history, f"{result.plan.family} - {result.plan.mode}",
-                                                         result.report.get("loss_by_noise_level")))
-        totals = result.report["totals"]
-        sec = totals["sec_per_step"]
-        print(f"loss graph: {graph}")
-        print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
-              f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
-              f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
-        return 0
-    if args.command == "run":
-        return _run_workflow(args)
-    if args.command == "sweep":
-        return _sweep(args)
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "families":
-        print(api.families(args.limits), end="")
-        return 0
-    if args.command == "options":
-        print(api.options_page(), end="")
-        return 0
-    if args.command == "recipes":
-        print(api.recipes_markdown(), end="")
-        return 0
-    return 2  # pragma: no cover (argparse rejects unknown commands)
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    try:
-        if args.output is None:
-            args.output = "output/sweep"
-        config = config_from_args(args)
-        if args.sweep_warmup < 0:
-            raise ValueError(f"--warmup={args.sweep_warmup} is invalid: allowed an integer >= 0")
-        if args.sweep_measure < 1:
-            raise ValueError(f"--measure={args.sweep_measure} is invalid: allowed an integer >= 1")
-        if args.sweep_budget is not None and not 0 < args.sweep_budget < 2**20:
-            raise ValueError(f"--budget-gib={args.sweep_budget} is invalid: allowed a number of GiB > 0")
-        counts = api.check_measure_frames(config, args.sweep_frames) if args.sweep_frames else None
-        api.check_input_paths(config)
-        api.check_resolution(config)
-        _check_vae(config)
-        api.check_writable(config.outputs.output, "output")
-        cpu_threads(config)
-        bundle = api.load_model(config)
-    except ValueError as exc:
-        print(f"segckpt: error: {exc}", file=sys.stderr)
-        return 2
-    if counts is not None:
-        return _sweep_frames(args, config, bundle, counts)
-    budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
-    folder, done = Path(config.outputs.output), []
-
-    def write(cells: list) -> None:  # after every cell: an interrupted sweep keeps what it measured
-        done[:] = [c for c in cells if c.status != "not run" or c.error]
-        api.write_sweep(cells, folder, bundle.family.name, budget)
-
-    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream, args.sweep_save)
-    stop = _StopOnSignal()
-    try:
-        with stop:  # the first Ctrl-C ends the sweep after the current step; a second at once
-            cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
-                              should_stop=stop, compile_modes=args.sweep_compile)
-    except (KeyboardInterrupt, api.MeasurementInterrupted):
-        print(f"segckpt: interrupted: {len(done)} of {len(schedules)} modes measured; {folder}/sweep.md and the "
-              "other tables hold them, the rest marked not run", file=sys.stderr)
-        return 130
-    paths = api.write_sweep(cells, folder, bundle.family.name, budget)
-    print(Path(paths["markdown"]).read_text(), end="")
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    console_messages()
+    commands = {"train": _train, "run": _run_workflow, "sweep": _sweep, "plan": _plan,  # a table's on first use:
+                "families": lambda: api.families(args.limits), "options": lambda: api.options_page(),
+                "recipes": lambda: api.recipes_markdown()}  # api.recipes_markdown imports diffusers
+    if args.command in ("train", "run", "sweep", "plan"):
+        return commands[args.command](args)
+    print(commands[args.command](), end="")  # a table
     return 0
 
 
-def _sweep_frames(args: argparse.Namespace, config: api.TrainConfig, bundle, counts: tuple[int, ...]) -> int:
-    """``segckpt sweep --frames N ...``: one sweep per pixel-frame count, each written into
-    ``--output/frames-N/`` and printed as it ends."""
-    budget = int(args.sweep_budget * 2**30) if args.sweep_budget else None
-    schedules = api.sweep_schedules(args.sweep_attention, args.sweep_stream, args.sweep_save)
-    root, done = Path(config.outputs.output), []
-    stop = _StopOnSignal()
-    for n in counts:
-        folder, label = root / f"frames-{n}", api.frames_label(config, bundle, n)
+def _train(args: argparse.Namespace) -> int:
+    """``segckpt train``: the run, its loss graph and one line of totals."""
+    try:
+        config = config_from_args(args, precheck=True)  # the disk's refusals before any heavy import
+        api.check_vae(config)
+        api.check_run(config)
+    except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError, FolderInUseError, ...
+        return error(exc)
+    cpu_threads(config)
+    stop = StopOnSignal()
+    try:
+        with stop:
+            result = api.train(config, should_stop=stop)
+    except ValueError as exc:  # PreflightRefused, ModelLoadError, DatasetError, TrainingDiverged, ...
+        return error(exc)
+    finally:
+        api.close_distributed()  # --fsdp or --ddp under torchrun
+    if not result.writer:  # rank > 0 of a sharded run: rank 0 reports
+        return 130 if result.interrupted else 0
+    if result.interrupted:
+        print(f"stopped by {stop.signal_name} after step {len(result.history)}: the state is saved, "
+              f"continue with the same options and --resume", file=sys.stderr)
+        return 130
+    graph = Path(result.report_path).parent / "loss.png"  # the Loss Graph node's two plots
+    api.atomic_write_bytes(graph, api.loss_graph_png(result.history, f"{result.plan.family} - {result.plan.mode}",
+                                                     result.report.get("loss_by_noise_level")))
+    totals = result.report["totals"]
+    sec = totals["sec_per_step"]
+    print(f"loss graph: {graph}")
+    print(f"done: {totals['steps']} steps, {sec:.3f} sec/step (median after warm-up), "
+          f"peak {totals['peak_mib']:.1f} MiB ({totals['peak_scope']})" if sec is not None else
+          f"done: {totals['steps']} steps, peak {totals['peak_mib']:.1f} MiB")
+    return 0
 
-        def write(cells: list, folder=folder, label=label) -> None:
-            done[:] = [c for c in cells if c.status != "not run" or c.error]
-            api.write_sweep(cells, folder, bundle.family.name, budget, label)
 
-        try:
-            with stop:
-                cells = api.sweep(config, bundle, schedules, args.sweep_warmup, args.sweep_measure, on_cell=write,
-                                  should_stop=stop, frames=n, compile_modes=args.sweep_compile)
-        except (KeyboardInterrupt, api.MeasurementInterrupted):
-            print(f"segckpt: interrupted at {n} frames: {len(done)} of {len(schedules)} modes measured; "
-                  f"{folder}/sweep.md holds them", file=sys.stderr)
-            return 130
-        paths = api.write_sweep(cells, folder, bundle.family.name, budget, label)
-        print(Path(paths["markdown"]).read_text())
-        print("wrote " + ", ".join(str(p) for p in paths.values()) + "\n")
+def _measurement(args: argparse.Namespace) -> tuple[api.TrainConfig, api.MeasureConfig]:
+    """The run a measurement measures (its output folder by default the command's) and how
+    (``engine/config/measure.py``), both validated before any model is built.
+
+    Raises:
+        ConfigError, ScheduleError, LoraConfigError, ModelLoadError: see :func:`config_from_args`.
+    """
+    if args.output is None:
+        args.output = api.OUTPUTS[args.command]
+    measure = api.MeasureConfig.create(**{opt.key: getattr(args, opt.key) for opt in _measure_options(args.command)
+                                          if getattr(args, opt.key) is not None})
+    config = config_from_args(args)
+    cpu_threads(config)
+    return config, measure
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``segckpt sweep``: the tables printed and written (``--frames``: one per count)."""
+    stop = StopOnSignal()
+    try:
+        config, measure = _measurement(args)
+        with stop:  # the first Ctrl-C ends the sweep after the current step; a second at once
+            tables = api.sweep(config, measure, api.Progress(should_stop=stop))
+    except ValueError as exc:  # ConfigError, ScheduleError, ModelLoadError, ...
+        return error(exc)
+    except api.SweepInterrupted as exc:  # the tables hold what was measured
+        print(f"segckpt: {exc}", file=sys.stderr)
+        return 130
+    for table in tables:
+        print(Path(table.paths["markdown"]).read_text(), end="\n" if len(tables) > 1 else "")
+        print("wrote " + ", ".join(str(p) for p in table.paths.values()) + ("\n" if len(tables) > 1 else ""))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """``segckpt plan``: the choice printed, plan.txt and schedule.json written (``--check``: the pre-flight)."""
+    stop = StopOnSignal()
     try:
-        if args.output is None:
-            args.output = "output/plan"
-        config = config_from_args(args)
-        budget = api.budget(args.plan_budget, config, key="--budget")
-        host_budget = api.host_budget(args.plan_host_budget, config)  # before any model is built
-        if args.plan_measure < 0:
-            raise ValueError(f"--measure={args.plan_measure} is invalid: allowed an integer >= 0")
-        if args.plan_nproc < 1 or (args.plan_check and args.plan_nproc > 1):
-            raise ValueError(f"--nproc={args.plan_nproc} is invalid: allowed an integer >= 1"
-                             + (", and 1 with --check (the pre-flight judges one process)" if args.plan_check else ""))
-        counts = api.check_measure_frames(config, args.plan_frames) if args.plan_frames else None
-        api.check_input_paths(config)
-        api.check_resolution(config)
-        _check_vae(config)
-        api.check_writable(config.outputs.output, "output")
-        cpu_threads(config)
-        bundle = api.load_model(config)
-        if args.plan_check:
-            return _preflight(config, bundle, budget, host_budget, counts)
-        stop = _StopOnSignal()
+        config, measure = _measurement(args)
+        if measure.plan.preflight:
+            return _preflight(config, measure)
         with stop:  # the first Ctrl-C ends the measurement after the current step; a second at once
-            choice = api.plan(config, bundle, budget, measure_steps=args.plan_measure, host_budget_bytes=host_budget,
-                              levers=tuple(args.plan_levers), nproc=args.plan_nproc,
-                              should_stop=stop, frames=counts)
+            choice = api.plan(config, measure, api.Progress(should_stop=stop))
     except ValueError as exc:  # ConfigError, PlannerError, ...
-        print(f"segckpt: error: {exc}", file=sys.stderr)
-        return 2
+        return error(exc)
     except api.PlanInterrupted as exc:  # Ctrl-C while timing: the prediction is kept, marked not measured
         print(exc.choice.render())
         path = api.write_plan(exc.choice, Path(config.outputs.output))["text"]
@@ -414,101 +305,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight(config: api.TrainConfig, bundle, budget: int, host_budget: int | None = None,
-               frames: tuple[int, ...] | None = None) -> int:
+def _preflight(config: api.TrainConfig, measure: api.MeasureConfig) -> int:
     """``segckpt plan --check``: print the verdict, write ``preflight.json`` (and the schedule that
-    would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not; ``frames``: one
-    phase per pixel-frame count instead of the data's shapes."""
-    verdict = api.check_fit(config, bundle, budget, host_budget_bytes=host_budget, frames=frames)
+    would fit as ``schedule.json``); 0 when the schedule fits, 1 when it does not."""
+    verdict = api.check_fit(config, measure)
     print(verdict.render())
     paths = api.write_fit(verdict, Path(config.outputs.output))
     if verdict.suggestion is not None:
         print(f"the schedule that would fit: {verdict.suggestion.mode}; its keys are in {paths['schedule']} "
               f"(segckpt train --config {paths['schedule']})")
     return 0 if verdict.fits else 1
-
-
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-"""Where a user sets the CPU threads of torch's operations (torch reads them when it starts)."""
-
-
-def cpu_threads(config: api.TrainConfig, log=print) -> int | None:
-    """Choose the CPU threads of torch's operations for a CPU run whose user set none (neither of
-    :data:`THREAD_VARIABLES`): every usable core but one (``api.usable_cores``), at least 1, at
-    most torch's default; said in one line. Each operation's threads wait for the slowest, so one
-    core taken by another process stalls them all (bench/README.md "CPU threads"). The engine
-    sets no thread count (a ComfyUI server's are its own): this is the command line's choice.
-
-    Returns:
-        The threads chosen, or None (a CUDA run, or the user's own setting kept).
-    """
-    if any(os.environ.get(name) for name in THREAD_VARIABLES):
-        return None
-    with api.lazy_imports():
-        import torch
-
-    if config.model.device == "cuda" or config.model.device == "auto" and torch.cuda.is_available():
-        return None
-    default, cores = torch.get_num_threads(), api.usable_cores()
-    threads = max(1, min(default, cores - 1))
-    torch.set_num_threads(threads)
-    log(f"cpu: {threads} thread{'s' if threads > 1 else ''} for torch's operations ({cores} usable cores, one left "
-        f"for the rest; torch's default {default}); set OMP_NUM_THREADS to choose")
-    return threads
-
-
-def _console_messages() -> None:
-    """Our warnings print as one ``segckpt: warning:`` line; other libraries' keep their origin
-    (a torch warning is not ours to claim)."""
-    def one_line(message, category, filename, lineno, *_args, **_kw) -> str:
-        if category.__module__.startswith(__package__ or "segmented_checkpointing"):
-            return f"segckpt: warning: {message}\n"
-        return f"warning ({category.__name__}, {filename}:{lineno}): {message}\n"
-
-    warnings.formatwarning = one_line
-
-
-class _StopOnSignal:
-    """Ctrl-C / SIGTERM end training cleanly after the current step (the state is saved); a
-    second Ctrl-C interrupts at once."""
-
-    def __init__(self):
-        self.signal_name, self._old = None, {}
-
-    def __call__(self) -> bool:
-        return self.signal_name is not None
-
-    def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        rank = _torchrun_rank()
-        if rank is None:
-            print(f"\n{self.signal_name}: stopping after this step (again to abort)", file=sys.stderr)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        elif rank == 0:  # torchrun passes a second Ctrl-C on as SIGTERM: every process stops at the same step
-            print(f"\n{self.signal_name}: every process stops after this step and the state is saved", file=sys.stderr)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
-def _torchrun_rank() -> int | None:
-    """This process's rank when ``torchrun`` started it, else None."""
-    return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
-
-
-def _error(exc: BaseException) -> int:
-    """Print ``segckpt: error: ...`` (under torchrun from rank 0 only: the set-up checks are the same
-    on every process) and return exit status 2."""
-    if (_torchrun_rank() or 0) == 0:
-        print(f"segckpt: error: {exc}", file=sys.stderr)
-    return 2
 
 
 def _run_workflow(args: argparse.Namespace) -> int:

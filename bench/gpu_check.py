@@ -62,7 +62,7 @@ from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E4
 from gpu_video import video_check  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
-from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config import LoraSettings, MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.config.model import AUTO_KERNELS as AUTO  # noqa: E402
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.memory import device_budget  # noqa: E402
@@ -70,11 +70,8 @@ from segmented_checkpointing.engine.core.plan import count_blocks, effective_pla
 from segmented_checkpointing.engine.core.runner import SegmentRunner  # noqa: E402
 from segmented_checkpointing.engine.data.buckets import shape_classes
 from segmented_checkpointing.engine.families import TextBatch, get_family  # noqa: E402
-from segmented_checkpointing.engine.measure.planner import (  # noqa: E402
-    PlannerError,
-    plan_for_budget,
-    predict,
-)
+from segmented_checkpointing.engine.measure.planner import PlannerError, predict  # noqa: E402
+from segmented_checkpointing.engine.measure.planning import plan_for_budget  # noqa: E402
 from segmented_checkpointing.engine.measure.preflight import preflight  # noqa: E402
 from segmented_checkpointing.engine.measure.probe import probe  # noqa: E402
 from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup, short_run
@@ -88,6 +85,7 @@ from segmented_checkpointing.engine.model.precision import Precision, apply_base
 from segmented_checkpointing.engine.model.text_encoders import DeterministicTextEmbedder
 
 FAMILY = get_family("flux")
+PREDICT_ONLY = MeasureConfig.create(timing_steps=0)
 FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
             "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
             "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
@@ -301,7 +299,7 @@ def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
         for fraction in (0.25, 0.5, 0.75):
             budget = int((peaks[0] + fraction * (peaks[-1] - peaks[0])) / 0.95)  # the planner keeps 5% headroom
             try:
-                chosen = plan_for_budget(config, bundle, budget, probe_=measured_probe).chosen
+                chosen = plan_for_budget(config, bundle, PREDICT_ONLY, budget, probe_=measured_probe).chosen
             except PlannerError as exc:
                 rows.append(f"| {budget / scale:.3f} | {exc} | | | | |")
                 continue
@@ -396,7 +394,7 @@ def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
                 for budget in budgets:
                     label = f"planner, {budget / scale:.4g} {unit}"
                     try:
-                        chosen = plan_for_budget(config, bundle, budget, probe_=measured_probe).chosen.schedule
+                        chosen = plan_for_budget(config, bundle, PREDICT_ONLY, budget, probe_=measured_probe).chosen.schedule
                     except PlannerError as exc:
                         measured.append((label, None, {"error": str(exc)[:160]}))
                         continue

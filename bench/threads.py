@@ -6,7 +6,7 @@ and their order flipped every round so that the drift of a shared machine hits t
 
 * ``OMP_NUM_THREADS=<torch's default>``: what a run got before the command line chose;
 * ``OMP_NUM_THREADS=1``;
-* unset: the command line's choice (``cli.py`` ``cpu_threads``: every usable core but one).
+* unset: the command line's choice (``console.py`` ``cpu_threads``: every usable core but one).
 
 Per run: the median seconds per step after the warm-up (``report.json`` ``totals.sec_per_step``)
 and the whole command's wall-clock seconds. The figures to read are the ratios to torch's default,

@@ -1,8 +1,9 @@
 """The engine's facade: what the command line (``cli.py``) and the ComfyUI nodes (``nodes/``) call.
 
-Entry points: :func:`train` (a run with its fit guardrails and receipt), :func:`check_fit` (the
-pre-flight verdict), :func:`plan` (the fastest schedule predicted to fit a budget),
-:func:`sweep` (every mode measured), :func:`load_model` and :func:`families` (the support
+Entry points: :func:`train` (a run with its fit guardrails and receipt), and one verb per
+measurement, each ``(config, measure_config, progress)`` with its checks once, before any model is
+built: :func:`check_fit` (the pre-flight verdict), :func:`plan` (the fastest schedule predicted to
+fit a budget), :func:`sweep` (every mode measured); and :func:`load_model` and :func:`families` (the support
 matrix). The names the front ends need besides (configs and their errors, the files the
 measurements write, ComfyUI's data, the block strip's plan) are re-exported here, so a front end
 imports this module and, at most, one more (``docs/ARCHITECTURE.md``). Importing it costs the
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .config import (
     ALIASES,
+    MEASURE_OPTIONS,
     OPTIONS,
     CheckpointSchedule,
     ConfigError,
     DataConfig,
     GuardrailsConfig,
     LoraSettings,
+    MeasureConfig,
     ModelConfig,
     ObjectiveConfig,
     ScheduleError,
@@ -33,6 +36,7 @@ from .config import (
 )
 from .config.backends import BACKENDS
 from .config.data import FRAME_KEYS
+from .config.measure import BUDGET_ALLOWED, OUTPUTS
 from .config.options import Option
 from .config.schedule import check_supported
 from .config.table import options_page, options_table
@@ -43,7 +47,8 @@ from .families.lazy import import_module, lazy_imports
 if TYPE_CHECKING:
     from .measure.planner import PlanChoice
     from .measure.preflight import Verdict
-    from .measure.sweep import SweepCell
+    from .measure.runs import Progress
+    from .measure.sweep import SweepTable
     from .model.bundle import ModelBundle
     from .train.loop import TrainResult
 
@@ -56,19 +61,18 @@ _ON_FIRST_USE = {
     ".data.comfy_frames": ("batch_encoder", "prepare_image_batch", "image_batch_multiple"),
     ".data.folder": ("write_sample_dataset",),
     ".data.video": ("write_sample_clip",),
-    ".data.limits": ("check_frames", "check_resolution"),
-    ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text", "check_writable"),
+    ".data.limits": ("check_frames",),
+    ".files.atomic": ("OutputWriteError", "atomic_write_bytes", "atomic_write_text"),
     ".files.checks": ("same_safetensors",),
     ".files.lock": ("FolderInUseError",),
-    ".measure.frames": ("check_measure_frames", "frames_label"),
     ".measure.host": ("HostBudgetError", "usable_cores"),
     ".measure.planner": ("PlanChoice", "PlannerError"),
     ".measure.plots": ("loss_curve_rgb", "loss_graph_png"),
     ".measure.recipes": ("recipes_markdown",),
     ".measure.preflight": ("PreflightRefused", "Verdict"),
     ".measure.receipt": ("render_receipt",),
-    ".measure.runs": ("MeasurementInterrupted", "PlanInterrupted"),
-    ".measure.sweep": ("SweepCell", "sweep_schedules"),
+    ".measure.runs": ("MeasurementInterrupted", "PlanInterrupted", "Progress"),
+    ".measure.sweep": ("SweepCell", "SweepInterrupted", "SweepTable", "sweep_schedules"),
     ".model.bundle": ("ModelBundle",),
     ".model.distributed": ("close_distributed",),
     ".model.lora_files": ("save_lora", "save_lora_files"),
@@ -102,18 +106,20 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "FRAME_KEYS",
-    "HostBudgetError", "host_budget", "usable_cores", "precheck", "cuda_absent", "OutputWriteError", "check_writable", "FolderInUseError",
+    "FRAME_KEYS", "MEASURE_OPTIONS", "OUTPUTS",
+    "HostBudgetError", "host_budget", "usable_cores", "precheck", "cuda_absent", "OutputWriteError", "FolderInUseError",
     "check_optimizer",
     "ALIASES", "BACKENDS", "OPTIONS", "CheckpointSchedule", "ConfigError", "DataConfig", "FamilyAdapter",
-    "GuardrailsConfig", "LoraSettings", "ObjectiveConfig", "MeasurementInterrupted", "PlanInterrupted", "ModelBundle", "ModelConfig", "ModelPlan",
+    "GuardrailsConfig", "LoraSettings", "MeasureConfig", "ObjectiveConfig", "MeasurementInterrupted", "PlanInterrupted",
+    "Progress", "ModelBundle", "ModelConfig", "ModelPlan",
     "PlanChoice", "PlanQueryError", "PlannerError", "PreflightRefused", "PreparedData", "PreviewSource",
-    "ScheduleError", "SweepCell", "TrainConfig", "TrainResult", "Verdict", "atomic_write_bytes", "atomic_write_text",
-    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_measure_frames", "check_resolution", "check_run", "options_page", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
-    "family_names", "frames_label", "get_family", "load_model", "loss_curve_rgb", "loss_graph_png", "model_family", "recipes_markdown", "option_named", "plan",
+    "ScheduleError", "SweepCell", "SweepInterrupted", "SweepTable", "TrainConfig", "TrainResult", "Verdict",
+    "atomic_write_bytes", "atomic_write_text",
+    "Option", "budget", "lazy_imports", "check_dataset", "check_fit", "check_input_paths", "check_frames", "check_run", "check_vae", "options_page", "options_table", "write_schedule", "check_supported", "close_distributed", "comfy_preview_source", "families",
+    "family_names", "get_family", "load_model", "loss_curve_rgb", "loss_graph_png", "model_family", "recipes_markdown", "option_named", "plan",
     "plan_for_query", "prepare_comfy_data", "prepare_image_batch", "batch_encoder", "image_batch_multiple", "read_config_file", "render_receipt", "same_safetensors", "save_lora",
     "save_lora_files", "sweep", "sweep_schedules", "train", "unused_keys", "write_fit", "write_plan",
-    "write_sample_dataset", "write_sample_clip", "write_sweep",
+    "write_sample_dataset", "write_sample_clip",
 ]
 
 
@@ -231,6 +237,7 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         from .measure.host import check_host_budget, host_budget_bytes
         from .measure.preflight import PreflightRefused, preflight
         from .measure.receipt import build_receipt, render_receipt
+        from .measure.runs import Progress
         from .train.checks import check_input_paths
         from .train.loop import train as _train
         from .train.report import write_report
@@ -241,8 +248,8 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         check_host_budget(config, host_budget_bytes())
     if guards.memory_budget is not None:
         bundle = bundle or load_model(config, log)
-        verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"),
-                            prepared=run.get("prepared"), should_stop=run.get("should_stop"), on_step=on_preflight)
+        verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"), progress=Progress(
+            on_step=on_preflight, should_stop=run.get("should_stop")), prepared=run.get("prepared"))
         log(verdict.render())
         if on_verdict is not None:
             on_verdict(verdict)
@@ -262,20 +269,6 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
     write_report(result.report, Path(result.config.outputs.output))
     log(render_receipt(receipt))
     return result
-
-
-def check_fit(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, **probing: Any) -> Verdict:
-    """The pre-flight verdict of ``config``'s schedule against ``budget_bytes`` in every phase
-    (each batch shape, the previews) and of its host memory; ``probing``: ``warmup_steps``,
-    ``prepared``, ``on_step``, ``should_stop``, ``host_budget_bytes`` (``engine/measure/preflight.py``).
-
-    Raises:
-        MeasurementInterrupted: ``should_stop`` answered True.
-    """
-    with lazy_imports():
-        from .measure.preflight import preflight
-
-    return preflight(config, bundle, budget_bytes, **probing)
 
 
 def write_fit(verdict: Verdict, folder: str | Path) -> dict[str, Path]:
@@ -299,34 +292,6 @@ def write_schedule(schedule: CheckpointSchedule, folder: str | Path) -> Path:
     return atomic_write_text(Path(folder) / "schedule.json", json.dumps(schedule.to_dict(), indent=2) + "\n")
 
 
-def plan(config: TrainConfig, bundle: ModelBundle, budget_bytes: int, measure_steps: int = 0, nproc: int = 1,
-         **measuring: Any) -> PlanChoice:
-    """The fastest schedule predicted to fit ``budget_bytes`` (timed head to head over
-    ``measure_steps`` when > 0); ``measuring``: ``warmup_steps``, ``on_step``, ``should_stop``,
-    ``host_budget_bytes`` (``engine/measure/planner.py``). ``nproc`` >= 2: the choice's per-rank
-    peak under DDP and FSDP2 and which to run, in ``choice.ranks`` (``engine/measure/ranks.py``); when
-    nothing fits one process, the fastest schedule whose FSDP2 per-rank peak fits (predicted).
-
-    Raises:
-        PlannerError: nothing fits (on one process, nor under FSDP2 on ``nproc``).
-        MeasurementInterrupted: ``should_stop`` answered True.
-        ValueError: ``nproc`` is not an integer >= 1 (before any probe runs).
-    """
-    with lazy_imports():
-        from .measure.planner import PlannerError, plan_for_budget
-        from .measure.ranks import check_nproc, rank_peaks, sharded_choice
-
-    check_nproc(nproc)
-    try:
-        choice = plan_for_budget(config, bundle, budget_bytes, measure_steps=measure_steps, **measuring)
-    except PlannerError as exc:
-        if nproc == 1 or exc.probe is None:
-            raise
-        return sharded_choice(exc, budget_bytes, nproc)
-    choice.ranks = rank_peaks(choice.probe, choice.chosen, budget_bytes, nproc)
-    return choice
-
-
 def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     """Write ``plan.txt`` and ``schedule.json`` (and with ``choice.ranks`` ``nproc.json``) into
     ``folder``, atomically; their paths."""
@@ -336,22 +301,125 @@ def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     return write_choice(choice, folder)
 
 
-def sweep(config: TrainConfig, bundle: ModelBundle, schedules: list[CheckpointSchedule] | None = None,
-          warmup_steps: int = 1, measured_steps: int = 3, **measuring: Any) -> list[SweepCell]:
-    """Every schedule (default :func:`sweep_schedules`) trained on a fresh copy of ``bundle`` for
-    ``warmup_steps + measured_steps`` steps; ``measuring``: ``log``, ``on_step``, ``should_stop``,
-    ``on_cell``, ``frames`` (``engine/measure/sweep.py``)."""
+def check_vae(config: TrainConfig) -> None:
+    """A run or a measurement of the command line encodes its images (a node's model comes with
+    its VAE): a single model file needs a VAE folder.
+
+    Raises:
+        ConfigError: ``model_file`` without ``vae_path``.
+    """
+    if config.model.model_file and not config.model.vae_path:
+        raise ConfigError(f"vae_path=None is invalid with model_file={config.model.model_file!r}: allowed a "
+                          "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
+                          "encode the images with")
+
+
+def _measurement(config: TrainConfig, measure: MeasureConfig,
+                 budgets: bool) -> tuple[MeasureConfig, int | None, int | None]:
+    """The checks of every measurement, once, before any model is built: the frame counts against
+    the family's rule (``engine/measure/frames.py``), the budgets (``budgets``: the plan's and the
+    pre-flight's, in bytes; the host's counted against the streamed weights, ``engine/measure/host.py``),
+    the data, the resolution against the model's position tables, a VAE for a single model file and
+    a writable output folder.
+
+    Returns:
+        ``(measure, budget_bytes, host_budget_bytes)``: ``measure`` with its frame counts checked;
+        the budgets (None without ``budgets``).
+
+    Raises:
+        ConfigError, HostBudgetError, ValueError: the first refusal, naming the key, the value and
+            what is allowed.
+    """
     with lazy_imports():
-        from .measure.sweep import run_sweep
+        from .data.limits import check_resolution
+        from .files.atomic import check_writable
+        from .measure.frames import check_measure_frames
+        from .train.checks import check_input_paths
 
-    return run_sweep(config, bundle, schedules, warmup_steps, measured_steps, **measuring)
+    if measure.frames:
+        measure = measure.replace(frames=check_measure_frames(config, measure.frames, key="frames"))
+    budget_bytes = host_bytes = None
+    if budgets:
+        if measure.plan.budget is None:
+            raise ConfigError(f"budget=None is invalid: allowed {BUDGET_ALLOWED} (required)")
+        budget_bytes = budget(measure.plan.budget, config, "budget")
+        host_bytes = host_budget(measure.plan.host_budget, config)
+    check_input_paths(config)
+    check_resolution(config)
+    check_vae(config)
+    check_writable(config.outputs.output, "output")
+    return measure, budget_bytes, host_bytes
 
 
-def write_sweep(cells: list[SweepCell], folder: str | Path, family: str,
-                budget_bytes: int | None = None, measured_at: str = "") -> dict[str, Path]:
-    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder``; their
-    paths (``measured_at``: what the cells trained on, e.g. a frame count, in the title)."""
+def sweep(config: TrainConfig, measure: MeasureConfig, progress: Progress | None = None, *,
+          bundle: ModelBundle | None = None) -> list[SweepTable]:
+    """Every mode ``measure`` names (``engine/config/measure.py``) trained on a fresh copy of the
+    model for its warm-up and measured steps, on the run's data or once per frame count; the
+    tables (``sweep.md``, ``.csv``, ``.json``, ``.png``) written into ``config``'s output folder
+    (``frames-N/`` per count) after every mode (``engine/measure/sweep.py``).
+
+    Args:
+        progress: ``on_step``, ``should_stop`` and ``log`` (``engine/measure/runs.py``).
+        bundle: the loaded model (default: loaded here, after the checks).
+
+    Raises:
+        ConfigError, ValueError: see :func:`_measurement` (before any model is built).
+        SweepInterrupted: ``should_stop`` answered True, or Ctrl-C; the tables hold what was measured.
+    """
     with lazy_imports():
-        from .measure.sweep import write_outputs
+        from .measure.runs import Progress
+        from .measure.sweep import sweep_tables
 
-    return write_outputs(cells, folder, family, budget_bytes, measured_at)
+    measure, progress = _measurement(config, measure, budgets=False)[0], progress or Progress()
+    return sweep_tables(config, bundle or load_model(config, progress.log), measure, progress)
+
+
+def plan(config: TrainConfig, measure: MeasureConfig, progress: Progress | None = None, *,
+         bundle: ModelBundle | None = None) -> PlanChoice:
+    """The fastest schedule predicted to fit ``measure``'s budget (timed head to head over its
+    timing steps when > 0, with its levers), judged per batch shape when the data has several, and
+    with ``nproc`` >= 2 per rank under DDP and FSDP2 (``engine/measure/planning.py``); write it
+    with :func:`write_plan`.
+
+    Args:
+        progress: ``on_step`` and ``should_stop`` (``engine/measure/runs.py``).
+        bundle: the loaded model (default: loaded here, after the checks).
+
+    Raises:
+        ConfigError, HostBudgetError, ValueError: see :func:`_measurement` (before any model is built).
+        PlannerError: nothing fits (on one process, nor under FSDP2 on ``nproc``).
+        MeasurementInterrupted: ``should_stop`` answered True (``PlanInterrupted``, holding the
+            prediction, during the head-to-head timing).
+    """
+    with lazy_imports():
+        from .measure.planning import plan_for_budget
+        from .measure.runs import Progress
+
+    measure, budget_bytes, host_bytes = _measurement(config, measure, budgets=True)
+    progress = progress or Progress()
+    return plan_for_budget(config, bundle or load_model(config, progress.log), measure, budget_bytes, progress,
+                           host_budget_bytes=host_bytes)
+
+
+def check_fit(config: TrainConfig, measure: MeasureConfig, progress: Progress | None = None, *,
+              bundle: ModelBundle | None = None) -> Verdict:
+    """The pre-flight verdict of ``config``'s schedule against ``measure``'s budget in every phase
+    (each batch shape or frame count, the previews) and of its host memory
+    (``engine/measure/preflight.py``); write it with :func:`write_fit`.
+
+    Args:
+        progress: ``on_step`` and ``should_stop`` (``engine/measure/runs.py``).
+        bundle: the loaded model (default: loaded here, after the checks).
+
+    Raises:
+        ConfigError, HostBudgetError, ValueError: see :func:`_measurement` (before any model is built).
+        MeasurementInterrupted: ``should_stop`` answered True.
+    """
+    with lazy_imports():
+        from .measure.preflight import preflight
+        from .measure.runs import Progress
+
+    measure, budget_bytes, host_bytes = _measurement(config, measure, budgets=True)
+    progress = progress or Progress()
+    return preflight(config, bundle or load_model(config, progress.log), budget_bytes, measure, progress,
+                     host_budget_bytes=host_bytes)

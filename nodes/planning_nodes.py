@@ -19,6 +19,16 @@ from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, FamilySch
 from .widgets import NodeOptions, tip, widget
 
 OPTIONS = NodeOptions({"batch_size": "batch_size"})
+SWEEP = NodeOptions({"warmup_steps": "warmup_steps", "measured_steps": "measured_steps",
+                     "attention_offload_modes": "attention_offload", "budget_gib": "budget_gib"})
+"""The Checkpointing Sweep's measurement widgets: node input -> option key (``engine/config/measure.py``)."""
+PLAN = NodeOptions({"warmup_steps": "warmup_steps", "measured_steps": "timing_steps", "budget_gib": "budget"})
+"""The Schedule Planner's (its ``budget_gib`` is the ``budget_gib`` widget read as ``budget``: 0 = this device)."""
+
+
+def _measured(key: str, **spec) -> tuple:
+    """The widget of measurement option ``key`` (its default, range and tooltip declared once)."""
+    return widget(key, options=api.MEASURE_OPTIONS, **spec)
 
 
 def _run_inputs() -> dict:
@@ -26,11 +36,19 @@ def _run_inputs() -> dict:
         "model": (MODEL, tip("From Load Diffusion Model.")),
         "dataset": (DATASET, tip("From Image+Caption Dataset (sets the image size).")),
         "batch_size": widget("batch_size"),
-        "warmup_steps": ("INT", tip("Steps per mode excluded from the figures.", default=1, min=1, max=100)),
-        "measured_steps": ("INT", tip("Steps per mode measured after the warm-up.", default=3, min=1, max=1000)),
+        "warmup_steps": _measured("warmup_steps"),
+        "measured_steps": _measured("measured_steps"),
         "run_name": ("STRING", tip("Name of the results: each queue writes output/segckpt/<run_name>_00001, "
                                    "_00002, ...", default="sweep")),
     }
+
+
+def _plan_values(inputs: dict) -> dict:
+    """The planner's measurement values by option key: ``budget_gib`` 0 is this device's memory."""
+    values = PLAN.values(inputs)
+    if values.get("budget") == 0:
+        values["budget"] = "device"
+    return values
 
 
 def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> api.TrainConfig:
@@ -40,13 +58,15 @@ def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> 
                                   output=str(output), base_model_precision=model.base_precision or "auto", **frames)
 
 
-def _validate(run_name, inputs) -> bool:
+def _validate(run_name, inputs, measured: dict) -> bool:
     """The measurement nodes' VALIDATE_INPUTS: the run name stays under output/segckpt, the batch
-    size is one the engine takes. Raised, so that ComfyUI lists the message once."""
+    size and the ``measured`` values (by option key) are ones the engine takes. Raised, so that
+    ComfyUI lists the message once."""
     try:
         if run_name is not None:
             contained(current_host().output_dir / "segckpt", run_name, "run_name")
         OPTIONS.config(inputs)
+        api.MeasureConfig.create(**measured)
     except (PathError, ValueError) as exc:
         raise node_error(exc) from None
     return True
@@ -54,18 +74,13 @@ def _validate(run_name, inputs) -> bool:
 
 class _Progress:
     """A node's progress bar over the engine's measurements, ``(done, total)`` per step (the
-    engine's totals follow what it decided to run: the bar ends at its end); :meth:`next` starts
-    another measurement after the ones before, on the same bar."""
+    engine's totals follow what it decided to run: the bar ends at its end)."""
 
     def __init__(self, update):
-        self.update, self.base, self.done = update, 0, 0
+        self.update = update
 
     def __call__(self, done: int, total: int) -> None:
-        self.done = done
-        self.update(self.base + done, max(self.base + total, 1))
-
-    def next(self) -> None:
-        self.base, self.done = self.base + self.done, 0
+        self.update(done, max(total, 1))
 
 
 @contextlib.contextmanager
@@ -90,17 +105,15 @@ class CheckpointingSweep:
     def INPUT_TYPES(cls):
         return {
             "required": {**_run_inputs(),
-                         "attention_offload_modes": ("BOOLEAN", tip("Also measure every mode with attention "
-                                                                    "offload (doubles the sweep).", default=False)),
-                         "budget_gib": ("FLOAT", tip("Memory budget drawn on the plot, GiB (0 = none).",
-                                                     default=0.0, min=0.0, max=4096.0, step=0.0001))},
+                         "attention_offload_modes": _measured("attention_offload"),
+                         "budget_gib": _measured("budget_gib")},
             "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
-        return _validate(run_name, {"batch_size": batch_size})
+    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None, **inputs):
+        return _validate(run_name, {"batch_size": batch_size}, SWEEP.values(inputs))
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
@@ -113,12 +126,12 @@ class CheckpointingSweep:
         host = current_host()
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
-        schedules = api.sweep_schedules(attention_offload_modes)
+        measure = api.MeasureConfig.create(**SWEEP.values({
+            "warmup_steps": warmup_steps, "measured_steps": measured_steps,
+            "attention_offload_modes": attention_offload_modes, "budget_gib": budget_gib}))
         with _measuring(host, unique_id) as (on_step, stop):
-            cells = api.sweep(config, model.load(), schedules, warmup_steps, measured_steps, on_step=on_step,
-                              should_stop=stop)
-        budget = int(budget_gib * 2**30) if budget_gib > 0 else None
-        paths = api.write_sweep(cells, folder, model.family.name, budget)
+            (table,) = api.sweep(config, measure, api.Progress(on_step, stop), bundle=model.load())
+        paths = table.paths
         rgb = torch.from_numpy(np.asarray(Image.open(paths["png"]).convert("RGB")).copy())
         image = rgb.float().div(255.0).unsqueeze(0)
         table = paths["markdown"].read_text()
@@ -138,20 +151,17 @@ class SchedulePlanner:
         inputs = _run_inputs()
         inputs["run_name"] = ("STRING", tip("Name of the planner's files: each queue writes output/segckpt/"
                                             "<run_name>_00001, _00002, ...", default="plan"))
-        inputs["measured_steps"] = ("INT", tip("Steps to time the chosen prediction and up to 2 other fitting "
-                                               "ones head to head (one step of each in turn) before deciding; "
-                                               "0 = predict only.", default=2, min=0, max=1000))
+        inputs["measured_steps"] = _measured("timing_steps")
         return {
-            "required": {**inputs, "budget_gib": ("FLOAT", tip(
-                "Memory budget in GiB; 0 = fit this device (its total memory).", default=0.0, min=0.0,
-                max=4096.0, step=0.0001))},
+            "required": {**inputs, "budget_gib": _measured(
+                "budget_gib", tooltip="Memory budget in GiB; 0 = fit this device (its total memory).")},
             "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
-        return _validate(run_name, {"batch_size": batch_size})
+    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None, **inputs):
+        return _validate(run_name, {"batch_size": batch_size}, _plan_values(inputs))
 
     @classmethod
     def IS_CHANGED(cls, **inputs):
@@ -164,27 +174,15 @@ class SchedulePlanner:
         host = current_host()
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
-        budget = api.budget("device" if budget_gib == 0 else budget_gib, config, key="budget_gib")
-        bundle = model.load()  # this node's own copy, released when it returns
-        with _measuring(host, unique_id) as (on_step, stop):
-            choice = api.plan(config, bundle, budget, measure_steps=measured_steps, warmup_steps=warmup_steps,
-                              on_step=on_step, should_stop=stop)
-            verdict = None
-            if config.data.buckets or config.data.video:  # the probe mixed shapes: judge per bucket (pre-flight)
-                on_step.next()
-                verdict = api.check_fit(config.replace(schedule=choice.chosen.schedule), bundle, budget,
-                                        warmup_steps=warmup_steps, on_step=on_step, should_stop=stop)
+        measure = api.MeasureConfig.create(**_plan_values({"warmup_steps": warmup_steps,
+                                                           "measured_steps": measured_steps, "budget_gib": budget_gib}))
+        with _measuring(host, unique_id) as (on_step, stop):  # the per-bucket check is the facade's, as the CLI's
+            choice = api.plan(config, measure, api.Progress(on_step, stop), bundle=model.load())
         api.write_plan(choice, folder)
         report = choice.render()
         chosen = choice.chosen.schedule
         summary = (f"chosen: {chosen.mode} — predicted {choice.chosen.peak_bytes / 2**30:.3g} GiB"
                    + (f", measured {choice.measured_peak_bytes / 2**30:.3g} GiB" if choice.measured_peak_bytes else "")
-                   + f" (budget {budget / 2**30:.3g} GiB)")
-        if verdict is not None:
-            if not verdict.fits and verdict.suggestion is not None:
-                chosen = verdict.suggestion
-                summary += f"\nper bucket it does not fit: chosen instead {chosen.mode}"
-            summary += "\n" + verdict.render()
-            api.write_schedule(chosen, folder)
+                   + f" (budget {choice.budget_bytes / 2**30:.3g} GiB)")
         text = host.public(node_words(summary + "\n\n" + report))
         return {"ui": {"text": [text]}, "result": (FamilySchedule(model.family.name, chosen), text)}

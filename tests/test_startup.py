@@ -35,6 +35,7 @@ COMMANDS = [
     (["train", "--config", "{typo}"], 2, "lora_rnak=8 is invalid: not a key of this pack; did you mean lora_rank?"),
     (["train", "--config", "{twice}"], 2, "key 'lora_rank' appears twice in one object (8, then 16)"),
     (["plan", "--budget", "1", "--steps", "2"], 2, "unrecognized arguments: --steps 2 (segckpt plan --help lists"),
+    (["plan", "--budget", "1", "--nproc", "0"], 2, "nproc=0 is invalid: allowed an integer from 1 to 1024"),
 ]
 """``segckpt`` arguments, the exit status and a line of what it prints; ``{bad_value}`` and the
 other names in braces are config files and folders written by the test."""

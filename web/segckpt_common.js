@@ -27,7 +27,7 @@ export const FALLBACK_COLOR = "#000000";
 /**
  * Colour and label of a mark, as the plan serves them (GET /segckpt/plan: `marks` for the block
  * map, `stream_marks` for the stream map; declared in engine/config/backends.py and
- * engine/config/marks.py, nowhere in the frontend).
+ * engine/config/backends.py, nowhere in the frontend).
  * @param {{marks?: Record<string, {color: string, label: string}>,
  *          stream_marks?: Record<string, {color: string, label: string, base?: string}>}} plan
  * @param {string} mark

@@ -1,5 +1,5 @@
 """Every option of the engine, declared once: the component configs of a training run and the
-checkpoint schedule, each field with its help, flag and allowed values in its metadata.
+checkpoint schedule, and how a run is measured (``measure.py``), each field with its help, flag and allowed values in its metadata.
 
 Configs import nothing but each other and the family registry; the implementations import them
 (``tests/test_architecture.py`` checks it).
@@ -8,6 +8,7 @@ Configs import nothing but each other and the family registry; the implementatio
 from .data import DataConfig
 from .guardrails import GuardrailsConfig
 from .lora import LoraConfigError, LoraSettings
+from .measure import MEASURE_OPTIONS, MeasureConfig
 from .model import ModelConfig
 from .objective import ObjectiveConfig
 from .optim import OptimizerConfig
@@ -30,5 +31,6 @@ from .train import (
 
 __all__ = ["ALIASES", "DEMO_SCHEDULE", "NO_GUARDRAILS", "OPTIONS", "RESUME_KEYS", "SAVED_BEFORE", "CheckpointSchedule",
            "ConfigError", "ConfigWarning", "DataConfig", "GuardrailsConfig", "LoraConfigError", "LoraSettings",
+           "MEASURE_OPTIONS", "MeasureConfig",
            "ModelConfig", "ObjectiveConfig", "OptimizerConfig", "Option", "OutputConfig", "ScheduleError",
            "ShardingConfig", "TrainConfig", "ValidationConfig", "derived_seed", "option_named", "read_config_file"]

@@ -1,10 +1,11 @@
-"""The four public checkpoint backends as data: what a planned block does under each.
+"""The four public checkpoint backends as data, and every block-map mark the plan can show.
 
 One row per public ``gradient_checkpointing_backend`` value (docs/SCHEDULES.md "Backends"; the
 documents' SimpleTuner "Unsloth-style Checkpointing"): the scope of its checkpoint region (the
 whole block, or the block's feed-forward sub-block alone) and whether the region's boundary
 inputs wait in host memory between forward and backward. The block-map marks (character, colour
-and label that the printed plan and the schedule node's strip show, ``marks.py``) and the
+and label that the printed plan and the schedule node's strip show, :class:`Mark`; the marks of
+no backend, plain blocks and the weight stream map, are declared here too) and the
 documents' decision order (torch-ffn, torch, unsloth-ffn, unsloth) are kept in the same row.
 Everything else reads this table; no other module compares backend names.
 """
@@ -13,7 +14,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .marks import Mark
+
+@dataclass(frozen=True)
+class Mark:
+    """One block-map character.
+
+    Attributes:
+        char: the character in a block map (one per block).
+        label: its short name in the strip's legend.
+        color: its fill colour on the strip, a CSS ``#rrggbb`` string.
+        text: what it means, in the printed plan's legend.
+        base: for a mark the strip draws as a band along the top of a block's cell (a stream-map
+            mark), the colour under the band in its legend swatch; ``None`` for a cell's fill.
+    """
+
+    char: str
+    label: str
+    color: str
+    text: str
+    base: str | None = None
+
+    def style(self) -> dict[str, str]:
+        """JSON-ready ``{"color": ..., "label": ...}`` (and ``"base"`` when set): what the strip
+        draws for this mark."""
+        style = {"color": self.color, "label": self.label}
+        return style if self.base is None else {**style, "base": self.base}
+
+
+PLAIN_ATTENTION_OFFLOADED = Mark("a", "plain, attention offloaded", "#f59e0b",
+                                 "plain with attention activations offloaded")
+"""A block outside any checkpoint region whose attention activations wait in host memory
+(``gradient_checkpointing_offload_attention``)."""
+PLAIN = Mark(".", "plain", "#52525b", "plain (activations kept)")
+"""A block that runs normally, keeping its activations."""
+PLAIN_MARKS = (PLAIN_ATTENTION_OFFLOADED, PLAIN)
+"""The marks of blocks no backend checkpoints, in legend order (after the backends' marks)."""
+
+STREAMED = Mark("S", "frozen weights streamed", "#f472b6", "frozen weights streamed from host memory",
+                base=PLAIN.color)
+"""A block whose frozen weights stream from host memory (``weight_offload=stream``): the strip
+draws a band of this colour along the top of the block's cell (in the legend, over a plain block)."""
+RESIDENT = "."
+"""The stream-map character of a block whose frozen weights stay on the device (not drawn)."""
+STREAM_MARKS = (STREAMED,)
+"""The drawn marks of the stream map (:meth:`~..core.plan.ModelPlan.stream_maps`)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from .measure import MEASURE_OPTIONS
 from .options import Option, options_of
 from .peers.recipe import DEFAULTS, DEFAULTS_NOTE, SOURCE
 from .peers.simpletuner import ALIASES, IGNORED, NEEDS, SAME_KEYS
@@ -102,6 +103,8 @@ def simpletuner_table() -> str:
 SECTIONS = (
     ("Every option of a run", "Each generated from its declaration (`option(...)` in `engine/config/`).",
      lambda: options_table(OPTIONS)),
+    ("Measurement options", "`segckpt sweep` and `segckpt plan`, the Checkpointing Sweep and Schedule Planner nodes "
+     "(`engine/config/measure.py`; docs/MEASURE.md).", lambda: options_table(MEASURE_OPTIONS)),
     ("SimpleTuner configs", SIMPLETUNER_INTRO, simpletuner_table),
 )
 """The page's sections after its intro: heading, the prose above the table, the table. A table

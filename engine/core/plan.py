@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..config.backends import DEFAULT as DEFAULT_BACKEND
+from ..config.backends import PLAIN, PLAIN_ATTENTION_OFFLOADED, PLAIN_MARKS, RESIDENT, STREAM_MARKS, STREAMED
 from ..config.backends import TABLE as BACKEND_TABLE
-from ..config.marks import PLAIN, PLAIN_ATTENTION_OFFLOADED, PLAIN_MARKS, RESIDENT, STREAM_MARKS, STREAMED
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..families.base import FamilyAdapter
 
@@ -34,7 +34,7 @@ BLOCK_MARKS = tuple(mark for backend in sorted(BACKEND_TABLE.values(), key=lambd
                     for mark in backend.marks) + PLAIN_MARKS
 """Every mark of :meth:`ModelPlan.block_maps`, in legend order: the backends' (whole-block before
 FFN-scope, on-device before offloaded), then the plain blocks'. Declared in the backend table and
-engine/config/marks.py only."""
+engine/config/backends.py only."""
 LEGEND = ", ".join(f"{mark.char} = {mark.text}" for mark in BLOCK_MARKS)
 """Legend of :meth:`ModelPlan.block_maps`, as the printed plan shows it."""
 STREAM_LEGEND = f"{STREAMED.char} = {STREAMED.text}, {RESIDENT} = frozen weights resident on the device"
@@ -188,7 +188,7 @@ class ModelPlan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: family, schedule keys, lists (segments, checkpointed, plain), notes, and
         the block and stream maps with their legends: ``marks`` / ``stream_marks`` map every mark
-        of :data:`BLOCK_MARKS` / :data:`~..config.marks.STREAM_MARKS`, in legend order, to
+        of :data:`BLOCK_MARKS` / :data:`~..config.backends.STREAM_MARKS`, in legend order, to
         ``{"color": "#rrggbb", "label": ...}``, what the schedule node's strip draws
         (web/schedule_strip.js)."""
         return {

@@ -49,7 +49,7 @@ class HostBudgetError(ValueError):
     """The host budget is invalid or smaller than what the schedule keeps in host memory."""
 
 
-def host_budget_bytes(value: str | float | None = None, key: str = "--host-budget") -> int:
+def host_budget_bytes(value: str | float | None = None, key: str = "host_budget") -> int:
     """The host budget in bytes: a number of GiB, ``free`` (the host's available memory now),
     ``device`` (its total memory), or by default the available memory less :data:`HOST_MARGIN`.
 
@@ -153,13 +153,13 @@ def check_host_budget(config: TrainConfig, budget_bytes: int, value: str | float
         The host bytes the streamed weights' chunks take (None when unknown before the weights are read).
 
     Raises:
-        HostBudgetError: in one line naming ``--host-budget``, the value and the bytes needed.
+        HostBudgetError: in one line naming ``host_budget``, the value and the bytes needed.
     """
     needed = streamed_host_bytes(config)
     if needed is not None and needed > budget_bytes:
         shown = value if value is not None else f"default ({budget_bytes / 2**30:.4g} GiB)"
         raise HostBudgetError(
-            f"--host-budget={shown} is too small: weight_offload=stream ({config.schedule.mode}) keeps "
+            f"host_budget={shown} is too small: weight_offload=stream ({config.schedule.mode}) keeps "
             f"{needed} bytes ({needed / 2**30:.4g} GiB) of frozen weights in host memory (as allocated: the chunks "
             f"holding them); allowed a host budget of at least that, or fewer streamed blocks (weight_offload_blocks)")
     return needed

@@ -43,7 +43,7 @@ The planner returns the fastest predicted schedule whose predicted peak fits; pr
 checkpointing, then ``torch-ffn``, ``torch``, ``unsloth-ffn``, ``unsloth``; plain over offload;
 the larger interval and stride. The time model is only as good as its calibration: on a shared
 CPU, step times drift by tens of percent and schedules predicted a few percent apart can be 15%
-apart in fact. So when asked to measure, :func:`plan_for_budget` times the chosen prediction and the
+apart in fact. So when asked to measure, :func:`~.planning.plan_for_budget` times the chosen prediction and the
 fastest fitting ones had the calibrated offloader cost been half or twice as large (see
 :func:`contenders`) head to head in lockstep, and keeps the fastest measured one that fits
 (measured ties again follow the documents' rule).
@@ -55,11 +55,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any
 
 import torch
 
-from ..config import TrainConfig
 from ..config.schedule import MAX_BLOCKS, CheckpointSchedule, ScheduleError, check_supported
 from ..core.arena import planned_total
 from ..core.memory import budget_bytes
@@ -68,15 +67,8 @@ from ..families import get_family
 from ..files.atomic import atomic_write_text
 from .calibration import seconds
 from .costs import work
-from .frames import frames_label, use_frames
-from .levers import try_levers
-from .lockstep import lockstep_runs, paired_ratio
-from .probe import Probe, probe, probe_steps
-from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, StartRun, peak_after_warmup
+from .probe import Probe
 from .sweep import sweep_schedules
-
-if TYPE_CHECKING:
-    from .ranks import RankPeaks
 
 TIE = 0.03
 """Relative sec/step difference under which two predictions count as equal."""
@@ -131,7 +123,7 @@ class PlanChoice:
     Attributes:
         budget_bytes: the budget. chosen: the prediction picked. candidates: every prediction.
         measured_sec_per_step / measured_peak_bytes: the chosen schedule run for real (when
-            :func:`plan_for_budget` was asked to measure), else ``None``.
+            :func:`~.planning.plan_for_budget` was asked to measure), else ``None``.
     """
 
     budget_bytes: int
@@ -147,16 +139,31 @@ class PlanChoice:
     the largest count's, measured when asked, predicted to fit every count)."""
     labels: dict[int, str] = field(default_factory=dict)
     """Per frame count: what it trains on (``5 frames (2 latent frames, 128 tokens per sample)``)."""
-    compile_blocks: bool = False
-    """:func:`try_levers` measured ``compile_blocks`` faster within the budget: train with it."""
-    ranks: RankPeaks | None = None
-    """``plan --nproc N`` (N >= 2): per-rank peaks under DDP and FSDP2 and which to run (:mod:`.ranks`)."""
+    compile_blocks: bool | None = None
+    """The ``compile`` lever's decision (:func:`~.planning.try_levers`): True when ``compile_blocks``
+    measured faster within the budget, False when it did not; None when it was not tried (the
+    run's own value stands)."""
+    ranks: Any = None
+    """``plan --nproc N`` (N >= 2): per-rank peaks under DDP and FSDP2 and which to run
+    (:class:`~.ranks.RankPeaks`), else None."""
+    verdict: Any = None
+    """With buckets or clips (several batch shapes): the pre-flight of the chosen schedule per shape
+    (:class:`~.preflight.Verdict`, ``engine/measure/planning.py``), else None."""
+
+    def options(self) -> dict[str, Any]:
+        """The plan as a set of option changes, by flat key (what ``schedule.json`` holds and
+        ``segckpt train --config`` reads): the chosen schedule's keys (checkpointing, attention
+        offload and saving, weight streaming) and, when a lever decided it, ``compile_blocks``."""
+        keys = self.chosen.schedule.to_dict()
+        return keys if self.compile_blocks is None else {**keys, "compile_blocks": self.compile_blocks}
 
     def render(self) -> str:
         """A table of the candidates (predicted, and where timed measured, sec/step / peak GiB),
         the chosen one marked; with frame counts one table per count, then the predicted peak of
-        the chosen schedule at each count; with :attr:`ranks`, its line last."""
+        the chosen schedule at each count; then the per-shape :attr:`verdict`; with :attr:`ranks`,
+        its line last."""
         text = self._tables()
+        text = text if self.verdict is None else f"{text}\n{self.verdict.render()}"
         return text if self.ranks is None else f"{text}\n{self.ranks.render()}"
 
     def _tables(self) -> str:
@@ -355,11 +362,12 @@ def parse_budget(value: str | float | int, device: str | torch.device = "cpu", k
 
 
 def write_choice(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
-    """Write ``plan.txt`` (the rendered table) and ``schedule.json`` (the chosen keys, usable as
-    ``segckpt train --config``) into ``folder``, atomically, and with :attr:`PlanChoice.ranks`
-    ``nproc.json`` (its fields); return the paths."""
+    """Write ``plan.txt`` (the rendered table) and ``schedule.json`` (the plan's option changes,
+    :meth:`PlanChoice.options`, so that ``segckpt train --config schedule.json`` runs the plan
+    chosen, a kept ``compile_blocks`` lever included) into ``folder``, atomically, and with
+    :attr:`PlanChoice.ranks` ``nproc.json`` (its fields); return the paths."""
     folder = Path(folder)
-    keys = choice.chosen.schedule.to_dict()
+    keys = choice.options()
     paths = {"text": atomic_write_text(folder / "plan.txt", choice.render() + "\n"),
              "schedule": atomic_write_text(folder / "schedule.json", json.dumps(keys, indent=2) + "\n")}
     if choice.ranks is not None:
@@ -388,134 +396,3 @@ def contenders(choice: PlanChoice) -> list[Prediction]:
         if all(best is not q for q in picked):
             picked.append(best)
     return picked
-
-
-def _time_head_to_head(config: TrainConfig, bundle, choice: PlanChoice, timed: list[Prediction],
-                       warmup_steps: int, measure_steps: int, workspace: RunWorkspace) -> None:
-    """Run ``timed`` in lockstep; record their measured numbers; choose the fastest measured one
-    that fits (measured ties within ``TIE`` follow the documents' rule)."""
-    results = lockstep_runs(config, bundle, [p.schedule for p in timed], warmup_steps, measure_steps,
-                            workspace=workspace)
-    for prediction, result in zip(timed, results):
-        prediction.measured_sec_per_step = result.report["totals"]["sec_per_step"]
-        prediction.measured_peak_bytes = peak_after_warmup(result, warmup_steps)
-        prediction.relative_time = paired_ratio(result, results[0], warmup_steps) if len(timed) > 1 else None
-    fitting = [p for p in timed if p.measured_peak_bytes <= choice.budget_bytes]
-    if fitting and len(timed) > 1:
-        fastest = min(p.relative_time for p in fitting)
-        choice.chosen = min((p for p in fitting if p.relative_time <= fastest * (1 + TIE)),
-                            key=lambda p: preference(p.schedule))
-    choice.measured_sec_per_step = choice.chosen.measured_sec_per_step
-    choice.measured_peak_bytes = choice.chosen.measured_peak_bytes
-
-
-def plan_for_budget(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int = 0,
-                    warmup_steps: int = 1, start_run: StartRun | None = None,
-                    max_tries: int = 4, probe_: Probe | None = None, on_step: Callable[[int, int], None] | None = None,
-                    should_stop: Callable[[], bool] | None = None, host_budget_bytes: int | None = None,
-                    frames: tuple[int, ...] | None = None, levers: tuple[str, ...] = ()) -> PlanChoice:
-    """Probe, choose, and (``measure_steps`` > 0) measure before deciding.
-
-    With ``measure_steps`` > 0 the chosen prediction and other fitting ones (see
-    :func:`contenders`) train ``measure_steps`` steps after ``warmup_steps`` in lockstep
-    (:mod:`.lockstep`: one step of each in turn, so a shared machine's drift cancels) and the
-    fastest measured one whose measured peak fits is chosen. Candidates measured over the budget
-    are marked as not fitting and the choice repeats without them, at most ``max_tries`` times.
-    ``probe_``: a probe of the same model and settings to reuse (several budgets), else one runs.
-    ``on_step`` / ``should_stop``: progress and Cancel after every step of every run.
-    ``host_budget_bytes``: host memory the streamed weights and offloaded activations may use.
-    ``frames``: pixel-frame counts (checked by :func:`~.frames.check_measure_frames`): one probe per
-    count on synthetic clips (:func:`~.frames.use_frames`), a prediction per count
-    (:attr:`PlanChoice.by_frames`), and the choice made (and measured) at the largest count,
-    noted when it is predicted not to fit a smaller one.
-
-    Raises:
-        PlannerError: nothing is predicted to fit, or no tried candidate fits when measured.
-        MeasurementInterrupted: ``should_stop`` answered True (``PlanInterrupted`` of ``runs.py``,
-            holding the prediction, when it happened in the head-to-head measurement; Ctrl-C
-            there raises it too).
-    """
-    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace:  # the data is encoded once for every run
-        # the progress total: the probe, then as many contenders as can be timed (corrected when known)
-        timed = (1 + len(SENSITIVITY)) * (warmup_steps + measure_steps) if measure_steps > 0 else 0
-        if frames:
-            workspace.expect(probe_steps(warmup_steps) + (len(frames) - 1) * probe_steps(warmup_steps, False) + timed)
-            return _plan_frames(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, workspace,
-                                host_budget_bytes, timed, frames, levers)
-        workspace.expect((probe_steps(warmup_steps) if probe_ is None else 0) + timed)
-        return _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries,
-                     probe_ or probe(config, bundle, warmup_steps, workspace=workspace), workspace, host_budget_bytes,
-                     timed, levers)
-
-
-def _plan_frames(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int,
-                 max_tries: int, workspace: RunWorkspace, host_budget_bytes: int | None, announced: int,
-                 frames: tuple[int, ...], levers: tuple[str, ...] = ()) -> PlanChoice:
-    """:func:`plan_for_budget` over pixel-frame counts: probe each (the first calibrates the
-    offloader for the others), predict each, decide at the largest."""
-    probes: dict[int, Probe] = {}
-    calibration = None
-    for n in frames:
-        with use_frames(workspace, n):
-            probes[n] = probe(config, bundle, warmup_steps, workspace=workspace, calibration=calibration)
-        calibration = probes[n].calibration
-    largest = max(frames)
-    with use_frames(workspace, largest):
-        choice = _plan(config, bundle, budget_bytes, measure_steps, warmup_steps, max_tries, probes[largest],
-                       workspace, host_budget_bytes, announced, levers)
-    limit = budget_bytes * (1 - MARGIN)
-    for n in frames:
-        if n == largest:
-            choice.by_frames[n] = choice
-            continue
-        try:
-            choice.by_frames[n] = choose(probes[n], budget_bytes, host_budget_bytes=host_budget_bytes,
-                                         stream=config.schedule.streams)
-        except PlannerError as exc:  # cannot happen when the largest count fits; said, not raised
-            choice.notes.append(f"{n} frames: {exc}")
-            continue
-        if predict(probes[n], choice.chosen.schedule).peak_bytes > limit:
-            choice.notes.append(f"{choice.chosen.schedule.mode} is predicted over the budget at {n} frames")
-    choice.by_frames = {n: choice.by_frames[n] for n in frames if n in choice.by_frames}
-    choice.labels = {n: frames_label(config, bundle, n) for n in frames}
-    return choice
-
-
-def _plan(config: TrainConfig, bundle, budget_bytes: int, measure_steps: int, warmup_steps: int, max_tries: int,
-          measured_probe: Probe, workspace: RunWorkspace, host_budget_bytes: int | None = None,
-          announced: int = 0, levers: tuple[str, ...] = ()) -> PlanChoice:
-    excluded: list[str] = []
-    notes: list[str] = []
-    for _ in range(max_tries):
-        candidates = [s for s in sweep_schedules() if s.mode not in excluded]
-        choice = choose(measured_probe, budget_bytes, candidates, host_budget_bytes=host_budget_bytes,
-                        stream=config.schedule.streams)
-        choice.candidates = [p for p in choice.candidates if p.schedule.mode not in excluded]
-        choice.notes = notes
-        if measure_steps <= 0:
-            return choice
-        timed = contenders(choice)
-        workspace.expect(len(timed) * (warmup_steps + measure_steps) - announced)  # the steps that run now
-        announced = 0
-        try:
-            _time_head_to_head(config, bundle, choice, timed, warmup_steps, measure_steps, workspace)
-        except (MeasurementInterrupted, KeyboardInterrupt) as exc:  # keep what was decided before it
-            for p in timed:
-                p.measured_peak_bytes = p.measured_sec_per_step = None
-            choice.measured_peak_bytes = choice.measured_sec_per_step = None
-            notes.append(f"the head-to-head measurement of {len(timed)} candidates was interrupted: the choice is "
-                         "the prediction, not measured")
-            raise PlanInterrupted("plan measurement interrupted", choice) from exc
-        for p in timed:
-            if p.measured_peak_bytes > budget_bytes:
-                p.fits = False
-                excluded.append(p.schedule.mode)
-                notes.append(f"{p.schedule.mode} measured {p.measured_peak_bytes / 2**30:.4g} GiB, over the budget "
-                             f"(predicted {p.peak_bytes / 2**30:.4g}): tried the next candidate")
-        if choice.measured_peak_bytes <= budget_bytes:
-            if levers:
-                try_levers(choice, workspace, warmup_steps, measure_steps, levers)
-            return choice
-    raise PlannerError(f"budget={budget_bytes / 2**30:.4g} GiB: none of the candidates tried fits when measured "
-                       f"({'; '.join(notes)})")
-

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from ..config import TrainConfig
+from ..config import MeasureConfig, TrainConfig
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.arena import planned_total
 from ..data.buckets import shape_classes
@@ -31,7 +31,7 @@ from ..families.limits import token_count
 from .frames import use_frames
 from .planner import MARGIN, NOT_STREAMED, TIE, Prediction, fewest_streamed, predict, preference, streaming_helps
 from .probe import Probe, plain_steps, probe, probe_steps
-from .runs import RunWorkspace, StartRun
+from .runs import Progress, RunWorkspace, StartRun
 from .sweep import sweep_schedules
 
 
@@ -226,10 +226,9 @@ def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float, a
     return fewest_streamed(probe_, schedule, limit, asked)
 
 
-def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: int = 1,
-              prepared: PreparedData | None = None, start_run: StartRun | None = None,
-              on_step: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
-              host_budget_bytes: int | None = None, frames: tuple[int, ...] | None = None) -> Verdict:
+def preflight(config: TrainConfig, bundle, budget_bytes: int, measure: MeasureConfig | None = None,
+              progress: Progress | None = None, *, prepared: PreparedData | None = None,
+              start_run: StartRun | None = None, host_budget_bytes: int | None = None) -> Verdict:
     """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
     schedule against ``budget_bytes``.
 
@@ -237,44 +236,61 @@ def preflight(config: TrainConfig, bundle, budget_bytes: int, *, warmup_steps: i
         config: the run's settings (data, resolution, batch, schedule, previews, device, ...).
         bundle: the loaded model (never changed: probes train deep copies).
         budget_bytes: the memory budget, bytes.
-        warmup_steps: probe steps before the measured one.
-        prepared: ComfyUI's latents and text, when the run trains on them.
-        start_run, on_step, should_stop: see :class:`~.runs.RunWorkspace`; ``on_step`` is also
-            called with ``(0, 0)`` before the data is encoded and ``(0, K)`` before the first of
+        measure: ``warmup_steps`` (probe steps before the measured one) and ``frames``: pixel-frame
+            counts (checked by :func:`~.frames.check_measure_frames`) to judge instead of the data's
+            shapes: one phase per count, on synthetic clips of the run's square resolution
+            (:func:`~.frames.use_frames`), equal shares. Default: the defaults.
+        progress: ``on_step`` and ``should_stop``: see :class:`~.runs.RunWorkspace`; ``on_step`` is
+            also called with ``(0, 0)`` before the data is encoded and ``(0, K)`` before the first of
             the ``K`` probe steps.
+        prepared: ComfyUI's latents and text, when the run trains on them.
+        start_run: makes a run (tests inject their own).
         host_budget_bytes: the host memory the streamed weights and offloaded activations may use.
-        frames: pixel-frame counts (checked by :func:`~.frames.check_measure_frames`) to judge
-            instead of the data's shapes: one phase per count, on synthetic clips of the run's
-            square resolution (:func:`~.frames.use_frames`), equal shares.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
-    with RunWorkspace(config, bundle, start_run, on_step, should_stop, prepared) as workspace:
-        workspace.report()  # (0, 0): encoding the data
-        counts = frames or (None,)
-        classes = {n: _classes(workspace, n) for n in counts}
-        # one probe per shape; the first calibrates the offloader for the others
-        probed = sum(len(c) for c in classes.values())
-        workspace.expect(probe_steps(warmup_steps) + (probed - 1) * probe_steps(warmup_steps, calibrate=False))
-        workspace.report()  # (0, K): probing starts
-        probes: dict[str, Probe] = {}
-        shares: dict[str, float] = {}
-        sizes: dict[str, tuple[int, int]] = {}
-        calibration = None
-        for n in counts:
-            total = sum(len(rows) for _, rows in classes[n])
-            with use_frames(workspace, n) if n is not None else contextlib.nullcontext():
-                for shape, rows in classes[n]:
-                    key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
-                    # the preview phase is sampled once, after the largest shape's last probe step
-                    previews = {"validation_every": plain_steps(warmup_steps), "validation_num_inference_steps": 1} \
-                        if not probes and config.validation.validation_every else {}
-                    measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows,
-                                     calibration=calibration, **previews)
-                    calibration = measured.calibration
-                    probes[key], shares[key] = measured, len(rows) / total / len(counts)
-                    sizes[key] = shape_size(bundle, shape)
+    measure, progress = measure or MeasureConfig(), progress or Progress()
+    with RunWorkspace(config, bundle, start_run, progress.on_step, progress.should_stop, prepared) as workspace:
+        probed = _probe_shapes(workspace, config, bundle, measure)
+    return _verdict(config, budget_bytes, host_budget_bytes, *probed)
+
+
+def _probe_shapes(workspace: RunWorkspace, config: TrainConfig, bundle,
+                  measure: MeasureConfig) -> tuple[dict[str, Probe], dict[str, float], dict[str, tuple[int, int]]]:
+    """One probe per batch shape (the first calibrates the offloader for the others): ``(probes,
+    shares, sizes)`` by shape key (see :func:`preflight`)."""
+    warmup_steps = measure.warmup_steps
+    workspace.report()  # (0, 0): encoding the data
+    counts = measure.frames or (None,)
+    classes = {n: _classes(workspace, n) for n in counts}
+    probed = sum(len(c) for c in classes.values())
+    workspace.expect(probe_steps(warmup_steps) + (probed - 1) * probe_steps(warmup_steps, calibrate=False))
+    workspace.report()  # (0, K): probing starts
+    probes: dict[str, Probe] = {}
+    shares: dict[str, float] = {}
+    sizes: dict[str, tuple[int, int]] = {}
+    calibration = None
+    for n in counts:
+        total = sum(len(rows) for _, rows in classes[n])
+        with use_frames(workspace, n) if n is not None else contextlib.nullcontext():
+            for shape, rows in classes[n]:
+                key = "x".join(map(str, (config.data.batch_rows()[1], *shape)))
+                # the preview phase is sampled once, after the largest shape's last probe step
+                previews = {"validation_every": plain_steps(warmup_steps), "validation_num_inference_steps": 1} \
+                    if not probes and config.validation.validation_every else {}
+                measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows,
+                                 calibration=calibration, **previews)
+                calibration = measured.calibration
+                probes[key], shares[key] = measured, len(rows) / total / len(counts)
+                sizes[key] = shape_size(bundle, shape)
+    return probes, shares, sizes
+
+
+def _verdict(config: TrainConfig, budget_bytes: int, host_budget_bytes: int | None, probes: dict[str, Probe],
+             shares: dict[str, float], sizes: dict[str, tuple[int, int]]) -> Verdict:
+    """The verdict of ``config``'s schedule on the probed shapes (and the preview phase), with the
+    schedule that would fit when a training phase does not."""
     phases = training_phases(probes, shares, config.schedule, budget_bytes, sizes)
     on_host = [predict(measured, config.schedule) for measured in probes.values()]
     verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes,

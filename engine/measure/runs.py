@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +25,28 @@ from ..data.comfy_data import PreparedData
 from ..data.folder import write_sample_dataset
 from ..train.loop import TrainingRun, TrainResult
 
-Progress = Callable[[int, int], None]
+OnStep = Callable[[int, int], None]
 """Called after every step of a measurement with ``(steps done, steps expected in all)``."""
+
+
+@dataclass
+class Progress:
+    """What a measurement's caller hears and how it stops one: the facade's ``sweep``, ``plan`` and
+    ``check_fit`` take it (``engine/api.py``).
+
+    Attributes:
+        on_step: called after every step of every run with ``(done, total)`` (see :class:`RunWorkspace`).
+        should_stop: polled after every step; True raises :class:`MeasurementInterrupted` there
+            (Cancel in a node, Ctrl-C on the command line: within one step).
+        log: where a sweep's lines and the model's loading lines go.
+        on_cell: a sweep's: called after every cell with every cell so far and the rest as
+            ``not run`` (``engine/measure/sweep.py``).
+    """
+
+    on_step: OnStep | None = None
+    should_stop: Callable[[], bool] | None = None
+    log: Callable[[str], None] = print
+    on_cell: Callable[[list], None] | None = None
 
 StartRun = Callable[..., Any]
 """Makes one run: called like :class:`~..train.loop.TrainingRun` (``config, bundle=, log=,
@@ -66,7 +87,7 @@ class RunWorkspace:
     """
 
     def __init__(self, config: TrainConfig, bundle, start_run: StartRun | None = None,
-                 on_step: Progress | None = None, should_stop: Callable[[], bool] | None = None,
+                 on_step: OnStep | None = None, should_stop: Callable[[], bool] | None = None,
                  prepared: PreparedData | None = None):
         self.config, self.bundle, self.start_run = config, bundle, start_run or TrainingRun
         self.prepared = prepared

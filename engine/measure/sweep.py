@@ -40,14 +40,15 @@ import torch
 
 from ..config import TrainConfig
 from ..config.backends import BACKENDS, DEFAULT
+from ..config.measure import MeasureConfig
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.plan import ModelPlan, count_blocks, effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..train.recovery import OutOfMemoryStop, is_out_of_memory
-from .frames import use_frames
+from .frames import frames_label, use_frames
 from .plots import sweep_plot_png
-from .runs import MeasurementInterrupted, RunWorkspace, StartRun, peak_after_warmup
+from .runs import MeasurementInterrupted, Progress, RunWorkspace, StartRun, peak_after_warmup
 
 BASE_MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),
@@ -142,13 +143,25 @@ def _free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] | None = None,
-              warmup_steps: int = 1, measured_steps: int = 3, skip: Callable[[CheckpointSchedule], bool] | None = None,
-              start_run: StartRun | None = None, log: Callable[[str], None] = print,
-              on_step: Callable[[int, int], None] | None = None,
-              should_stop: Callable[[], bool] | None = None,
-              on_cell: Callable[[list[SweepCell]], None] | None = None,
-              frames: int | None = None, compile_modes: bool = False) -> list[SweepCell]:
+def modes_of(measure: MeasureConfig) -> list[CheckpointSchedule]:
+    """The schedules a sweep of ``measure`` runs (:func:`sweep_schedules` of its ``sweep`` settings)."""
+    modes = measure.sweep
+    return sweep_schedules(modes.attention_offload, modes.streaming, modes.save_attention)
+
+
+def _runs(schedules: list[CheckpointSchedule], compile_modes: bool) -> list[tuple[CheckpointSchedule, dict]]:
+    """Each schedule with no other setting, then (``compile_modes``) each again with ``compile_blocks``."""
+    return [(s, {}) for s in schedules] + ([(s, {"compile_blocks": True}) for s in schedules] if compile_modes else [])
+
+
+def _mode(schedule: CheckpointSchedule, changes: dict) -> str:
+    return schedule.mode + ("+compile" if changes else "")
+
+
+def run_sweep(config: TrainConfig, bundle, measure: MeasureConfig | None = None, progress: Progress | None = None, *,
+              schedules: list[CheckpointSchedule] | None = None,
+              skip: Callable[[CheckpointSchedule], bool] | None = None, start_run: StartRun | None = None,
+              frames: int | None = None) -> list[SweepCell]:
     """Measure each schedule on a fresh copy of ``bundle``.
 
     Args:
@@ -156,17 +169,15 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
             device); its schedule, steps, output and resume are replaced per cell.
         bundle: the loaded model (:class:`~..model.bundle.ModelBundle`); never changed (each
             cell trains a deep copy). The cells share one workspace: the data is encoded once.
-        schedules: modes to run, default :func:`sweep_schedules`.
-        warmup_steps: steps excluded from sec/step. measured_steps: steps measured after them.
+        measure: warm-up and measured steps per cell, the modes (default :func:`modes_of` it)
+            and, with ``compile``, each mode again with ``compile_blocks`` (mode ``<mode>+compile``;
+            ``engine/core/compiling.py``). Default: :class:`~..config.measure.MeasureConfig`'s defaults.
+        progress: ``on_step``, ``should_stop`` (see :class:`~.runs.RunWorkspace`), ``log`` (a line per
+            cell) and ``on_cell``, called after every cell with every cell so far and the rest as
+            ``not run`` (write the tables there, and an interrupted sweep keeps what it measured).
+        schedules: modes to run instead of ``measure``'s.
         skip: schedules for which it returns True are ``not run``.
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`; tests inject faults).
-        log: where progress lines go.
-        on_step, should_stop: progress and Cancel, after every step (see
-            :class:`~.runs.RunWorkspace`).
-        on_cell: called after every cell with every cell so far and the rest as ``not run``
-            (write the tables there, and an interrupted sweep keeps what it measured).
-        compile_modes: after the schedules, each one again with ``compile_blocks`` (mode
-            ``<mode>+compile``; ``engine/core/compiling.py``).
         frames: measure clips of this many pixel frames (synthetic latents ``(N, C, F', h, w)``
             with the text of the run's data, :func:`~.frames.use_frames`); checked by the caller
             (:func:`~.frames.check_measure_frames`). None: the run's own data.
@@ -177,44 +188,108 @@ def run_sweep(config: TrainConfig, bundle, schedules: list[CheckpointSchedule] |
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
+    measure, progress = measure or MeasureConfig(), progress or Progress()
     family = get_family(bundle.family.name)
-    cells: list[SweepCell] = []
-    plans: list[tuple | None] = []  # per cell: what its plan does, and its other settings
-    said: set[str] = set()
-    schedules = schedules or sweep_schedules()
-    runs = [(s, {}) for s in schedules] + ([(s, {"compile_blocks": True}) for s in schedules] if compile_modes else [])
-    counts = count_blocks(family, bundle.transformer)
-
-    def mode(schedule: CheckpointSchedule, changes: dict) -> str:
-        return schedule.mode + ("+compile" if changes else "")
-
-    with RunWorkspace(config, bundle, start_run, on_step, should_stop) as workspace, \
+    runs = _runs(schedules or modes_of(measure), measure.sweep.compile)
+    cells = _Cells(family, count_blocks(family, bundle.transformer), runs, progress)
+    with RunWorkspace(config, bundle, start_run, progress.on_step, progress.should_stop) as workspace, \
             (use_frames(workspace, frames) if frames is not None else contextlib.nullcontext()):
-        workspace.expect((warmup_steps + measured_steps) * sum(
+        workspace.expect((measure.warmup_steps + measure.sweep.measured_steps) * sum(
             1 for s, _ in runs if not (skip is not None and skip(s)) and _supported(family, s)))
         for schedule, changes in runs:
-            cell = SweepCell(mode(schedule, changes), schedule.to_dict(), "ok")
-            if skip is not None and skip(schedule):
-                cell.status = "not run"
-            else:
-                try:
-                    check_supported(family, schedule)
-                except ScheduleError as exc:
-                    cell.status, cell.error = "unsupported", str(exc)
-            plan = _measure(cell, workspace, schedule, warmup_steps, measured_steps, changes) \
-                if cell.status == "ok" else None
-            if plan is None and cell.status != "unsupported":  # the plan it would apply
-                plan = effective_plan(family, schedule, counts, warn=False)
-            log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
-            for note in (n for n in cell.notes if n not in said):  # a plan's note once per sweep
-                said.add(note)
-                log(f"sweep note: {note}")
-            cells.append(cell)
-            plans.append(None if plan is None else (plan.effect(), tuple(sorted(changes.items()))))
-            flag_ineffective(cells, plans)
-            if on_cell is not None:
-                on_cell(cells + [SweepCell(mode(s, c), s.to_dict(), "not run") for s, c in runs[len(cells):]])
-    return cells
+            cells.add(*_cell(workspace, cells, schedule, changes, skip, measure), changes)
+    return cells.cells
+
+
+class _Cells:
+    """A sweep's cells so far, the plans they ran and the notes said: each cell logged, flagged and
+    passed on as it ends."""
+
+    def __init__(self, family, counts: dict[str, int], runs: list, progress: Progress):
+        self.family, self.counts, self.runs, self.progress = family, counts, runs, progress
+        self.cells: list[SweepCell] = []
+        self.plans: list[tuple | None] = []  # per cell: what its plan does, and its other settings
+        self.said: set[str] = set()
+
+    def add(self, cell: SweepCell, plan: ModelPlan | None, changes: dict) -> None:
+        log = self.progress.log
+        log(f"sweep {cell.mode:<40} {cell.text()}" + (f"  ({cell.error.splitlines()[0]})" if cell.error else ""))
+        for note in (n for n in cell.notes if n not in self.said):  # a plan's note once per sweep
+            self.said.add(note)
+            log(f"sweep note: {note}")
+        self.cells.append(cell)
+        self.plans.append(None if plan is None else (plan.effect(), tuple(sorted(changes.items()))))
+        flag_ineffective(self.cells, self.plans)
+        if self.progress.on_cell is not None:
+            self.progress.on_cell(self.cells + [SweepCell(_mode(s, c), s.to_dict(), "not run")
+                                                for s, c in self.runs[len(self.cells):]])
+
+
+def _cell(workspace: RunWorkspace, cells: _Cells, schedule: CheckpointSchedule, changes: dict,
+          skip: Callable[[CheckpointSchedule], bool] | None, measure: MeasureConfig) -> tuple[SweepCell, ModelPlan | None]:
+    """One cell: measured, or marked ``not run`` / ``unsupported``; with the plan it ran (or would)."""
+    cell = SweepCell(_mode(schedule, changes), schedule.to_dict(), "ok")
+    if skip is not None and skip(schedule):
+        cell.status = "not run"
+    else:
+        try:
+            check_supported(cells.family, schedule)
+        except ScheduleError as exc:
+            cell.status, cell.error = "unsupported", str(exc)
+    plan = _measure(cell, workspace, schedule, measure.warmup_steps, measure.sweep.measured_steps, changes) \
+        if cell.status == "ok" else None
+    if plan is None and cell.status != "unsupported":  # the plan it would apply
+        plan = effective_plan(cells.family, schedule, cells.counts, warn=False)
+    return cell, plan
+
+
+class SweepInterrupted(MeasurementInterrupted):
+    """A sweep was interrupted (``should_stop``, or Ctrl-C): its tables, written after every cell,
+    hold the cells measured so far and the rest as ``not run``; the message says how many."""
+
+
+@dataclass
+class SweepTable:
+    """One sweep's results as written: its cells, its folder and the files in it (see
+    :func:`write_outputs`); ``measured_at``: what it trained on (a frame count), or ``""``."""
+
+    folder: Path
+    cells: list[SweepCell] = field(default_factory=list)
+    paths: dict[str, Path] = field(default_factory=dict)
+    measured_at: str = ""
+
+
+def sweep_tables(config: TrainConfig, bundle, measure: MeasureConfig, progress: Progress | None = None,
+                 start_run: StartRun | None = None) -> list[SweepTable]:
+    """:func:`run_sweep` on the run's data, or once per frame count of ``measure.frames`` (checked
+    by the caller), each writing its tables (:func:`write_outputs`) after every cell into the
+    run's output folder (``frames-N/`` in it per count).
+
+    Raises:
+        SweepInterrupted: ``should_stop`` answered True, or Ctrl-C; what was measured is written.
+    """
+    progress = progress or Progress()
+    budget = int(measure.sweep.budget_gib * 2**30) or None
+    root, tables = Path(config.outputs.output), []
+    for n in measure.frames or (None,):
+        table = SweepTable(root if n is None else root / f"frames-{n}",
+                           measured_at=frames_label(config, bundle, n) if n is not None else "")
+
+        def write(cells: list[SweepCell], table: SweepTable = table) -> None:
+            table.cells = cells
+            table.paths = write_outputs(cells, table.folder, bundle.family.name, budget, table.measured_at)
+
+        try:
+            run_sweep(config, bundle, measure, dataclasses.replace(progress, on_cell=write), frames=n,
+                      start_run=start_run)
+        except (MeasurementInterrupted, KeyboardInterrupt) as exc:
+            done = sum(1 for c in table.cells if c.status != "not run" or c.error)
+            modes = len(_runs(modes_of(measure), measure.sweep.compile))
+            raise SweepInterrupted(f"interrupted{f' at {n} frames' if n is not None else ''}: {done} of {modes} "
+                                   f"modes measured; {table.folder}/sweep.md and the other tables hold them, the "
+                                   "rest marked not run") from exc
+        tables.append(table)
+    return tables
 
 
 def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSchedule, warmup_steps: int,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import OPTIONS, ConfigError, DataConfig, TrainConfig
+from segmented_checkpointing.engine.config import MEASURE_OPTIONS, OPTIONS, ConfigError, DataConfig, TrainConfig
 from segmented_checkpointing.engine.config.options import option, options_of
 from segmented_checkpointing.engine.config.table import options_page, options_table
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
@@ -44,8 +44,39 @@ PINNED = (
 """Every option of a run, in the order of the config tree: adding one is a deliberate edit here."""
 
 
+MEASURE_PINNED = ("warmup_steps", "frames", "measured_steps", "attention_offload", "save_attention", "streaming",
+                  "compile", "budget_gib", "budget", "host_budget", "timing_steps", "levers", "preflight", "nproc")
+"""Every option of a measurement (sweep, plan, pre-flight), in the order of its config tree."""
+
+NOT_OPTIONS = {
+    ("train", "--config"), ("sweep", "--config"), ("plan", "--config"),  # the file the options are read from
+    ("families", "--limits"),  # what a table of the adapters shows: no run or measurement is configured
+    ("run", "workflow"), ("run", "--base-dir"),  # a workflow file and ComfyUI's folders: the nodes' inputs are in it
+}
+"""The flags of ``segckpt`` that are no option, each with why."""
+
+
 def test_the_set_of_options_is_pinned():
     assert tuple(opt.key for opt in OPTIONS) == PINNED
+    assert tuple(opt.key for opt in MEASURE_OPTIONS) == MEASURE_PINNED
+
+
+def test_every_flag_of_segckpt_is_generated_from_an_option():
+    """Issue 37: no hand-written flag in cli.py but the plumbing of :data:`NOT_OPTIONS`; each flag is
+    an option's, its destination the option's key; sweep and plan take every measurement option of theirs."""
+    declared = {opt.key: opt.cli for opt in (*OPTIONS, *MEASURE_OPTIONS)}
+    commands = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    plumbing = set()
+    for command, parser in commands.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.option_strings == [declared.get(action.dest)]:
+                continue
+            plumbing.add((command, action.option_strings[0] if action.option_strings else action.dest))
+    assert plumbing == NOT_OPTIONS
+    for command in ("sweep", "plan"):
+        dests = {action.dest for action in commands[command]._actions}
+        assert {opt.key for opt in MEASURE_OPTIONS if opt.path[0] in (opt.key, command)} <= dests, command
+    assert [a.dest for a in commands["plan"]._actions if a.required] == ["budget"]
 
 
 def test_segckpt_options_prints_the_committed_options_page(capsys):
@@ -102,6 +133,20 @@ def test_widgets_take_their_range_from_the_engine():
     assert (interval["min"], interval["max"], interval["default"]) == (0, 1024, 2)  # 0 = unset; the demo's 2
     assert NODES["SegCkptOffloadOptions"].INPUT_TYPES()["required"]["gradient_checkpointing_backend"][1]["default"] \
         == "unsloth"
+
+
+def test_the_planning_nodes_widgets_are_the_measurement_options():
+    """Issue 37: the Sweep and Planner nodes restate no default or range: one declaration each."""
+    sweep = NODES["SegCkptSweep"].INPUT_TYPES()["required"]
+    planner = NODES["SegCkptSchedulePlanner"].INPUT_TYPES()["required"]
+    for name, key in [("warmup_steps", "warmup_steps"), ("measured_steps", "measured_steps"),
+                      ("attention_offload_modes", "attention_offload"), ("budget_gib", "budget_gib")]:
+        assert sweep[name] == widget(key, options=MEASURE_OPTIONS), name
+    assert planner["warmup_steps"] == sweep["warmup_steps"]
+    assert planner["measured_steps"] == ("INT", {"tooltip": MEASURE_OPTIONS[MEASURE_PINNED.index("timing_steps")].help,
+                                                 "default": 3, "min": 0, "max": 1000})
+    assert planner["budget_gib"][1] | {"tooltip": ""} == {"tooltip": "", "default": 0.0, "min": 0.0, "max": 4096.0,
+                                                          "step": 0.0001}
 
 
 SEED_MAX = 2**64 - 1  # ComfyUI's seed widgets (KSampler's noise seed) give 0 .. 0xffffffffffffffff

@@ -9,8 +9,7 @@ import warnings
 
 import pytest
 
-from segmented_checkpointing.engine.config.backends import BACKENDS, TABLE
-from segmented_checkpointing.engine.config.marks import RESIDENT, STREAM_MARKS
+from segmented_checkpointing.engine.config.backends import BACKENDS, RESIDENT, STREAM_MARKS, TABLE
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule, ScheduleError
 from segmented_checkpointing.engine.core.plan import BLOCK_MARKS, LEGEND, effective_plan
 from segmented_checkpointing.engine.families import family_names, get_family

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import torch
 
 from segmented_checkpointing import cli
 from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
-from segmented_checkpointing.engine.measure.levers import try_levers
-from segmented_checkpointing.engine.measure.planner import PlanChoice, predict, probe
+from segmented_checkpointing.engine.measure.planner import PlanChoice, predict, write_choice
+from segmented_checkpointing.engine.measure.planning import try_levers
+from segmented_checkpointing.engine.measure.probe import BlockCost, Probe, probe
 from segmented_checkpointing.engine.measure.runs import RunWorkspace
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
@@ -53,3 +57,41 @@ def test_segckpt_plan_says_which_levers_it_tried(tmp_path, capsys):
                      "--levers", "save_attention", "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "gradient_checkpointing_save_attention: not tried (none has no whole-block region" in out
+
+
+def test_a_plan_that_keeps_compile_trains_compiled(tmp_path, monkeypatch, capsys):
+    """Issue 37: a plan is a set of option changes. The compile lever measured faster is kept, written
+    to schedule.json beside the schedule's keys, and ``segckpt train --config schedule.json`` compiles
+    its blocks (``nn.Module.compile`` recorded, not run: inductor is slow on the CPU)."""
+    runs = []
+
+    class Faster:  # a workspace whose every lever run measures twice as fast within the budget
+        def expect(self, steps):
+            pass
+
+        def run(self, schedule, warmup_steps, measured_steps, **changes):
+            runs.append(changes)
+            return SimpleNamespace(report={"totals": {"sec_per_step": 0.5}},
+                                   history=[{"peak_bytes": 1000}] * (warmup_steps + measured_steps))
+
+    costs = {name: [BlockCost(name, i, act=100) for i in range(2)] for name in ("double", "single")}
+    measured = Probe("flux", "cpu", costs, peak_bytes=10_000, sec_per_step=1.0, offload_s_per_tensor=0.0,
+                     offload_s_per_byte=0.0)
+    chosen = predict(measured, CheckpointSchedule())
+    choice = PlanChoice(2**40, chosen, [chosen], measured, measured_sec_per_step=1.0, measured_peak_bytes=1000)
+    try_levers(choice, Faster(), 1, 1, ("compile",))
+    assert runs == [{"compile_blocks": True}] and choice.compile_blocks is True
+    assert choice.notes == ["compile_blocks: kept (0.500x sec/step, peak 9.313e-07 GiB, within the budget)"]
+    path = write_choice(choice, tmp_path / "plan")["schedule"]
+    assert json.loads(path.read_text()) == {**CheckpointSchedule().to_dict(), "compile_blocks": True}
+
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, *args, **kwargs: compiled.append(module))
+    out = tmp_path / "train"
+    assert cli.main(["train", "--config", str(path), "--steps", "1", "--resolution", "32", "--rank", "2",
+                     "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["compile_blocks"] is True and report["plan"]["mode"] == "layer"
+    assert report["compile"]["compiled_blocks"] == {"double": 8, "single": 8}  # flux's tiny preset: every block
+    assert len(compiled) == 16  # each block compiled once
+    assert {type(m).__name__ for m in compiled} == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}

@@ -8,19 +8,14 @@ import json
 import pytest
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config import LoraSettings, MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.measure.costs import work
-from segmented_checkpointing.engine.measure.planner import (
-    PlannerError,
-    choose,
-    parse_budget,
-    plan_for_budget,
-    predict,
-)
+from segmented_checkpointing.engine.measure.planner import PlannerError, choose, parse_budget, predict
+from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.measure.probe import probe
-from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
+from segmented_checkpointing.engine.measure.runs import Progress, RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
@@ -106,7 +101,7 @@ def test_segckpt_plan_prints_the_choice_and_writes_its_keys(tmp_path, capsys):
 def test_ctrl_c_while_plan_measures_keeps_the_prediction_marked_not_measured(tmp_path, monkeypatch, capsys):
     """Ctrl-C in the head-to-head: plan.txt and schedule.json hold the predicted choice, with a note
     that it was not measured; one line, exit 130, no traceback."""
-    from segmented_checkpointing.engine.measure import planner
+    from segmented_checkpointing.engine.measure import planning
 
     steps = []
 
@@ -114,7 +109,7 @@ def test_ctrl_c_while_plan_measures_keeps_the_prediction_marked_not_measured(tmp
         steps.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(planner, "lockstep_runs", interrupted)
+    monkeypatch.setattr(planning, "lockstep_runs", interrupted)
     status = cli.main(["plan", "--resolution", "64", "--budget", "device", "--measure", "2", "--rank", "4",
                        "--output", str(tmp_path)])
     captured = capsys.readouterr()
@@ -136,7 +131,7 @@ def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
                     record["peak_bytes"] = record["device_peak_bytes"] = 10**12
 
     config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
-    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, start_run=Pessimistic)
+    choice = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=1), 2**30, start_run=Pessimistic)
     assert choice.chosen.schedule.mode != "none" and choice.measured_peak_bytes <= 2**30
     assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()
 
@@ -176,7 +171,8 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
                 for record in self.result.history:
                     record["seconds"] *= 3
 
-    planned = plan_for_budget(config, bundle, budget, measure_steps=2, start_run=Slowed, probe_=at(costs[k]))
+    planned = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=2), budget, start_run=Slowed,
+                              probe_=at(costs[k]))
     measured = [p for p in planned.candidates if p.measured_sec_per_step is not None]
     assert len(measured) >= 2 and planned.chosen.schedule.mode != predicted
     assert planned.chosen.relative_time < 0.6 and planned.measured_peak_bytes <= budget
@@ -191,7 +187,8 @@ def test_the_progress_total_is_the_work_done_and_the_bar_ends_full():
     from segmented_checkpointing.engine.measure.probe import probe_steps
 
     config, bundle, seen = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux"), []
-    choice = plan_for_budget(config, bundle, 2**30, measure_steps=1, on_step=lambda done, total: seen.append((done, total)))
+    choice = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=1), 2**30,
+                             Progress(lambda done, total: seen.append((done, total))))
     assert [p.schedule.mode for p in choice.candidates if p.measured_sec_per_step is not None] == ["none"]
     done = probe_steps(1) + 2
     assert [d for d, _ in seen] == list(range(1, done + 1)) and seen[-1] == (done, done)

@@ -9,11 +9,11 @@ import pytest
 from helpers import refuse_to_build_models
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import api
-from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.config import MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.costs import BlockCost
 from segmented_checkpointing.engine.measure.planner import PlannerError, choose, predict
+from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.measure.probe import Probe
 from segmented_checkpointing.engine.measure.ranks import check_nproc, rank_peaks
 from segmented_checkpointing.engine.model.bundle import build_preset
@@ -68,9 +68,9 @@ def test_the_recommendation_flips_to_fsdp_when_the_budget_is_between_the_two():
 def test_nproc_0_is_refused_before_any_model_is_built(monkeypatch, capsys):
     refuse_to_build_models(monkeypatch, "--nproc was checked")
     assert cli.main(["plan", "--budget", "1", "--nproc", "0"]) == 2
-    assert capsys.readouterr().err == "segckpt: error: --nproc=0 is invalid: allowed an integer >= 1\n"
+    assert capsys.readouterr().err == "segckpt: error: nproc=0 is invalid: allowed an integer from 1 to 1024.\n"
     assert cli.main(["plan", "--budget", "1", "--nproc", "2", "--check"]) == 2
-    assert "--nproc=2 is invalid: allowed an integer >= 1, and 1 with --check" in capsys.readouterr().err
+    assert "nproc=2 is invalid with preflight=True (--check): allowed 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"nproc=True is invalid: allowed an integer >= 1"):
         check_nproc(True, "nproc")
 
@@ -95,7 +95,8 @@ def _heavy_lora_probe() -> Probe:
 
 def test_when_no_replica_fits_plan_chooses_for_fsdp_ranks(tmp_path):
     config = TrainConfig.create(family="flux", resolution=64, output=str(tmp_path))
-    choice = api.plan(config, build_preset("flux"), 40_000, nproc=4, probe_=_heavy_lora_probe())
+    four = MeasureConfig.create(nproc=4, timing_steps=0)
+    choice = plan_for_budget(config, build_preset("flux"), four, 40_000, probe_=_heavy_lora_probe())
     # FSDP2 per rank: 50000 - (frozen 14000 + LoRA 4000 + optimizer 16000) x 3/4 + 2 x (4000 + 1000)
     assert (choice.chosen.schedule.mode, choice.chosen.peak_bytes) == ("none", 34_500)
     ranks = choice.ranks  # DDP: the smallest replica (every block streamed, 44000) + the LoRA gradients
@@ -105,6 +106,7 @@ def test_when_no_replica_fits_plan_chooses_for_fsdp_ranks(tmp_path):
                    for p in choice.candidates)  # what fsdp refuses is not offered
     with pytest.raises(PlannerError, match=r"\(none-stream\); FSDP2 on 4 processes: budget=.* the smallest "
                                            r"predicted peak is 3.213e-05 GiB \(none\)"):
-        api.plan(config, build_preset("flux"), 36_000, nproc=4, probe_=_heavy_lora_probe())
+        plan_for_budget(config, build_preset("flux"), four, 36_000, probe_=_heavy_lora_probe())
     with pytest.raises(PlannerError, match=r"the smallest predicted peak is 4.098e-05 GiB \(none-stream\)$"):
-        api.plan(config, build_preset("flux"), 40_000, probe_=_heavy_lora_probe())  # one process: as before
+        plan_for_budget(config, build_preset("flux"), four.replace(nproc=1), 40_000,
+                        probe_=_heavy_lora_probe())  # one process: as before

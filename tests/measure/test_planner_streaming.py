@@ -65,13 +65,13 @@ def test_a_host_budget_below_the_streamed_bytes_is_refused_before_any_model_is_b
                        "--budget", "1", "--output", str(tmp_path)])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1
-    assert "--host-budget=0.0001 is too small: weight_offload=stream (interval2-stride4-stream) keeps" in err
+    assert "host_budget=0.0001 is too small: weight_offload=stream (interval2-stride4-stream) keeps" in err
     assert "bytes" in err and "of frozen weights in host memory" in err
 
 
 def test_host_budget_values():
     assert host_budget_bytes("2") == 2 * 2**30 and host_budget_bytes("free") > 0 and host_budget_bytes() > 0
-    with pytest.raises(HostBudgetError, match=r"--host-budget='lots' is invalid: allowed a number of GiB"):
+    with pytest.raises(HostBudgetError, match=r"host_budget='lots' is invalid: allowed a number of GiB"):
         host_budget_bytes("lots")
 
 

@@ -138,3 +138,14 @@ def test_a_budget_below_the_weights_does_not_fit_on_the_cpu_either(data_dir, roo
     assert all(p.peak_bytes > frozen for p in roomy.phases if p.kind == "train")
     assert "weights, LoRA and optimizer state included" in verdict.render()
     assert verdict.to_dict()["peak_scope"].startswith("each peak counts what the device holds")
+
+
+def test_segckpt_plan_judges_its_choice_per_bucket_as_the_planner_node_does(data_dir, tmp_path, capsys):
+    """Issue 37: one facade verb plans for both front ends: on bucketed data the command line's plan,
+    like the Schedule Planner node's (tests/nodes/test_guardrail_nodes.py), judges its choice per bucket."""
+    assert cli.main(["plan", "--data", str(data_dir), "--resolution", "64", "--buckets", "--batch-size", "1",
+                     "--rank", "4", "--measure", "0", "--budget", "1", "--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pre-flight: none fits in 1 GiB" in out
+    assert "ok  train 1x16x8x8" in out and "ok  train 1x16x6x10" in out  # one line per bucket
+    assert "pre-flight: none fits in 1 GiB" in (tmp_path / "plan.txt").read_text()

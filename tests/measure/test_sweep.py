@@ -12,10 +12,11 @@ import torch
 from PIL import Image
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config import LoraSettings, MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import effective_plan
 from segmented_checkpointing.engine.families import get_family
+from segmented_checkpointing.engine.measure.runs import Progress
 from segmented_checkpointing.engine.measure.sweep import (
     SweepCell,
     flag_ineffective,
@@ -53,8 +54,8 @@ def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path
             return super().__iter__()
 
     before = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
-    cells = run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=1, start_run=Faulty,
-                      skip=lambda s: s.gradient_checkpointing_segment_stride == 4, log=lambda line: None)
+    cells = run_sweep(_config(tmp_path), bundle, MeasureConfig.create(measured_steps=1), Progress(log=lambda line: None),
+                      schedules=schedules, start_run=Faulty, skip=lambda s: s.gradient_checkpointing_segment_stride == 4)
     status = {c.mode: c.status for c in cells}
     assert status == {"none": "ok", "layer": "OOM", "interval2": "failed", "layer-torch-ffn": "unsupported",
                       "layer-offload-attn": "unsupported", "interval2-stride4": "not run"}
@@ -183,9 +184,10 @@ def test_write_outputs_of_failed_sweep_still_plots(tmp_path):
     assert Image.open(paths["png"]).text["segckpt:points"] == "0"
 
 
-@pytest.mark.parametrize("args, text", [(["--budget-gib", "-2"], "--budget-gib=-2.0 is invalid"),
-                                        (["--measure", "0"], "--measure=0 is invalid"),
-                                        (["--warmup", "-1"], "--warmup=-1 is invalid")])
+@pytest.mark.parametrize("args, text", [(["--budget-gib", "-2"], "budget_gib=-2.0 is invalid: allowed a number of GiB "
+                                                                "from 0 to 4096 (0: none)"),
+                                        (["--measure", "0"], "measured_steps=0 is invalid: allowed an integer from 1"),
+                                        (["--warmup", "0"], "warmup_steps=0 is invalid: allowed an integer from 1")])
 def test_segckpt_sweep_refuses_bad_options_before_any_work(tmp_path, capsys, args, text):
     assert cli.main(["sweep", *args, "--output", str(tmp_path / "never")]) == 2
     assert text in capsys.readouterr().err and not (tmp_path / "never").exists()
@@ -197,8 +199,9 @@ def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
     bundle, steps = build_preset("flux"), []
     schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule()]
     with pytest.raises(MeasurementInterrupted):
-        run_sweep(_config(tmp_path), bundle, schedules, warmup_steps=1, measured_steps=2, log=lambda line: None,
-                  on_step=lambda done, total: steps.append((done, total)), should_stop=lambda: len(steps) >= 4)
+        run_sweep(_config(tmp_path), bundle, MeasureConfig.create(measured_steps=2),
+                  Progress(lambda done, total: steps.append((done, total)), lambda: len(steps) >= 4, lambda line: None),
+                  schedules=schedules)
     # 3 steps of the first mode, then the first step of the second: stopped there; of 2 x 3 in all
     assert steps == [(1, 6), (2, 6), (3, 6), (4, 6)]
 
@@ -217,7 +220,7 @@ def test_ctrl_c_during_a_sweep_keeps_the_cells_measured_so_far(tmp_path, monkeyp
         return measure(cell, *args)
 
     monkeypatch.setattr(sweep_module, "_measure", interrupted)
-    status = cli.main(["sweep", "--resolution", "64", "--no-attention-offload", "--warmup", "0", "--measure", "1",
+    status = cli.main(["sweep", "--resolution", "64", "--no-attention-offload", "--warmup", "1", "--measure", "1",
                        "--output", str(tmp_path)])
     err = capsys.readouterr().err
     assert status == 130 and "Traceback" not in err

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from segmented_checkpointing import cli
-from segmented_checkpointing.engine import api
-from segmented_checkpointing.engine.config import LoraSettings, TrainConfig
+from segmented_checkpointing.engine.config import LoraSettings, MeasureConfig, TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.families.limits import token_count
-from segmented_checkpointing.engine.measure.planner import plan_for_budget
+from segmented_checkpointing.engine.measure import sweep as sweep_module
+from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.model.bundle import build_preset
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -21,7 +21,7 @@ NONE, PER_BLOCK = CheckpointSchedule(gradient_checkpointing=False), CheckpointSc
 
 
 def test_sweep_over_frames_prints_one_table_per_count_and_peak_grows(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(api, "sweep_schedules", lambda *_a: [NONE, PER_BLOCK])  # two modes keep it short
+    monkeypatch.setattr(sweep_module, "sweep_schedules", lambda *_a: [NONE, PER_BLOCK])  # two modes keep it short
     status = cli.main(["sweep", "--family", "wan", "--frames", "1", "5", "--resolution", "64", "--warmup", "1",
                        "--measure", "1", "--output", str(tmp_path / "sweep")])
     out = capsys.readouterr().out
@@ -41,7 +41,7 @@ def test_sweep_over_frames_prints_one_table_per_count_and_peak_grows(tmp_path, m
 def test_plan_predicts_per_frame_count(tmp_path):
     config = TrainConfig.create(family="wan", resolution=64, output=str(tmp_path / "out"),
                                 lora=LoraSettings(rank=4, alpha=4.0))
-    choice = plan_for_budget(config, build_preset("wan"), 2**30, frames=(1, 5))
+    choice = plan_for_budget(config, build_preset("wan"), MeasureConfig.create(frames=(1, 5), timing_steps=0), 2**30)
     text = choice.render()
     assert sorted(choice.by_frames) == [1, 5]
     assert "## 1 frame (1 latent frame, 16 tokens per sample)" in text
@@ -51,8 +51,8 @@ def test_plan_predicts_per_frame_count(tmp_path):
 
 
 @pytest.mark.parametrize("family, frames, says", [
-    ("wan", "4", "--frames=4 is invalid for wan: allowed 4k+1"),
-    ("flux", "5", "--frames=5 is invalid for flux: allowed 1 (flux is an image family"),
+    ("wan", "4", "frames=4 is invalid for wan: allowed 4k+1"),
+    ("flux", "5", "frames=5 is invalid for flux: allowed 1 (flux is an image family"),
 ])
 def test_frames_refused_in_one_line(family, frames, says, capsys, tmp_path):
     for command in ("sweep", "plan"):

@@ -8,8 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from segmented_checkpointing.engine.config.backends import TABLE
-from segmented_checkpointing.engine.config.marks import STREAMED
+from segmented_checkpointing.engine.config.backends import STREAMED, TABLE
 from segmented_checkpointing.engine.core.plan_query import plan_for_query, reference_block_counts
 from segmented_checkpointing.nodes.routes import PLAN_ROUTE, register_routes
 

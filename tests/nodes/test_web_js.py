@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from segmented_checkpointing.engine.config.marks import STREAM_MARKS
+from segmented_checkpointing.engine.config.backends import STREAM_MARKS
 from segmented_checkpointing.engine.core.plan import BLOCK_MARKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_web_files_are_es_modules_without_dependencies():
 
 
 def test_the_frontend_declares_no_mark_colour_or_label():
-    # the strip's colours and labels come with the plan (engine/config/backends.py, engine/config/marks.py)
+    # the strip's colours and labels come with the plan (engine/config/backends.py)
     marks = [*BLOCK_MARKS, *STREAM_MARKS]
     declared = {mark.color.lower() for mark in marks} | {mark.base.lower() for mark in marks if mark.base}
     labels = {f'"{mark.label}"' for mark in marks}
