@@ -309,6 +309,8 @@ def test_diffusers_script_names_read_as_their_scripts_mean_them(scheme, sampling
     assert config.simpletuner_defaults == () and config.optimizer.learning_rate == 1e-3  # not a SimpleTuner file
     with pytest.raises(ConfigError, match=r"^weighting_scheme='karras' is invalid: allowed none, logit_normal, mode"):
         TrainConfig.from_dict({"weighting_scheme": "karras"})
+    with pytest.raises(ConfigError, match=r"^weighting_scheme=\[\] is invalid: allowed none, logit_normal"):
+        TrainConfig.from_dict({"weighting_scheme": []})  # not a name (found by tests/config/test_fuzz.py)
 
 
 def _ours(config: TrainConfig, key: str):

@@ -92,7 +92,7 @@ def weighting_scheme(value: Any) -> dict[str, Any]:
     Raises:
         ConfigError: another scheme, naming those allowed.
     """
-    if value not in WEIGHTING_SCHEMES:
+    if not isinstance(value, str) or value not in WEIGHTING_SCHEMES:
         raise _refuse("weighting_scheme", value, ", ".join(WEIGHTING_SCHEMES) + " (diffusers' training scripts)")
     sampling, weighting = WEIGHTING_SCHEMES[value]
     return {"timestep_sampling": sampling, "loss_weighting": weighting}
