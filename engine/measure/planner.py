@@ -36,7 +36,7 @@ schedule that streams subtracts the streamed blocks' frozen bytes and adds its d
 * sec/step = the probe's sec/step + what the schedule adds (:class:`~.costs.Work`: recomputed
   forward seconds, checkpoint calls and the tensors their hooks see, offloaded tensors and bytes,
   streamed weight copies and the tensors the streamer's hook sees) at the rates
-  :mod:`.calibration` measured on this machine (docs/MEASURE.md "How the planner predicts").
+  :func:`~.costs.calibrate` measured on this machine (docs/MEASURE.md "How the planner predicts").
 
 The planner returns the fastest predicted schedule whose predicted peak fits; predictions within
 ``TIE`` of each other follow the documents' decision rule (docs/SCHEDULES.md "How to decide"): no
@@ -65,8 +65,7 @@ from ..core.memory import budget_bytes
 from ..core.plan import effective_plan
 from ..families import get_family
 from ..files.atomic import atomic_write_text
-from .calibration import seconds
-from .costs import work
+from .costs import seconds, work
 from .probe import Probe
 from .sweep import sweep_schedules
 

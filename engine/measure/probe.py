@@ -6,7 +6,7 @@ every block list (see :class:`BlockCost`): the bytes it saves for backward and t
 attention parts of them, its carried inputs, its forward time and forward transient, and its
 trainable (LoRA) bytes, the tensors it saves; plus the step's peak and sec/step (the median of
 clean steps). Short runs in lockstep then calibrate the per-tensor costs of recompute, offload and
-streaming on this machine (:mod:`.calibration`).
+streaming on this machine (:func:`~.costs.calibrate`).
 :mod:`.planner` predicts every candidate schedule from the resulting :class:`Probe`.
 """
 
@@ -33,8 +33,15 @@ from ..families.base import FamilyAdapter
 from ..model.precision import tensor_bytes
 from ..train.loop import resolve_device
 from ..train.recovery import OutOfMemoryStop
-from .calibration import PLAIN, Calibration, calibrate, calibration_schedules, calibration_steps, copy_seconds_per_byte
-from .costs import BlockCost
+from .costs import (
+    PLAIN,
+    BlockCost,
+    Calibration,
+    calibrate,
+    calibration_schedules,
+    calibration_steps,
+    copy_seconds_per_byte,
+)
 from .runs import RunWorkspace, StartRun
 
 
@@ -48,7 +55,7 @@ class Probe:
         peak_bytes: the probe step's device peak (same scope as a sweep cell: with the weights the
             device holds, on the CPU too). sec_per_step: its time.
         offload_s_per_tensor / offload_s_per_byte / recompute_s_per_call / recompute_s_per_tensor /
-            stream_s_per_tensor: this machine's :class:`~.calibration.Calibration` (short runs in lockstep).
+            stream_s_per_tensor: this machine's :class:`~.costs.Calibration` (short runs in lockstep).
         blocks_end_bytes: tracked memory right after the last block's forward (CPU tracker).
     """
 
@@ -82,7 +89,7 @@ class Probe:
 
     @property
     def calibration(self) -> Calibration:
-        """The per-tensor costs measured for this probe (:mod:`.calibration`)."""
+        """The per-tensor costs measured for this probe (:func:`~.costs.calibrate`)."""
         return Calibration(self.offload_s_per_tensor, self.offload_s_per_byte, self.recompute_s_per_call,
                            self.recompute_s_per_tensor, self.stream_s_per_tensor)
 
@@ -284,7 +291,7 @@ TIMING_STEPS = 3
 
 def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
     """The steps one probe runs: its plain run (:func:`plain_steps`) and, with ``calibrate`` (no
-    calibration given), the calibration runs (:func:`~.calibration.calibration_steps`); what a
+    calibration given), the calibration runs (:func:`~.costs.calibration_steps`); what a
     caller announces to its workspace (:meth:`~.runs.RunWorkspace.expect`) before probing. A
     family without attention activations to offload skips that calibration run, a config that
     streams weights adds one (streaming's), and the probe corrects the announced total."""
@@ -317,7 +324,7 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
         start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
         workspace: an open workspace to run in (shared data and latent cache); default: its own.
         rows: probe batches of these cache rows only (one bucket: one shape).
-        calibration: the :class:`~.calibration.Calibration` of an earlier probe on this machine
+        calibration: the :class:`~.costs.Calibration` of an earlier probe on this machine
             (:attr:`Probe.calibration`; skips the calibration runs).
         changes: other settings of the probe run (e.g. ``validation_every``).
 

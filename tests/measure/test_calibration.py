@@ -1,5 +1,5 @@
 """The planner's time model: what a schedule adds (engine/measure/costs.py) priced at the calibrated
-rates (engine/measure/calibration.py), on a synthetic probe, so every value is exact. The counts
+rates (engine/measure/costs.py), on a synthetic probe, so every value is exact. The counts
 themselves are checked against real runs in tests/measure/test_planner.py."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import pytest
 
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.measure.calibration import Calibration, _recompute_rates, seconds
-from segmented_checkpointing.engine.measure.costs import BlockCost, Work, work
+from segmented_checkpointing.engine.measure.costs import BlockCost, Calibration, Work, _recompute_rates, seconds, work
 from segmented_checkpointing.engine.measure.planner import predict
 from segmented_checkpointing.engine.measure.probe import Probe
 
