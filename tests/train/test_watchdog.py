@@ -13,7 +13,7 @@ import pytest
 from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.watchdog import Watchdog
+from segmented_checkpointing.engine.train.monitor import Watchdog
 
 pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
 MIB = 1 << 20
