@@ -133,7 +133,7 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
             chosen = override.apply(chosen) if override else chosen
         components["schedule"] = chosen
     config = OPTIONS.config({k: v for k, v in inputs.items() if k != "on_nonfinite"}, **components)
-    api.check_optimizer(config)  # a missing package: refused when queued, not after the model loads
+    api.check_optimizer(config.optimizer, config.model)  # a missing package: refused when queued, not after the model loads
     return config
 
 

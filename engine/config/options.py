@@ -7,7 +7,7 @@ the JSON reader, the ComfyUI node widgets (default, min, max, step, choices, too
 nodes' validation and the options table of docs/OPTIONS.md. The shape follows torchtitan's job config (each
 option documented once, under its field); the rest of this module is ours.
 
-Layout: :class:`ConfigError`, :func:`option`, :class:`Option`, :func:`check_options`,
+Layout: :class:`ConfigError`, :class:`OptionRules`, :func:`option`, :class:`Option`, :func:`check_options`,
 :func:`options_of`.
 """
 
@@ -17,7 +17,10 @@ import math
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 UNSET_WORDS = ("", "none", "null")
 """Strings that mean "unset" for an option that may be unset (SimpleTuner's configs write them)."""
@@ -31,18 +34,10 @@ class ConfigWarning(UserWarning):
     """An option is valid but does something the user may not expect; the message says what."""
 
 
-def option(default: Any, help: str, cli: str | None = None, *, choices: Sequence[Any] | Callable[[], Sequence[Any]]
-           | None = None, min: float | None = None, max: float | None = None, above: float | None = None,
-           below: float | None = None,
-           off: Any = None, multiple: int | None = None, allowed: str | None = None,
-           parse: Callable[[Any], Any] | None = None, key: str | None = None, step: float | None = None,
-           long_run: bool = False) -> Any:
-    """A config field documented once: its metadata holds everything a front end shows.
+class OptionRules(TypedDict, total=False):
+    """What an option declares beyond its default, help text and flag (:func:`option`'s keywords).
 
-    Args:
-        default: the default value (a callable: a default factory).
-        help: the text of ``--help``, of the node tooltips and of docs/OPTIONS.md's options table.
-        cli: the ``segckpt`` flag (``None``: not a flag).
+    Attributes:
         choices: the allowed values (or a function returning them, read when checked).
         min, max: inclusive bounds of a number. above, below: exclusive bounds of a number.
         off: one more allowed value outside the bounds that turns the option off (e.g. 0).
@@ -54,10 +49,43 @@ def option(default: Any, help: str, cli: str | None = None, *, choices: Sequence
         key: the flat config key when it differs from the field name (``lora_rank``).
         step: the node widget's step (presentation only).
         long_run: an option of ``segckpt train`` only (steps, saving, resuming), not of the short
-            measurement runs of ``sweep`` and ``plan``.
+            measurement runs of ``sweep`` and ``plan`` (default False).
     """
-    meta = {"help": help, "cli": cli, "choices": choices, "min": min, "max": max, "above": above, "below": below, "off": off,
-            "multiple": multiple, "allowed": allowed, "parse": parse, "key": key, "step": step, "long_run": long_run, "option": True}
+
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None
+    min: float | None
+    max: float | None
+    above: float | None
+    below: float | None
+    off: Any
+    multiple: int | None
+    allowed: str | None
+    parse: Callable[[Any], Any] | None
+    key: str | None
+    step: float | None
+    long_run: bool
+
+
+RULES = {**dict.fromkeys(OptionRules.__annotations__), "long_run": False}
+"""Every rule of :class:`OptionRules` with its value when an option does not declare it."""
+
+
+def option(default: Any, help: str, cli: str | None = None, **rules: Unpack[OptionRules]) -> Any:
+    """A config field documented once: its metadata holds everything a front end shows.
+
+    Args:
+        default: the default value (a callable: a default factory).
+        help: the text of ``--help``, of the node tooltips and of docs/OPTIONS.md's options table.
+        cli: the ``segckpt`` flag (``None``: not a flag).
+        rules: the option's checks and presentation, by name (:class:`OptionRules`).
+
+    Raises:
+        TypeError: a rule :class:`OptionRules` does not name (as a misspelt keyword argument would).
+    """
+    unknown = sorted(set(rules) - set(RULES))
+    if unknown:
+        raise TypeError(f"option() got unexpected keyword arguments {', '.join(unknown)}: allowed {', '.join(RULES)}")
+    meta = {"help": help, "cli": cli, **RULES, **rules, "option": True}
     if callable(default):
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)

@@ -252,22 +252,8 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
     if fsdp_checkpointing:
         return fsdp_plan(family, schedule, num_blocks, warn)
     check_supported(family, schedule)
-    interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
-    notes: list[str] = []
+    interval, stride, notes = _segments(family, schedule)
     plan_notes = tuple(family.plan_notes)
-    if schedule.gradient_checkpointing and not family.segmented and (interval > 1 or stride):
-        notes.append(
-            f"{family.name} has no segmented whole-block path: gradient_checkpointing_interval="
-            f"{schedule.gradient_checkpointing_interval} and gradient_checkpointing_segment_stride="
-            f"{stride} are ignored; every block is checkpointed on its own"
-        )
-        interval, stride = 1, None
-    elif schedule.gradient_checkpointing and stride and not family.stride_honoured:
-        notes.append(
-            f"{family.name} does not honour gradient_checkpointing_segment_stride={stride}: "
-            "ignored, every block is checkpointed in segments of the interval"
-        )
-        stride = None
     notes += unused_keys(schedule)
     lists = []
     for block_list in family.block_lists:
@@ -292,6 +278,20 @@ def effective_plan(family: FamilyAdapter, schedule: CheckpointSchedule,
     if host_device and streamed:
         notes.append(HOST_STREAMING_NOTE)
     return ModelPlan(family.name, schedule, tuple(lists), plan_notes + tuple(notes))
+
+
+def _segments(family: FamilyAdapter, schedule: CheckpointSchedule) -> tuple[int, int | None, list[str]]:
+    """The interval and stride ``family`` applies of ``schedule``'s, and a note for each it ignores
+    (a family without a segmented whole-block path checkpoints every block on its own)."""
+    interval, stride = schedule.interval, schedule.gradient_checkpointing_segment_stride
+    if schedule.gradient_checkpointing and not family.segmented and (interval > 1 or stride):
+        return 1, None, [f"{family.name} has no segmented whole-block path: gradient_checkpointing_interval="
+                         f"{schedule.gradient_checkpointing_interval} and gradient_checkpointing_segment_stride="
+                         f"{stride} are ignored; every block is checkpointed on its own"]
+    if schedule.gradient_checkpointing and stride and not family.stride_honoured:
+        return interval, None, [f"{family.name} does not honour gradient_checkpointing_segment_stride={stride}: "
+                                "ignored, every block is checkpointed in segments of the interval"]
+    return interval, stride, []
 
 
 HOST_STREAMING_NOTE = ("weight_offload=stream saves no memory on the CPU: the device is host memory, so the streamed "

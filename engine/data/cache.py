@@ -8,6 +8,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -19,6 +20,9 @@ from .buckets import Bucket, make_buckets, nearest_bucket, stack_latents
 from .folder import DataWarning, Sample
 from .images import image_size, load_image
 from .video import load_clip
+
+if TYPE_CHECKING:  # its module imports diffusers; the cache reads its VAE, text encoder and family
+    from ..model.bundle import ModelBundle
 
 
 def assign_buckets(samples: list[Sample], resolution: int, multiple: int,
@@ -92,11 +96,11 @@ def _cache_key(samples: list[Sample], resolution: int, vae: torch.nn.Module, ext
     return h.hexdigest()[:16]
 
 
-def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, encode_text,
-                  video: bool, cache_dir: str | Path | None, extra: str = "",
-                  buckets: list[Bucket] | None = None,
+def prepare_cache(samples: list[Sample], resolution: int, bundle: ModelBundle, cache_dir: str | Path | None,
+                  extra: str = "", buckets: list[Bucket] | None = None,
                   windows: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
-    """Latents and text embeddings of every sample, from the disk cache or freshly encoded.
+    """Latents and text embeddings of every sample, from the disk cache or freshly encoded by the
+    ``bundle``'s VAE (clips as its family's video latents) and text encoder.
 
     Returns a dict of stacked tensors: ``latents (N, C, ...)``, ``text_seq (N, L, D)``,
     ``text_mask (N, L)`` and ``text_pooled (N, P)`` when the family uses a pooled embedding.
@@ -110,7 +114,7 @@ def prepare_cache(samples: list[Sample], resolution: int, vae: torch.nn.Module, 
     Raises:
         DatasetError: an image or clip cannot be read.
     """
-    path = None
+    vae, encode_text, video, path = bundle.vae, bundle.encode_text, bundle.family.video_latents, None
     if cache_dir is not None:
         path = Path(cache_dir) / f"cache-{_cache_key(samples, resolution, vae, extra, buckets, windows)}.safetensors"
         if path.is_file():

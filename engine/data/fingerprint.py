@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import TrainConfig
+from ..config import DataConfig, ModelConfig
 from ..files.checks import safetensors_header
 from ..model.quantized.gguf_file import is_gguf, open_gguf
 from .folder import scan_dataset
@@ -67,8 +67,8 @@ def _prepared(prepared) -> dict[str, Any]:
     return {"sha": digest.hexdigest()[:16]}
 
 
-def input_fingerprint(config: TrainConfig, prepared=None) -> dict[str, Any]:
-    """The fingerprint of what ``config`` (and ``prepared``, ComfyUI's data) points at:
+def input_fingerprint(data: DataConfig, model: ModelConfig, prepared=None) -> dict[str, Any]:
+    """The fingerprint of what the ``data`` and ``model`` options (and ``prepared``, ComfyUI's data) point at:
     ``{"data": {path: "<bytes>:<repeats>:<caption sha>"}, "model_file": {...}, "model_path":
     {...}, "prepared": {...}}`` (the keys that apply). Reads file sizes, captions and headers only.
 
@@ -78,9 +78,8 @@ def input_fingerprint(config: TrainConfig, prepared=None) -> dict[str, Any]:
         ModelLoadError: a GGUF ``model_file`` holds a tensor type no GGUF version defines.
     """
     found: dict[str, Any] = {}
-    if config.data.folder is not None:
-        found["data"] = _data_files(config.data.folder)
-    model = config.model
+    if data.folder is not None:
+        found["data"] = _data_files(data.folder)
     if model.model_file is not None:
         found["model_file"] = _file_identity(Path(model.model_file))
     if model.model_path is not None:

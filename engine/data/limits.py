@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import diffusers
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae
@@ -73,8 +73,8 @@ def _meta_downscale(folder: Path) -> int:
         return vae_downscale(cls.from_config(values))
 
 
-def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> ModelShape | None:
-    """The model config and VAE downscale of ``config``'s model, before loading it (``bundle``: a
+def model_shape(model: ModelConfig, bundle: ModelBundle | None = None) -> ModelShape | None:
+    """The model config and VAE downscale of the ``model`` options' model, before loading it (``bundle``: a
     model the caller already loaded, read from it instead).
 
     Returns:
@@ -84,7 +84,6 @@ def model_shape(config: TrainConfig, bundle: ModelBundle | None = None) -> Model
     if bundle is not None:
         scale = vae_downscale(bundle.vae) if bundle.vae is not None else None
         return ModelShape(bundle.family, dict(bundle.transformer.config), scale, bundle.source)
-    model = config.model
     family = get_family(model.family)
     if not model.model_path and not model.model_file:
         with torch.device("meta"):
@@ -120,8 +119,8 @@ def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> 
         ConfigError: ``resolution=1024 is invalid for sd3 (tiny preset): allowed at most 256
             (16x16 tokens (pos_embed_max_size 16) x patch 2 x VAE 8; the square is 64x64 tokens)``.
     """
-    check_frames(config, bundle)
-    shape = model_shape(config, bundle)
+    check_frames(config.model, config.data, config.validation.validation_frames, bundle)
+    shape = model_shape(config.model, bundle)
     if shape is None or shape.downscale is None:
         return None
     limits, res = shape.limits, config.data.resolution
@@ -142,7 +141,8 @@ def frame_limit(family: FamilyAdapter, config: Mapping[str, Any]) -> int | None:
     return rule.pixel_frames(frames) if rule is not None and frames is not None else None
 
 
-def check_frames(config: TrainConfig, bundle: ModelBundle | None = None) -> None:
+def check_frames(model: ModelConfig, data: DataConfig, validation_frames: int | None,
+                 bundle: ModelBundle | None = None) -> None:
     """Refuse frame counts (``num_frames``, ``frame_buckets``, ``validation_frames``) the family
     does not take, before any model is built (``engine/data/precheck.py`` ``check_frame_counts``, which
     ``precheck`` runs before any heavy import without the bound; the bound is the model's
@@ -151,6 +151,6 @@ def check_frames(config: TrainConfig, bundle: ModelBundle | None = None) -> None
     Raises:
         ConfigError: the first count refused, naming its key, its value and the nearest allowed.
     """
-    family = get_family(config.model.family)
-    shape = model_shape(config, bundle)
-    check_frame_counts(config, family, frame_limit(family, shape.config) if shape is not None else None)
+    family = get_family(model.family)
+    shape = model_shape(model, bundle)
+    check_frame_counts(data, validation_frames, family, frame_limit(family, shape.config) if shape is not None else None)

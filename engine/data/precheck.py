@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, DataConfig, LoraSettings, ModelConfig, OptimizerConfig, OutputConfig, TrainConfig
 from ..config.optim import optimizer_provider
 from ..config.outputs import STATE_FILE
 from ..families import FamilyAdapter, family_names, get_family
@@ -77,18 +77,18 @@ def precheck(config: TrainConfig, prepared: bool = False, family_known: bool = T
         raise ConfigError(f"caption_dropout={config.data.caption_dropout!r} is invalid with prepared data (ComfyUI "
                           "conditioning): allowed 0; the empty caption must be encoded by the text encoder that "
                           "encoded the captions, which needs an image folder (dataset)")
-    check_optimizer(config)
-    check_paths(config, family_known)
-    check_output_place(config)
+    check_optimizer(config.optimizer, config.model)
+    check_paths(config.model, config.data.folder, config.lora, config.outputs.resume, family_known)
+    check_output_place(config.outputs, config.data.folder, bool(config.sharding.kind))
     if config.data.folder is not None:
         scan_dataset(config.data.folder)  # no image or clip, an undecodable caption
     if family_known and not prepared:
-        check_frame_counts(config, get_family(config.model.family))
+        check_frame_counts(config.data, config.validation.validation_frames, get_family(config.model.family))
     _need(config.model.device != "cuda" or not cuda_absent(), "device", config.model.device,
           "auto or cpu (CUDA is not available here: this machine has no NVIDIA, WSL or ROCm GPU device)")
 
 
-def check_optimizer(config: TrainConfig) -> None:
+def check_optimizer(optim: OptimizerConfig, model: ModelConfig) -> None:
     """Refuse an ``optimizer`` whose package is not installed here, on the run's device (``cpu``
     when ``device`` is cpu or this machine has no CUDA, :func:`cuda_absent`; else ``cuda``): found,
     not imported (``engine/config/optim.py`` ``optimizer_provider``). The Train LoRA node asks it
@@ -97,10 +97,11 @@ def check_optimizer(config: TrainConfig) -> None:
     Raises:
         ConfigError: one line naming ``optimizer``, its value and the pip command that installs it.
     """
-    optimizer_provider(config.optimizer.name, "cpu" if config.model.device == "cpu" or cuda_absent() else "cuda")
+    optimizer_provider(optim.name, "cpu" if model.device == "cpu" or cuda_absent() else "cuda")
 
 
-def check_paths(config: TrainConfig, family_known: bool = True) -> None:
+def check_paths(model: ModelConfig, data_folder: str | None, lora: LoraSettings, resume: bool,
+                family_known: bool = True) -> None:
     """Refuse a folder or file the options name that does not exist: ``model_path``, ``vae_path``,
     ``data``, ``text_encoder_path``; a ``model_file`` that is no ``.safetensors`` or ``.gguf``
     file, or a ``.safetensors`` one that is damaged or a LoRA (its header; a GGUF file is read
@@ -110,8 +111,7 @@ def check_paths(config: TrainConfig, family_known: bool = True) -> None:
     Raises:
         ConfigError, DamagedFileError: naming the key and the path.
     """
-    model = config.model
-    for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", config.data.folder)):
+    for key, value in (("model_path", model.model_path), ("vae_path", model.vae_path), ("data", data_folder)):
         _need(value is None or Path(value).is_dir(), key, value, "an existing folder")
     for value in model.text_encoder_path or ():
         _need(Path(value).is_dir(), "text_encoder_path", value, "existing folders")
@@ -122,11 +122,11 @@ def check_paths(config: TrainConfig, family_known: bool = True) -> None:
         if not is_gguf(model.model_file):
             header = safetensors_header(model.model_file, "model_file", "download or copy the file again")
             check_not_a_lora(model.model_file, header)
-    if model.init_lora is not None and family_known and not config.outputs.resume:  # a resume continues its state
-        check_init_lora(model.init_lora, model.family, config.lora.rank, config.lora.lora_type)
+    if model.init_lora is not None and family_known and not resume:  # a resume continues its state
+        check_init_lora(model.init_lora, model.family, lora.rank, lora.lora_type)
 
 
-def check_output_place(config: TrainConfig) -> None:
+def check_output_place(outputs: OutputConfig, data_folder: str | None, sharded: bool) -> None:
     """Refuse an output folder the run cannot have: a file; the data folder or a folder inside it
     (the LoRA, state, previews and cache written there would be read as training data by the next
     scan); one another live run holds (``engine/files/lock.py``: answered before any resume check,
@@ -138,18 +138,18 @@ def check_output_place(config: TrainConfig) -> None:
         ConfigError: a file, inside the data folder, a run there or none to resume. FolderInUseError:
             held by a live run. OutputWriteError: not writable (``engine/files/atomic.py`` ``check_writable``).
     """
-    output, data = config.outputs.output, config.data.folder
+    output, data = outputs.output, data_folder
     _need(not Path(output).exists() or Path(output).is_dir(), "output", output, "a folder")
     if data is not None and inside(output, data):
         raise ConfigError(f"output={output!r} is invalid with data={data!r}: allowed a folder outside the data folder "
                           "(the LoRA, state, previews and cache written there would be read as training data)")
-    if not config.sharding.kind or os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 takes the lock
+    if not sharded or os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 takes the lock
         check_free(output)
     check_writable(output, "output")
-    check_saved_run(config)
+    check_saved_run(outputs)
 
 
-def check_saved_run(config: TrainConfig) -> None:
+def check_saved_run(outputs: OutputConfig) -> None:
     """Refuse an output folder that holds a run (its training state) without ``resume`` or
     ``overwrite``, and ``resume`` where it holds none. ``engine/train/checks.py`` ``check_output``
     checks it again holding the folder's lock, then compares a resumed run with its saved state.
@@ -157,7 +157,6 @@ def check_saved_run(config: TrainConfig) -> None:
     Raises:
         ConfigError: naming the folder (or ``resume``) and what to pass.
     """
-    outputs = config.outputs
     state = Path(outputs.output) / STATE_FILE
     if not outputs.resume:
         _need(outputs.overwrite or not state.is_file(), "output", outputs.output,
@@ -174,21 +173,21 @@ def inside(path: str | Path, folder: str | Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_frame_counts(config: TrainConfig, family: FamilyAdapter, most: int | None = None) -> None:
-    """Refuse the frame counts of ``config`` (``frame_buckets``, else ``num_frames``; and
+def check_frame_counts(data: DataConfig, validation_frames: int | None, family: FamilyAdapter,
+                       most: int | None = None) -> None:
+    """Refuse the frame counts of ``data`` (``frame_buckets``, else ``num_frames``; and
     ``validation_frames`` of a video family) that ``family``'s frame rule does not take, or
     (``most``) past the model's bound.
 
     Raises:
         ConfigError: the first count refused (:func:`check_frame_count`).
     """
-    data = config.data
     for count in data.frame_buckets or ():
         check_frame_count(family, "frame_buckets", count, most)
     if not data.frame_buckets:
         check_frame_count(family, "num_frames", data.num_frames, most)
-    if config.validation.validation_frames is not None and family.frames is not None:
-        check_frame_count(family, "validation_frames", config.validation.validation_frames, most)
+    if validation_frames is not None and family.frames is not None:
+        check_frame_count(family, "validation_frames", validation_frames, most)
 
 
 def check_frame_count(family: FamilyAdapter, key: str, frames: int, most: int | None = None) -> None:

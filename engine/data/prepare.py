@@ -60,13 +60,25 @@ class RunData:
     """``caption_dropout``: the empty caption's conditioning, ``(1, L, D)`` (:func:`empty_caption`)."""
 
 
-def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: ModelBundle,
-                     prepared: PreparedData | None, cache_dir: Path, output: Path, log: Callable[[str], None],
-                     announce: bool = True) -> RunData:
-    """A run's training data: the latents and text a caller prepared (ComfyUI's encoders), or the
-    image folder (``data.folder``, default the built-in sample photos written under ``output``)
-    encoded once with the bundle's VAE and text encoders into the latent cache in ``cache_dir``
-    (read back when it is already there), cropped to aspect-ratio buckets with ``data.buckets``.
+def prepared_run_data(prepared: PreparedData, bundle: ModelBundle, log: Callable[[str], None]) -> RunData:
+    """A run's training data from the latents and text a caller prepared (ComfyUI's encoders).
+
+    Raises:
+        ComfyDataError: prepared data of another family.
+    """
+    if prepared.family != bundle.family.name:
+        raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
+                             f"{bundle.family.name!r}")
+    log(f"data: {prepared.describe()}")
+    return RunData(prepared.cache, list(range(prepared.count)), prepared.summary, {"kind": "comfyui conditioning"})
+
+
+def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: ModelBundle, cache_dir: Path,
+                     output: Path, log: Callable[[str], None], announce: bool = True) -> RunData:
+    """A run's training data from the image folder (``data.folder``, default the built-in sample
+    photos written under ``output``) encoded once with the bundle's VAE and text encoders into the
+    latent cache in ``cache_dir`` (read back when it is already there), cropped to aspect-ratio
+    buckets with ``data.buckets`` (data a caller prepared: :func:`prepared_run_data`).
     Images too small or too elongated are skipped, and every loss (a caption cut by the text
     encoder, an image upscaled or skipped, a link not followed) is counted in the summary's
     ``lossy`` (``engine/data/checks.py``).
@@ -77,22 +89,15 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
             and (``DataWarning``) once per kind of loss.
 
     Raises:
-        ComfyDataError: prepared data of another family. ModelLoadError: images but no VAE.
+        ModelLoadError: images but no VAE.
         DatasetError: the folder cannot be used (see :func:`~.checks.check_dataset`), or every
             image is skipped.
     """
-    if prepared is not None:
-        if prepared.family != bundle.family.name:
-            raise ComfyDataError(f"the prepared data is for family {prepared.family!r} but the model is "
-                                 f"{bundle.family.name!r}")
-        log(f"data: {prepared.describe()}")
-        return RunData(prepared.cache, list(range(prepared.count)), prepared.summary,
-                       {"kind": "comfyui conditioning"})
     text_encoder = describe_text_encoder(bundle.encode_text)
     if text_encoder["kind"] == "stand-in":  # loud: a demo's captions carry no meaning
         text_encoder["warning"] = stand_in_warning(bundle.family)
         if announce:
-            warnings.warn(text_encoder["warning"], TextEncoderWarning, stacklevel=3)
+            warnings.warn(text_encoder["warning"], TextEncoderWarning, stacklevel=4)
     if bundle.vae is None:
         raise ModelLoadError(f"{bundle.source} holds no VAE and the images need one to be encoded: give "
                              "vae_path (--vae-path, a diffusers AutoencoderKL folder), load a diffusers folder, "
@@ -100,6 +105,32 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
     data_dir = data.folder or (write_sample_clip(output / "sample_clip") if data.video and bundle.family.frames
                                else write_sample_dataset(output / "sample_data"))  # the built-in default
     dataset = check_dataset(data_dir)  # the run's constructor checked it already: the images' check is cached
+    dataset, frames, buckets, summary = _layout(dataset, data, bundle, log)
+    if announce:
+        warn_lossy(dataset.lossy)
+    samples, epoch = dataset.samples, dataset.epoch
+    clips = any(s.clip for s in samples)
+    windows = [first_window(s, f, data) for s, f in zip(samples, frames)] if clips else None
+    cache = prepare_cache(samples, data.resolution, bundle, cache_dir, extra=_cache_identity(model, seed, bundle),
+                          buckets=buckets, windows=windows)
+    shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
+    what = f"{len(samples)} images" if not clips else f"{len(samples)} samples ({sum(s.clip for s in samples)} clips)"
+    log(f"data: {what} ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
+        f"latents {shapes}{_skipped_text(dataset)}{_lossy_text(summary)}")
+    drawn = None
+    if clips and data.frame_sampling == "random":
+        vae, video = bundle.vae, bundle.family.video_latents
+        drawn = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
+                               seed, data.frame_rate)
+    empty = empty_caption(bundle.encode_text, cache) if data.caption_dropout > 0 else None
+    return RunData(cache, epoch, summary, text_encoder, dataset, drawn, empty)
+
+
+def _layout(dataset: DatasetScan, data: DataConfig, bundle: ModelBundle, log: Callable[[str], None]
+            ) -> tuple[DatasetScan, list[int], list[Bucket] | None, dict[str, Any]]:
+    """The samples the run keeps of ``dataset`` (clips too short, images too small or too elongated
+    skipped; captions the text encoder cuts counted), each one's frame count and bucket (None: the
+    ``resolution`` square, no clips), and the dataset summary (buckets and frames included)."""
     dataset, frames = choose_frames(dataset, data, bundle.family)  # clips too short (or of an image family) skipped
     buckets = left_out = None
     if data.buckets:
@@ -110,36 +141,19 @@ def prepare_run_data(data: DataConfig, model: ModelConfig, seed: int, bundle: Mo
                else [(b.width, b.height) for b in buckets])
     dataset, kept = screen_sizes(dataset, targets)
     dataset = _count_truncated(dataset, bundle)
-    samples, epoch, frames = dataset.samples, dataset.epoch, [frames[i] for i in kept]
+    samples, frames = dataset.samples, [frames[i] for i in kept]
     summary = dataset.summary()
     if buckets is not None:
         buckets = [buckets[i] for i in kept]
-    clips = any(s.clip for s in samples)
-    if clips or data.video:  # a frame bucket per sample: a batch never mixes frame counts
+    if any(s.clip for s in samples) or data.video:  # a frame bucket per sample: a batch never mixes frame counts
         squares = [Bucket(data.resolution, data.resolution)] * len(samples)
         buckets = [replace(b, frames=f) for b, f in zip(buckets or squares, frames)]
-        summary["frames"] = frames_summary(samples, frames, epoch, data)
+        summary["frames"] = frames_summary(samples, frames, dataset.epoch, data)
     if data.buckets:
         summary["buckets"] = _bucket_summary(buckets, multiple, bundle, dataset, log, left_out)
         if left_out:
             summary["buckets_left_out"] = left_out
-    if announce:
-        warn_lossy(dataset.lossy)
-    windows = [first_window(s, f, data) for s, f in zip(samples, frames)] if clips else None
-    video = bundle.family.video_latents
-    cache = prepare_cache(samples, data.resolution, bundle.vae, bundle.encode_text, video, cache_dir,
-                          extra=_cache_identity(model, seed, bundle), buckets=buckets, windows=windows)
-    shapes = ", ".join(str(shape) for shape, _ in shape_classes(cache))
-    what = f"{len(samples)} images" if not clips else f"{len(samples)} samples ({sum(s.clip for s in samples)} clips)"
-    log(f"data: {what} ({len(epoch)} per epoch) from {data_dir} at {data.resolution}px, "
-        f"latents {shapes}{_skipped_text(dataset)}{_lossy_text(summary)}")
-    drawn = None
-    if clips and data.frame_sampling == "random":
-        vae = bundle.vae
-        drawn = RandomWindows(samples, frames, buckets, lambda pixels: encode_latents(vae, pixels, video).float(),
-                               seed, data.frame_rate)
-    empty = empty_caption(bundle.encode_text, cache) if data.caption_dropout > 0 else None
-    return RunData(cache, epoch, summary, text_encoder, dataset, drawn, empty)
+    return dataset, frames, buckets, summary
 
 
 def empty_caption(encode_text: Callable[[list[str]], TextBatch], cache: dict[str, torch.Tensor]) -> TextBatch:

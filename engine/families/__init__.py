@@ -5,17 +5,8 @@ modules of this folder are the shared declarations and helpers."""
 import importlib
 import pkgutil
 
-from .base import (  # noqa: F401
-    BlockList,
-    Carry,
-    FamilyAdapter,
-    TextBatch,
-    TextSpec,
-    family_for_class,
-    family_names,
-    get_family,
-    register_family,
-)
+from .base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec  # noqa: F401
+from .registry import family_for_class, family_names, get_family, register_family  # noqa: F401
 
 KINDS = ("mmdit", "dit", "video", "unet")
 """The subpackages of family adapters, one module per family in each."""

@@ -2,7 +2,7 @@
 
 A family file declares; it does not execute (docs/SCHEDULES.md "A family declares"): its diffusers class, block
 lists with their carry maps and FFN/attention boundaries, capabilities, how a training batch becomes the model's
-keyword arguments, a tiny preset config (tests, the demo). It registers itself with :func:`register_family`.
+keyword arguments, a tiny preset config (tests, the demo). It registers itself with :func:`~.registry.register_family`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from .conditioning import LatentFormat, TextEncoders
 from .frames import FrameRule
 from .lazy import import_attribute, torch
 from .limits import Limits
-from .registry import _REGISTRY, family_for_class, family_names, get_family, register_family  # noqa: F401
 from .shift import FlowShift  # noqa: F401 (re-exported)
 
 

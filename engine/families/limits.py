@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from .base import FamilyAdapter
+from typing import Any, Callable, Mapping, Protocol
 
 RESOLUTION_MULTIPLE = 16
 """``resolution`` is a multiple of 16 (``engine/config/data.py``)."""
+
+
+class LimitedFamily(Protocol):
+    """What this module reads of a family adapter (``engine/families/base.py`` ``FamilyAdapter``,
+    which imports :class:`Limits`: a protocol keeps the import one way): its declared ``limits``,
+    its ``text_encoders`` recipe (their ``max_length``) and its token ``patch``."""
+
+    limits: Callable[[Mapping[str, Any]], Limits] | None
+    text_encoders: Any
+    patch: int | None
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ def merge_text(limits: Limits | None, max_length: int | None) -> Limits:
                   min(texts) if texts else None, limits.source)
 
 
-def model_limits(family: FamilyAdapter, cfg: Mapping[str, Any]) -> Limits:
+def model_limits(family: LimitedFamily, cfg: Mapping[str, Any]) -> Limits:
     """The limits of ``family`` at model config ``cfg``: its
     declared ``limits`` (none when it declares none) with ``text`` bounded by its text encoders'
     ``max_length`` (what the pipeline pads to; counting truncated captions is the encoder's)."""
@@ -79,7 +86,7 @@ def _spatial(value: Any) -> int | None:
     return value if isinstance(value, int) and value >= 1 else None
 
 
-def token_patch(family: FamilyAdapter, config: Mapping[str, Any]) -> int:
+def token_patch(family: LimitedFamily, config: Mapping[str, Any]) -> int:
     """Latent cells per image token side: the family's declared ``patch`` (families that pack the
     latents themselves: Flux's 2x2), else the transformer config's spatial ``patch_size``, else 1."""
     return family.patch or _spatial(config.get("patch_size")) or 1
@@ -94,7 +101,7 @@ def temporal_patch(config: Mapping[str, Any]) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
-def token_count(family: FamilyAdapter, config: Mapping[str, Any], latent_shape: tuple[int, ...]) -> int:
+def token_count(family: LimitedFamily, config: Mapping[str, Any], latent_shape: tuple[int, ...]) -> int:
     """The transformer's latent token count of one sample: latent frames / temporal patch x
     (h / patch) x (w / patch) (each rounded up, as the patch embedding pads).
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # base imports this module; the registry only reads name and model_class
-    from .base import FamilyAdapter
+from .base import FamilyAdapter
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
 

@@ -42,7 +42,7 @@ def check_measure_frames(config: TrainConfig, counts: Sequence[int], key: str = 
     if not counts:
         raise ConfigError(f"{key} is empty: allowed one or more pixel-frame counts")
     family = get_family(config.model.family)
-    shape = model_shape(config)
+    shape = model_shape(config.model)
     most = frame_limit(family, shape.config) if shape is not None else None
     for n in counts:
         check_frame_count(family, key, n, most)

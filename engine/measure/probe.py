@@ -30,8 +30,8 @@ from ..core.offload import copy_key, resident_storages
 from ..core.plan import count_blocks
 from ..families import get_family
 from ..families.base import FamilyAdapter
+from ..model.loading import resolve_device
 from ..model.precision import tensor_bytes
-from ..train.loop import resolve_device
 from ..train.recovery import OutOfMemoryStop
 from .costs import (
     PLAIN,

@@ -36,6 +36,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
+from ..config import ValidationConfig
 from ..config.data import exact_rate
 from ..core.memory import PeakMemory
 from ..data.buckets import sample_latent_shape
@@ -189,17 +190,28 @@ def preview_scheduler(shift: FlowShift | None, steps: int, tokens: Callable[[], 
     return scheduler
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one preview round samples: ``steps`` Euler steps, the noise's ``seed``, the model's
+    scheduler config ``shift`` (None: unshifted) and the ``guidance`` of a guidance-distilled model."""
+
+    steps: int
+    seed: int
+    shift: FlowShift | None = None
+    guidance: float = 1.0
+
+
 @torch.no_grad()
-def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource, steps: int, seed: int,
-           device: torch.device, autocast: Callable[[], object], shift: FlowShift | None = None,
-           guidance: float = 1.0) -> torch.Tensor:
+def sample(model: torch.nn.Module, family: FamilyAdapter, source: PreviewSource, sampling: Sampling,
+           device: torch.device, autocast: Callable[[], object]) -> torch.Tensor:
     """Images ``(P, 3, H, W)`` (clips: ``(P, 3, F, H, W)``) in [0, 1] for the source's ``P`` prompts:
-    ``steps`` Euler steps of the flow-matching ODE (:func:`preview_scheduler` with the model's
-    scheduler config ``shift``) from seeded noise (the same noise at every preview, so previews of
-    one run compare), at ``guidance`` for a guidance-distilled model, then the decoder."""
-    scheduler = preview_scheduler(shift, steps, lambda: token_count(family, model.config, source.latent_shape))
+    ``sampling.steps`` Euler steps of the flow-matching ODE (:func:`preview_scheduler` with the
+    model's scheduler config ``sampling.shift``) from seeded noise (the same noise at every preview,
+    so previews of one run compare), at ``sampling.guidance``, then the decoder."""
+    steps, guidance = sampling.steps, sampling.guidance
+    scheduler = preview_scheduler(sampling.shift, steps, lambda: token_count(family, model.config, source.latent_shape))
     count = source.text.seq.shape[0]
-    noise = torch.randn((count, *source.latent_shape), generator=torch.Generator().manual_seed(seed))
+    noise = torch.randn((count, *source.latent_shape), generator=torch.Generator().manual_seed(sampling.seed))
     x, text = noise.to(device), source.text.to(device)
     was_training = model.training
     model.eval()
@@ -237,13 +249,14 @@ def run_previews(ctx, source: PreviewSource, steps: int, seed: int, folder: Path
 
     meter = PeakMemory(ctx.device)
     with meter.measure() as reading:
-        images = sample(ctx.model, ctx.family, source, steps, seed, ctx.device, kernels_and_autocast,
-                        ctx.noise.scheduler, ctx.config.objective.guidance_value)
+        images = sample(ctx.model, ctx.family, source,
+                        Sampling(steps, seed, ctx.noise.scheduler, ctx.config.objective.guidance_value), ctx.device,
+                        kernels_and_autocast)
     return (write_previews(images, source.names, folder, step, source.fps) if write else []), reading.peak_bytes
 
 
-def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: torch.device,
-                       given: PreviewSource | None, first_caption: str,
+def preview_source_for(validation: ValidationConfig, frame_rate: float | None, bundle, latent_shape: tuple[int, ...],
+                       device: torch.device, given: PreviewSource | None, first_caption: str,
                        log: Callable[[str], None]) -> PreviewSource | None:
     """What a run's previews sample from: ``given`` (ComfyUI's conditioning and VAE), else the
     validation prompts (default: the data's first caption) through the bundle's text encoder,
@@ -252,7 +265,8 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
     (:func:`preview_latent_shape`), ``frame_rate`` (else 16) frames per second.
 
     Args:
-        config: the run's TrainConfig. bundle: its ModelBundle. latent_shape: one sample's latent
+        validation: the run's validation options. frame_rate: ``frame_rate`` (None: 16 frames per second).
+        bundle: its ModelBundle. latent_shape: one sample's latent
             shape ``(C, h, w)`` or ``(C, F', h, w)`` (:func:`~..data.buckets.sample_latent_shape`).
     """
     family = bundle.family
@@ -261,10 +275,10 @@ def preview_source_for(config, bundle, latent_shape: tuple[int, ...], device: to
             "flow-matching families)")
         return None
     if given is None and bundle.vae is not None:
-        prompts = list(config.validation.validation_prompts or [first_caption or "a photo"])
+        prompts = list(validation.validation_prompts or [first_caption or "a photo"])
         given = PreviewSource(bundle.encode_text(prompts), vae_decoder(bundle.vae, device),
-                              preview_latent_shape(family, latent_shape, config.validation.validation_frames),
-                              [f"prompt{i}" for i in range(len(prompts))], config.data.frame_rate or DEFAULT_FPS)
+                              preview_latent_shape(family, latent_shape, validation.validation_frames),
+                              [f"prompt{i}" for i in range(len(prompts))], frame_rate or DEFAULT_FPS)
     if given is None:
         log("previews: off (no VAE to decode them: give vae_path, or in ComfyUI connect a VAE)")
     return given

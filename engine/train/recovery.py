@@ -25,9 +25,10 @@ from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.memory import PeakMemory
 from ..families import FamilyAdapter
 from .nonfinite import TrainingStopped
-from .setup import apply_checkpointing
+from .records import StepRecord
+from .setup import NextSchedule, apply_checkpointing
 from .state import set_rng_state
-from .step import StepRecord, train_step
+from .step import train_step
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -119,10 +120,6 @@ def switch_schedule(ctx, schedule: CheckpointSchedule) -> None:
     runner = ctx.runner = apply_checkpointing(ctx.model, ctx.family, schedule)
     ctx.memory = PeakMemory(ctx.device, exclude=runner.pool.is_host if runner.pool else None)
     ctx.config = ctx.config.replace(schedule=schedule)
-
-
-NextSchedule = Callable[[CheckpointSchedule, Any], "CheckpointSchedule | None"]
-"""``(schedule, family) -> the schedule to switch to after an out-of-memory step, or None``."""
 
 
 def step_with_recovery(ctx, step: int, position: dict[str, int], rng: dict[str, torch.Tensor],

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.memory import StepTimer
-from ..core.plan import ModelPlan
+from ..config import LoraSettings, ObjectiveConfig, OptimizerConfig
 from ..files.atomic import atomic_write_text
 from ..model.precision import tensor_bytes
 
@@ -25,10 +24,10 @@ NOISE_BINS = 10
 """Equal bins of the noise level on ``[0, 1]`` that :func:`loss_by_noise_level` counts the samples in."""
 
 
-def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: StepTimer,
-                 device: torch.device, source: str, interrupted: bool,
+def build_report(ctx, history: list[dict[str, Any]], source: str, interrupted: bool,
                  setup: dict[str, Any] | None = None, start_step: int = 0) -> dict[str, Any]:
-    """The run report as a JSON-ready dict.
+    """The run report of ``ctx``'s run (its :class:`~.step.StepContext`: config, plan, device) as a
+    JSON-ready dict.
 
     ``totals.steps`` counts every step of the run's history (a resumed run's earlier steps too);
     ``totals.trained_steps`` the steps this process trained after resuming at
@@ -62,10 +61,8 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
     ``optimizer`` option and the class that implemented it. ``recipe`` (from the trainer):
     :func:`recipe_section`. ``loss_by_noise_level``: :func:`loss_by_noise_level` of the history.
     """
-    measured = [h["seconds"] for h in history[config.timing_warmup_steps:]]
+    config, plan = ctx.config, ctx.runner.plan
     setup = dict(setup or {})
-    # the run's peak: every step's, and the preview phase's (it counts, and is also given apart)
-    peak = max([h["peak_bytes"] for h in history] + [setup.get("memory", {}).get("validation_peak_bytes", 0)])
     # the step's own memory above what it started with; step 1 also creates the optimizer state
     later = history[1:] or history
     memory = {**setup.pop("memory", {}), "activation_peak_bytes": max(
@@ -78,32 +75,41 @@ def build_report(config, plan: ModelPlan, history: list[dict[str, Any]], timer: 
         "model": {"family": plan.family, "source": source},
         "plan": plan.to_dict(),
         "steps": history,
-        "totals": {
-            "steps": len(history),
-            "trained_steps": len(history) - start_step,
-            "resumed_at_step": start_step,
-            "interrupted": interrupted,
-            "sec_per_step": statistics.median(measured) if measured else None,
-            "timing_warmup_steps": config.timing_warmup_steps,
-            "peak_bytes": peak,
-            "peak_mib": round(peak / 2**20, 3),
-            "peak_gib": round(peak / 2**30, 6),
-            "peak_scope": "cuda max_memory_allocated" if device.type == "cuda"
-            else "not measured (compile_blocks on the CPU: compiled code runs only untracked)"
-            if config.model.compile_blocks else "cpu live tensors created during the step",
-            "final_loss": history[-1]["loss"] if history else None,
-            # latent tokens of one sample (latent frames x patches per frame), the largest batch's
-            "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),
-            # max_grad_norm: the steps whose gradients were scaled down; caption_dropout: the samples
-            "clipped_steps": clipped_steps(history),
-            "dropped_captions": dropped_captions(history),
-        },
+        "totals": _totals(history, config.timing_warmup_steps, ctx.device, config.model.compile_blocks,
+                          memory.get("validation_peak_bytes", 0), interrupted, start_step),
         "loss_by_noise_level": loss_by_noise_level(history),
         "memory": memory,
         **setup,
         "skipped_steps": [h["step"] for h in history if h.get("skipped")],
-        "environment": {"device": str(device), "torch": torch.__version__,
-                        "python": platform.python_version()},
+        "environment": {"device": str(ctx.device), "torch": torch.__version__, "python": platform.python_version()},
+    }
+
+
+def _totals(history: list[dict[str, Any]], warmup_steps: int, device: torch.device, compiled: bool,
+            validation_peak: int, interrupted: bool, start_step: int) -> dict[str, Any]:
+    """``report.json``'s ``totals`` (:func:`build_report` says what each counts)."""
+    measured = [h["seconds"] for h in history[warmup_steps:]]
+    # the run's peak: every step's, and the preview phase's (it counts, and is also given apart)
+    peak = max([h["peak_bytes"] for h in history] + [validation_peak])
+    return {
+        "steps": len(history),
+        "trained_steps": len(history) - start_step,
+        "resumed_at_step": start_step,
+        "interrupted": interrupted,
+        "sec_per_step": statistics.median(measured) if measured else None,
+        "timing_warmup_steps": warmup_steps,
+        "peak_bytes": peak,
+        "peak_mib": round(peak / 2**20, 3),
+        "peak_gib": round(peak / 2**30, 6),
+        "peak_scope": "cuda max_memory_allocated" if device.type == "cuda"
+        else "not measured (compile_blocks on the CPU: compiled code runs only untracked)"
+        if compiled else "cpu live tensors created during the step",
+        "final_loss": history[-1]["loss"] if history else None,
+        # latent tokens of one sample (latent frames x patches per frame), the largest batch's
+        "tokens_per_sample": max((h.get("tokens", 0) for h in history), default=0),
+        # max_grad_norm: the steps whose gradients were scaled down; caption_dropout: the samples
+        "clipped_steps": clipped_steps(history),
+        "dropped_captions": dropped_captions(history),
     }
 
 
@@ -153,12 +159,14 @@ def dropped_captions(history: list[dict[str, Any]]) -> int:
     return sum(h.get("dropped_captions", 0) for h in history)
 
 
-def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]] | None = None,
+def recipe_section(objective: ObjectiveConfig, opt: OptimizerConfig, lora: LoraSettings, caption_dropout: float,
+                   noise: NoiseSchedule, history: list[dict[str, Any]] | None = None,
                    optimizer_class: str | None = None) -> dict[str, Any]:
     """``report.json``'s ``recipe``: what the run trains with, in one place (also :func:`recipe_line`).
 
     Args:
-        config: the run's ``TrainConfig``. noise: its :class:`~.objectives.NoiseSchedule`, whose
+        objective, opt, lora, caption_dropout: the run's options of each (``config.objective``, ...).
+        noise: its :class:`~.objectives.NoiseSchedule`, whose
             ``shifts`` hold the shift resolved per token count (one per bucket and frame count) so far.
         history: the steps so far (the clipped steps and dropped captions are counted); None: none yet.
         optimizer_class: the class that implements ``optimizer`` (None before it is built).
@@ -170,7 +178,7 @@ def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]]
         (+ ``snr_gamma`` with ``min_snr``), ``guidance``, ``clipping``, ``caption_dropout``,
         ``optimizer`` and ``adapter`` (``targets``: a preset name or the module names).
     """
-    summary, objective, opt, lora = noise.summary(), config.objective, config.optimizer, config.lora
+    summary = noise.summary()
     flow = summary["objective"] == "flow"
     sampling = {"name": summary["timestep_sampling"]}
     if flow and objective.timestep_sampling == "logit_normal":
@@ -190,7 +198,7 @@ def recipe_section(config, noise: "NoiseSchedule", history: list[dict[str, Any]]
         "loss_weighting": weighting,
         "guidance": {"value": objective.guidance_value, "input": noise.family.guidance_input},
         "clipping": {"max_grad_norm": opt.max_grad_norm, "clipped_steps": clipped_steps(history)},
-        "caption_dropout": {"probability": config.data.caption_dropout, "dropped_captions": dropped_captions(history)},
+        "caption_dropout": {"probability": caption_dropout, "dropped_captions": dropped_captions(history)},
         "optimizer": {"name": opt.name, "class": optimizer_class, "learning_rate": opt.learning_rate,
                       "weight_decay": opt.weight_decay, "lr_scheduler": opt.lr_scheduler,
                       "lr_warmup_steps": opt.lr_warmup_steps},

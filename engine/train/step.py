@@ -10,10 +10,11 @@ skip) -> gradients released.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import CheckpointError
@@ -34,93 +35,11 @@ from ..model.precision import Precision, tensor_bytes
 from .nonfinite import TrainingDiverged, TrainingStopped, check_finite, describe
 from .objectives import NoiseSchedule, per_sample_mse
 from .optim import clip_gradients, clipped, lr_factor, set_learning_rate
+from .records import StepCheckpointing, StepCompile, StepMemory, StepRecord, StepSaving, StepStreaming, StepTiming
 
 
 class RecomputeNotRepeatable(TrainingStopped):
     """A checkpointed region computed something else in its recompute than in its forward."""
-
-
-
-
-@dataclass
-class StepRecord:
-    """One optimizer step.
-
-    Attributes:
-        step: 1-based optimizer step. loss: mean loss over the micro-batches. lr: learning rate.
-        seconds: wall time of the step. peak_bytes: peak memory of the step (see report.py).
-        checkpoint_calls, recomputed_blocks, recomputed_ffn: the runner's counters.
-        offloaded_tensors, offloaded_bytes: what went to host memory this step.
-        pool_bytes, pool_buckets: the host pool's size and distinct (size, dtype) keys after it.
-        start_bytes: memory allocated when the step began (CUDA; 0 on the CPU, whose tracker
-            counts only what the step creates): ``peak_bytes - start_bytes`` is the step's own
-            activation and gradient memory.
-        skipped: why the update of this step was dropped (``on_nonfinite=skip``, or an fp16
-            loss-scale overflow), else None.
-        previews: preview images sampled after this step (paths relative to the output folder).
-        schedule_switches: out-of-memory recoveries of this step (``{"step", "from", "to", "error",
-            ...}``): it ran again under the schedule ``to``.
-        watchdog: the watchdog's reports made after this step (``{"kind", "step", "message", ...}``).
-        weight_h2d_bytes, weight_copies, weight_d2h_bytes, weight_stall_s, resident_frozen_bytes,
-            streamed_frozen_bytes, pinned_host_bytes, host_arena_bytes, host_arena_used_bytes,
-            host_arena_chunks: weight streaming's and the host arena's figures of the step
-            (:meth:`~..core.runner.SegmentRunner.weight_receipt`).
-        saved_attention_outputs, saved_attention_bytes, recomputed_attention_calls,
-            unsaved_attention_regions: ``gradient_checkpointing_save_attention``'s counts of the
-            step (:class:`~..core.attention_saving.AttentionStats`; all 0 without it).
-        compiled_graphs: with ``compile_blocks``, the graphs compiled since the run set up
-            compiling, through this step (a step that adds some recompiled).
-        device_peak_bytes: the step's peak with everything the device holds: on CUDA
-            ``peak_bytes``; on the CPU ``peak_bytes`` plus the frozen bytes resident on the
-            "device", the trainable parameters and the optimizer state that existed before the
-            step (what a budget is compared with).
-        grad_norm: the LoRA gradients' total L2 norm before clipping (after fp16 unscaling; NaN or
-            inf when not finite). clipped: ``max_grad_norm`` scaled the gradients down this step.
-        dropped_captions: samples of the step (all micro-batches, the global batch) that trained
-            with the empty caption (``caption_dropout``).
-        noise_levels, sample_losses: each sample of the step's global batch (micro-batches in order): its
-            noise level (flow sigma; epsilon ``t / 1000``) and its unweighted mean squared error
-            (``report.json``'s ``loss_by_noise_level`` bins them).
-    """
-
-    step: int
-    loss: float
-    lr: float
-    seconds: float
-    peak_bytes: int
-    checkpoint_calls: int
-    recomputed_blocks: int
-    recomputed_ffn: int = 0
-    offloaded_tensors: int = 0
-    offloaded_bytes: int = 0
-    pool_bytes: int = 0
-    pool_buckets: int = 0
-    start_bytes: int = 0
-    skipped: str | None = None
-    previews: list[str] = field(default_factory=list)
-    schedule_switches: list[dict] = field(default_factory=list)
-    watchdog: list[dict] = field(default_factory=list)
-    weight_h2d_bytes: int = 0
-    weight_copies: int = 0
-    weight_d2h_bytes: int = 0
-    weight_stall_s: float = 0.0
-    resident_frozen_bytes: int = 0
-    streamed_frozen_bytes: int = 0
-    pinned_host_bytes: int = 0
-    host_arena_bytes: int = 0
-    host_arena_used_bytes: int = 0
-    host_arena_chunks: int = 0
-    device_peak_bytes: int = 0
-    saved_attention_outputs: int = 0
-    saved_attention_bytes: int = 0
-    recomputed_attention_calls: int = 0
-    unsaved_attention_regions: int = 0
-    compiled_graphs: int = 0
-    grad_norm: float = 0.0
-    clipped: bool = False
-    dropped_captions: int = 0
-    noise_levels: list[float] = field(default_factory=list)
-    sample_losses: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -182,54 +101,29 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
         TrainingDiverged: a non-finite loss or gradient with ``on_nonfinite=stop`` (before the
             optimizer step: the LoRA weights are untouched).
     """
-    config, model, family, runner, device = ctx.config, ctx.model, ctx.family, ctx.runner, ctx.device
-    lr = config.optimizer.learning_rate * ctx.lr_factor(step)
+    optim, device = ctx.config.optimizer, ctx.device
+    lr = optim.learning_rate * ctx.lr_factor(step)
     set_learning_rate(ctx.optimizer, lr)
-    _reset_stats(runner)
+    _reset_stats(ctx.runner)
     # optimizer state that exists before the step is held on the device (the CPU tracker misses it)
     held_state = _state_bytes(ctx.optimizer) if device.type != "cuda" else 0
     # the micro-batches' rows and latents (random clip windows are decoded and encoded here, unmeasured)
-    batches = [_draw(ctx) for _ in range(config.optimizer.gradient_accumulation_steps)]
+    batches = [_draw(ctx) for _ in range(optim.gradient_accumulation_steps)]
     with ctx.memory.measure() as reading, ctx.timer.step():
         started = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        dropped_captions, levels, errors = 0, [], []
+        loss_sum, passes = torch.zeros((), device=device), []
         # one SDPA kernel choice for forward, backward and every recompute inside backward
         with sdpa_context(ctx.kernels):
             for micro, (index, latents) in enumerate(batches):
-                noisy, sigmas, target = ctx.noise.noisy_latents(latents, ctx.noise_gen, family.shared_sigma)
-                dropped = caption_dropout(config.seed, step, micro, len(index), config.data.caption_dropout)
-                dropped_captions += int(dropped.sum())
-                levels.append(sigmas)
-                rows, share = None, 1.0
-                if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
-                    rows, share = ctx.dist.share(len(index))
-                    index, noisy, sigmas, target = index[rows], noisy[rows], sigmas[rows], target[rows]
-                    dropped = dropped[rows]
-                text = _text(ctx.cache, index, dropped, ctx.empty_text).to(device)
-                noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
-                ctx.batch_shape = tuple(noisy.shape)
                 # ddp: the last micro-batch's backward averages the accumulated gradients over ranks
-                with sync_gradients(runner.entry, micro + 1 == len(batches)):
-                    with ctx.precision.autocast(device):
-                        output = runner.forward(**guided_inputs(family, model, noisy, sigmas, text,
-                                                                config.objective.guidance_value))
-                        prediction = family.read_output(model, output, noisy)
-                    loss = (ctx.noise.loss(prediction, target, sigmas) * share
-                            / config.optimizer.gradient_accumulation_steps)
-                    # checkpointed regions are recomputed (offloaded inputs copied back) in here
-                    try:
-                        ctx.scaler.scale(loss).backward()
-                    except CheckpointError as exc:
-                        raise RecomputeNotRepeatable(_recompute_message(ctx, runner.recompute_mismatch(exc),
-                                                                        step + 1)) from exc
-                loss_sum += loss.detach()
-                # each sample's unweighted error (after backward: its temporary adds nothing to the peak)
-                errors.append(_sample_errors(prediction, target, len(levels[-1]), rows, share))
+                with sync_gradients(ctx.runner.entry, micro + 1 == len(batches)):
+                    loss, done = _micro_batch(ctx, step, micro, index, latents)
+                loss_sum += loss
+                passes.append(done)
         ctx.scaler.unscale_(ctx.optimizer)  # fp16 loss scaling only; a no-op otherwise
         # the norm before clipping (sharded: the whole model's); gradients scaled to max_grad_norm
-        grad_norm = clip_gradients([p for _, p in ctx.named_params], config.optimizer.max_grad_norm)
-        errors = torch.cat(errors)
+        grad_norm = clip_gradients([p for _, p in ctx.named_params], optim.max_grad_norm)
+        errors = torch.cat([p.errors for p in passes])
         if ctx.dist is not None:  # the global batch's loss; every rank judges the gradients alike
             loss_sum = ctx.dist.mean(loss_sum)
             errors = ctx.dist.mean(errors) * ctx.dist.world_size  # each row's error is on one rank only
@@ -237,24 +131,78 @@ def train_step(ctx: StepContext, step: int) -> StepRecord:
                              grad_norm)  # the step's one synchronisation
         skipped = _update(ctx, check, step)
         seconds = time.perf_counter() - started
+    return StepRecord(step + 1, check.loss, lr, check.grad_norm, clipped(optim.max_grad_norm, check.grad_norm),
+                      skipped, sum(p.dropped for p in passes), torch.cat([p.levels for p in passes]).tolist(),
+                      errors.tolist(), timing=StepTiming(seconds), **_measurements(ctx, reading, held_state))
+
+
+@dataclass
+class _Pass:
+    """What one micro-batch's pass leaves for its step's record.
+
+    Attributes:
+        dropped: its samples that trained with the empty caption. levels: each sample's noise
+            level, ``(B,)`` (the global batch's). errors: each sample's unweighted error, ``(B,)``.
+    """
+
+    dropped: int
+    levels: torch.Tensor
+    errors: torch.Tensor
+
+
+def _micro_batch(ctx: StepContext, step: int, micro: int, index: list[int],
+                 latents: torch.Tensor) -> tuple[torch.Tensor, _Pass]:
+    """Forward and backward of one micro-batch (cache rows ``index``, latents ``(B, C, ...)``): its
+    loss (detached, scaled to its share of the step) and what the record keeps of it.
+
+    Raises:
+        RecomputeNotRepeatable: a checkpointed region took another path in its recompute.
+    """
+    config, family, model, device = ctx.config, ctx.family, ctx.model, ctx.device
+    noisy, sigmas, target = ctx.noise.noisy_latents(latents, ctx.noise_gen, family.shared_sigma)
+    dropped = caption_dropout(config.seed, step, micro, len(index), config.data.caption_dropout)
+    done = _Pass(int(dropped.sum()), sigmas, torch.empty(0))
+    rows, share = None, 1.0
+    if ctx.dist is not None:  # every rank drew the global batch and its noise; it trains its rows
+        rows, share = ctx.dist.share(len(index))
+        index, noisy, sigmas, target, dropped = index[rows], noisy[rows], sigmas[rows], target[rows], dropped[rows]
+    text = _text(ctx.cache, index, dropped, ctx.empty_text).to(device)
+    noisy, sigmas, target = noisy.to(device), sigmas.to(device), target.to(device)
+    ctx.batch_shape = tuple(noisy.shape)
+    with ctx.precision.autocast(device):
+        output = ctx.runner.forward(**guided_inputs(family, model, noisy, sigmas, text, config.objective.guidance_value))
+        prediction = family.read_output(model, output, noisy)
+    loss = ctx.noise.loss(prediction, target, sigmas) * share / config.optimizer.gradient_accumulation_steps
+    # checkpointed regions are recomputed (offloaded inputs copied back) in here
+    try:
+        ctx.scaler.scale(loss).backward()
+    except CheckpointError as exc:
+        raise RecomputeNotRepeatable(_recompute_message(ctx, ctx.runner.recompute_mismatch(exc), step + 1)) from exc
+    # each sample's unweighted error (after backward: its temporary adds nothing to the peak)
+    done.errors = _sample_errors(prediction, target, len(done.levels), rows, share)
+    return loss.detach(), done
+
+
+def _measurements(ctx: StepContext, reading: Any, held_state: int) -> dict[str, Any]:
+    """The record's measurement groups but timing, read after the step (``reading``: its
+    :class:`~..core.memory.PeakMemory` reading; ``held_state``: the optimizer state's bytes
+    before it, counted on the CPU)."""
+    runner = ctx.runner
     stats, off = runner.stats, runner.offloader
     if runner.streamer:
         runner.streamer.stats.settle()  # the step synchronised: its copy waits can be read
-    weights = runner.weight_receipt()
+    streaming = StepStreaming(**runner.weight_receipt())
     device_peak = reading.peak_bytes
-    if device.type != "cuda":  # the tracker counts what the step creates: add what the device holds
-        device_peak += (weights["resident_frozen_bytes"] + sum(p.numel() * p.element_size() for _, p in ctx.named_params)
-                        + held_state)
-    return StepRecord(step + 1, check.loss, lr, seconds, reading.peak_bytes, stats.checkpoint_calls,
-                      stats.recomputed_blocks, stats.recomputed_ffn,
-                      off.stats.tensors if off else 0, off.stats.bytes if off else 0,
-                      off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0,
-                      reading.baseline_bytes, skipped, **weights, device_peak_bytes=device_peak,
-                      **_attention_counts(runner),
-                      compiled_graphs=compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0,
-                      grad_norm=check.grad_norm, clipped=clipped(config.optimizer.max_grad_norm, check.grad_norm),
-                      dropped_captions=dropped_captions, noise_levels=torch.cat(levels).tolist(),
-                      sample_losses=errors.tolist())
+    if ctx.device.type != "cuda":  # the tracker counts what the step creates: add what the device holds
+        device_peak += (streaming.resident_frozen_bytes + held_state
+                        + sum(p.numel() * p.element_size() for _, p in ctx.named_params))
+    return {"memory": StepMemory(reading.peak_bytes, reading.baseline_bytes, device_peak),
+            "checkpointing": StepCheckpointing(
+                stats.checkpoint_calls, stats.recomputed_blocks, stats.recomputed_ffn,
+                off.stats.tensors if off else 0, off.stats.bytes if off else 0,
+                off.pool.pool_bytes if off else 0, len(off.pool.keys) if off else 0),
+            "streaming": streaming, "saving": _attention_counts(runner),
+            "compile": StepCompile(compiled_graphs() - ctx.compiled.graphs if ctx.compiled else 0)}
 
 
 def _reset_stats(runner) -> None:
@@ -321,21 +269,20 @@ def _text(cache: dict[str, torch.Tensor], index: list[int], dropped: torch.Tenso
                      None if text.pooled is None else pick(text.pooled, empty.pooled))
 
 
-def _attention_counts(runner: SegmentRunner) -> dict[str, int]:
+def _attention_counts(runner: SegmentRunner) -> StepSaving:
     """The step's attention-saving counts; warns once per run where a region saved nothing (the
     math SDPA path is decomposed before the policy sees it: no saving is claimed there)."""
     saving = runner.saving
     if saving is None:
-        return {}
+        return StepSaving()
     stats = saving.stats
     if stats.unsaved_regions and not saving.warned:
         saving.warned = True
         warnings.warn(f"gradient_checkpointing_save_attention: {stats.unsaved_regions} checkpointed regions ran no "
                       "fused attention kernel (the math SDPA path, e.g. attention_backend=math or a mask the fused "
                       "kernels refuse): nothing was saved there, they recompute attention", ScheduleWarning,
-                      stacklevel=4)
-    return {"saved_attention_outputs": stats.saved_outputs, "saved_attention_bytes": stats.saved_bytes,
-            "recomputed_attention_calls": stats.recomputed_calls, "unsaved_attention_regions": stats.unsaved_regions}
+                      stacklevel=5)
+    return StepSaving(stats.saved_outputs, stats.saved_bytes, stats.recomputed_calls, stats.unsaved_regions)
 
 
 def _draw(ctx: StepContext) -> tuple[list[int], torch.Tensor]:
@@ -367,3 +314,22 @@ def _recompute_message(ctx: StepContext, mismatch: RecomputeMismatch, step: int)
             f"on free memory, a global flag or a cache). Schedules that do not recompute it: "
             f"gradient_checkpointing false;{ffn_only} or an interval and stride that leave block {mismatch.block} "
             f"plain (blocks [k*S, k*S+N) are recomputed). The last good step is saved.")
+
+
+@contextlib.contextmanager
+def work_context(writer: bool) -> Iterator[None]:
+    """A run's own state, entered for each piece of its work and left before every ``yield`` of the
+    run's iterator (runs interleaved in one thread cannot see each other's); ``writer``: this
+    process writes (the other ranks' warnings are silenced: rank 0 says it once)."""
+    # Autograd must be on even when the caller runs under torch.inference_mode() (ComfyUI does).
+    with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+        if not writer:
+            warnings.simplefilter("ignore")
+        # FSDP2 warns for every block returning a view, in case the caller changes it in place
+        # (dropping the block's pre-backward hook); diffusers' loops do not, and
+        # tests/model/test_distributed.py checks that sharded gradients equal single-process ones
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        # torch's layer/RMS norms warn that bf16 input meets fp32 weights (autocast keeps
+        # norms in fp32 by design); that is expected here, not a fault of the run
+        warnings.filterwarnings("ignore", message=".*Mismatch dtype between input and weight")
+        yield

@@ -174,7 +174,7 @@ def test_missing_boundaries_fail_before_training_naming_family_and_list():
     with pytest.raises(ScheduleError, match="flux-no-attn: block list"):
         effective_plan(no_attn, CheckpointSchedule(gradient_checkpointing_offload_attention=True), {"double": 8, "single": 8})
     with pytest.raises(ScheduleError, match="flux-no-ffn"):
-        from segmented_checkpointing.engine.families.base import _REGISTRY
+        from segmented_checkpointing.engine.families.registry import _REGISTRY
         _REGISTRY["flux-no-ffn"] = no_ffn
         try:
             TrainConfig.create(family="flux-no-ffn", schedule=CheckpointSchedule(gradient_checkpointing_backend="unsloth-ffn"))

@@ -125,7 +125,7 @@ def test_a_model_folder_s_config_is_read_without_loading_it(monkeypatch, tmp_pat
     (tmp_path / "model" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
     refuse_to_build_models(monkeypatch, "the resolution check")
     config = TrainConfig.create(family="sd3", model_path=str(tmp_path / "model"), resolution=144)
-    shape = model_shape(config)
+    shape = model_shape(config.model)
     assert (shape.config["pos_embed_max_size"], shape.downscale, shape.patch) == (8, 8, 2)
     with pytest.raises(ConfigError) as err:
         check_resolution(config)

@@ -192,8 +192,8 @@ def test_comfyui_format_is_refused_for_a_family_without_a_layout():
     assert "pixart" not in LAYOUT_MODULES
     config = TrainConfig.create(family="pixart", lora_format="comfyui")
     with pytest.raises(ConfigError, match=r"lora_format='comfyui' is invalid for family 'pixart'.*allowed diffusers or both"):
-        check_lora_format(config)
-    check_lora_format(TrainConfig.create(family="pixart", lora_format="both"))  # the diffusers file alone
+        _check_format(config)
+    _check_format(TrainConfig.create(family="pixart", lora_format="both"))  # the diffusers file alone
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
@@ -285,11 +285,16 @@ def test_a_lokr_comfyui_cannot_apply_exactly_is_refused_before_training(tmp_path
     with pytest.raises(ConfigError, match=r"^lora_format='both' is invalid: lora_type='lokr' cannot be written as a "
                                           r"ComfyUI file for zimage: its released layout fuses .*to_q, .*to_k, .*to_v "
                                           r"into .*qkv.*; allowed lora_format=diffusers \(the peft file\)"):
-        check_lora_format(config)
-    check_lora_format(config.replace(lora_format="diffusers"))
-    check_lora_format(config.replace(lora_type="loha"))  # a LoHa fuses exactly
-    check_lora_format(config.replace(family="flux"))  # ComfyUI maps Flux's diffusers names
+        _check_format(config)
+    _check_format(config.replace(lora_format="diffusers"))
+    _check_format(config.replace(lora_type="loha"))  # a LoHa fuses exactly
+    _check_format(config.replace(family="flux"))  # ComfyUI maps Flux's diffusers names
     base, model = _adapted_with("zimage", LoraSettings(rank=2, alpha=8, lora_type="lokr"))
     with pytest.raises(LayoutError, match="lora_type='lokr' cannot be written as a ComfyUI file for zimage"):
         save_lora_files(model, tmp_path / "lora.safetensors", config.lora, "zimage")
     assert not list(tmp_path.iterdir())  # refused before any file is written
+
+
+def _check_format(config):
+    """:func:`check_lora_format` of ``config``'s components."""
+    check_lora_format(config.model, config.lora, config.outputs.lora_format)

@@ -339,13 +339,13 @@ def test_a_resume_needs_the_saved_global_batch(monkeypatch):
     assert saved_global_batch({"batch_size": 1, "global_batch_size": 6, "processes": 3}) == 6
     monkeypatch.setenv("WORLD_SIZE", "2")
     sharded = TrainConfig.create(fsdp=True)
-    assert processes(sharded) == 2 and processes(TrainConfig()) == 1  # WORLD_SIZE counts only with fsdp or ddp
-    assert processes(TrainConfig.create(ddp=True)) == 2
-    check_global_batch(sharded, {"batch_size": 2})  # 1 per process on 2 = the saved single-process 2
+    assert processes(sharded.sharding) == 2 and processes(TrainConfig().sharding) == 1  # WORLD_SIZE counts only with fsdp or ddp
+    assert processes(TrainConfig.create(ddp=True).sharding) == 2
+    check_global_batch(sharded.data, sharded.sharding, {"batch_size": 2})  # 1 per process on 2 = the saved single-process 2
     with pytest.raises(ConfigError, match=r"^resume: batch_size=1 on 2 process\(es\) is a global batch of 2, which "
                                           r"differs from the saved run's 4; allowed batch_size=2 per process or "
                                           r"global_batch_size=4"):
-        check_global_batch(sharded, {"batch_size": 4})
+        check_global_batch(sharded.data, sharded.sharding, {"batch_size": 4})
 
 
 def test_batch_splits_evenly_over_ranks():

@@ -96,7 +96,7 @@ def test_a_slowdown_from_step_8_shows(events, monkeypatch):
 
     def slowed(ctx, step):  # the measured step time doubles from step 8 on
         record = real(ctx, step)
-        record.seconds = 0.1 * (2 if record.step >= 8 else 1)
+        record.timing.seconds = 0.1 * (2 if record.step >= 8 else 1)
         return record
 
     monkeypatch.setattr(recovery, "train_step", slowed)

@@ -18,7 +18,7 @@ from segmented_checkpointing.engine.data.cache import encode_latents
 from segmented_checkpointing.engine.families import TextBatch
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.previews import PreviewSource, previews_at, sample, vae_decoder
+from segmented_checkpointing.engine.train.previews import PreviewSource, Sampling, previews_at, sample, vae_decoder
 
 
 @pytest.mark.parametrize("every, last, due", [(0, 5, []), (2, 5, [2, 4, 5]), (5, 5, [5]), (7, 5, [5]),
@@ -48,7 +48,7 @@ def test_the_sampler_integrates_the_trained_flow_to_its_data():
     source = PreviewSource(TextBatch(torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool)), lambda z: z,
                            (4, 3, 3), ["a", "b"])
     for steps in (1, 4, 8):
-        out = sample(_ExactVelocity(x0), family, source, steps, seed=0, device=torch.device("cpu"),
+        out = sample(_ExactVelocity(x0), family, source, Sampling(steps, seed=0), device=torch.device("cpu"),
                      autocast=contextlib.nullcontext)
         torch.testing.assert_close(out, x0, atol=1e-5, rtol=0)
 

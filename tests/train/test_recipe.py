@@ -18,7 +18,7 @@ def test_the_recipe_line_and_section_of_flux_at_1024_px():
     noise = NoiseSchedule(family, ObjectiveConfig(), family.flow_shift)
     noise.shifts[4096] = family.flow_shift.resolve(4096)  # 1024 px: 64 x 64 latent patches
     history = [{"clipped": True, "dropped_captions": 1}, {"clipped": False, "dropped_captions": 2}]
-    recipe = recipe_section(TrainConfig.create(family="flux"), noise, history, "torch.optim.adamw.AdamW")
+    recipe = _recipe(TrainConfig.create(family="flux"), noise, history, "torch.optim.adamw.AdamW")
     mu = calculate_shift(4096, 256, 4096, 0.5, 1.15)
     assert recipe["shifts"] == [{"tokens": 4096, "shift": pytest.approx(3.1582, abs=1e-4), "mu": mu,
                                  "time_shift_type": "exponential", "dynamic": True}]
@@ -40,7 +40,7 @@ def test_the_recipe_of_an_epsilon_family_with_min_snr_and_a_lokr_on_named_module
                                 max_grad_norm=0, caption_dropout=0.1,
                                 lora=LoraSettings(rank=8, alpha=4.0, lora_type="lokr", factor=4,
                                                   target_modules=("to_q", "to_k")))
-    recipe = recipe_section(config, NoiseSchedule(family, config.objective))
+    recipe = _recipe(config, NoiseSchedule(family, config.objective))
     assert recipe["sampling"] == {"name": "uniform DDPM steps"} and recipe["shifts"] == []
     assert recipe["loss_weighting"] == {"name": "min_snr", "snr_gamma": 5.0}
     assert recipe["adapter"]["targets"] == ["to_q", "to_k"]
@@ -52,7 +52,7 @@ def test_mode_sampling_a_static_shift_and_all_linear_dora():
     family = get_family("sd3")
     config = TrainConfig.create(family="sd3", timestep_sampling="mode", flow_shift="3",
                                 lora=LoraSettings(use_dora=True, target_modules=("all-linear",)))
-    recipe = recipe_section(config, NoiseSchedule(family, config.objective, family.flow_shift))
+    recipe = _recipe(config, NoiseSchedule(family, config.objective, family.flow_shift))
     assert recipe["sampling"] == {"name": "mode", "mode_scale": 1.29}
     assert recipe_line(recipe).startswith("recipe: mode(1.29), flow_shift 3.0, loss none")
     assert recipe_line(recipe).endswith("lora+dora r16 a16 all-linear")
@@ -67,3 +67,9 @@ def test_loss_by_noise_level_bins_on_equal_tenths():
     assert [b["count"] for b in section["bins"]] == [1, 2, 0, 0, 0, 0, 0, 0, 0, 2]
     assert [b["mean_loss"] for b in section["bins"]] == [1.0, 3.0] + [None] * 7 + [4.0]
     assert (section["bins"][1]["low"], section["bins"][1]["high"]) == (0.1, 0.2)
+
+
+def _recipe(config, noise, history=None, optimizer_class=None):
+    """:func:`recipe_section` of ``config``'s components."""
+    return recipe_section(config.objective, config.optimizer, config.lora, config.data.caption_dropout, noise,
+                          history, optimizer_class)

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from segmented_checkpointing.engine.config import ConfigError, TrainConfig
 from segmented_checkpointing.engine.data.fingerprint import data_changes, input_changes, input_fingerprint
 from segmented_checkpointing.engine.data.folder import write_sample_dataset
-from segmented_checkpointing.engine.train.loop import ResumeWarning, train
+from segmented_checkpointing.engine.train.checks import ResumeWarning
+from segmented_checkpointing.engine.train.loop import train
 from segmented_checkpointing.engine.train.state import load_state
 
 QUIET = {"log": lambda line: None}
@@ -76,17 +77,17 @@ def test_new_epoch_continues_from_a_fresh_epoch_and_the_report_says_why(trained)
 
 
 def test_the_same_inputs_resume_and_an_old_state_without_a_fingerprint_is_not_refused(trained):
-    assert not any(input_changes(load_state(trained / "run").inputs, input_fingerprint(_config(trained))))
-    assert input_changes({}, input_fingerprint(_config(trained))) == ([], [])  # saved before fingerprints
+    assert not any(input_changes(load_state(trained / "run").inputs, input_fingerprint(_config(trained).data, _config(trained).model)))
+    assert input_changes({}, input_fingerprint(_config(trained).data, _config(trained).model)) == ([], [])  # saved before fingerprints
 
 
 def test_a_model_file_replaced_under_its_name_is_named(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"w": torch.zeros(4, 4)}, path)
     config = TrainConfig.create(output=str(tmp_path / "run"), model_file=str(path), vae_path=str(tmp_path))
-    before = input_fingerprint(config)
+    before = input_fingerprint(config.data, config.model)
     save_file({"w": torch.zeros(4, 5)}, path)  # same name, other tensors
-    _, model = input_changes(before, input_fingerprint(config))
+    _, model = input_changes(before, input_fingerprint(config.data, config.model))
     assert len(model) == 1 and model[0].startswith("model_file is not what the saved run trained on (model.safetensors: ")
     assert model[0].count(" bytes, header ") == 2
 

@@ -41,8 +41,9 @@ def test_the_preview_latent_has_the_clips_latent_frames(family, cached, frames, 
 def test_validation_frames_outside_the_frame_rule_are_refused_for_video_families_only(tmp_path):
     config = TrainConfig.create(family="wan", output=str(tmp_path / "o"), data=str(tmp_path), validation_frames=4)
     with pytest.raises(ConfigError, match="validation_frames"):
-        check_frames(config)
-    check_frames(config.replace(family="flux"))  # one frame per image: nothing to refuse
+        check_frames(config.model, config.data, config.validation.validation_frames)
+    flux = config.replace(family="flux")
+    check_frames(flux.model, flux.data, flux.validation.validation_frames)  # one frame per image: nothing to refuse
 
 
 @pytest.mark.parametrize("family", ["wan", "hunyuanvideo", "ltxvideo"])

@@ -13,7 +13,7 @@ import pytest
 from segmented_checkpointing.engine.config import ConfigError, LoraSettings, TrainConfig
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
-from segmented_checkpointing.engine.train.watchdog import Watchdog
+from segmented_checkpointing.engine.train.monitor import Watchdog
 
 pytestmark = pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")
 MIB = 1 << 20
@@ -94,7 +94,7 @@ def test_a_run_with_an_injected_slowdown_from_step_8_reports_it(tmp_path):
     for record in run:
         if record.step == 1:
             run.context.model.register_forward_pre_hook(lambda *_: time.sleep(extra["sleep"]))
-        seconds.append(record.seconds)
+        seconds.append(record.timing.seconds)
         if record.step == 7:  # steps 8, 9, ... sleep twice the median of steps 3-7
             extra["sleep"] = 2 * statistics.median(seconds[2:7])
     warnings = [line for line in lines if line.startswith("segckpt: warning: slowdown")]

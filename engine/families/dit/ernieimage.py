@@ -7,8 +7,9 @@ the flow velocity ``noise - x0`` directly.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 

@@ -7,8 +7,9 @@ Source: ``diffusers/models/transformers/transformer_ideogram4.py`` and
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 
 _TEXT, _IMAGE, _IMAGE_POSITION_OFFSET = 3, 2, 65536  # transformer_ideogram4.py constants
 _PATCH = 2  # the pipeline patchifies the VAE latents by 2 before the transformer

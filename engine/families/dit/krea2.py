@@ -8,9 +8,10 @@ in [0, 1].
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 
 def _position_ids(text_len: int, height: int, width: int, device: torch.device) -> torch.Tensor:

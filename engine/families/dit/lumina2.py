@@ -8,10 +8,11 @@ built from the mask's sum).
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import FLUX, TextEncoders
 from ..lazy import torch
 from ..position_tables import axes_lens
+from ..registry import register_family
 
 
 def _make_inputs(model, latents: torch.Tensor, sigmas: torch.Tensor, text: TextBatch) -> dict:

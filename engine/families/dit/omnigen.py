@@ -6,9 +6,10 @@ Source: ``diffusers/models/transformers/transformer_omnigen.py`` and
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
 from ..position_tables import pos_embed_grid
+from ..registry import register_family
 
 
 # OmniGen conditions on Phi-3 token ids embedded by its own embed_tokens and has no input for text

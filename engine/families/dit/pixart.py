@@ -8,8 +8,9 @@ only the first ``C`` output channels are the epsilon prediction.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import ddpm_timesteps
 
 _VAE_SCALE = 8  # SD VAE: pixels per latent

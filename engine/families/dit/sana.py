@@ -9,8 +9,9 @@ between blocks are not modelled: the runner detects them and falls back to per-b
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 

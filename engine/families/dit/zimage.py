@@ -7,9 +7,10 @@ negates it to give the flow velocity ``noise - x0``.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
 from ..position_tables import axes_lens
+from ..registry import register_family
 
 
 # The model takes lists of per-sample tensors: latents (C, 1, H, W) each and caption features

@@ -8,10 +8,11 @@ embeddings are zeroed past each prompt's length (there is no text mask) and the 
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec
 from ..conditioning import SDXL, TextEncoders
 from ..lazy import torch
 from ..position_tables import auraflow_grid
+from ..registry import register_family
 
 # Under gradient checkpointing the loop calls the joint blocks as block(hidden, encoder, temb) ->
 # (encoder, hidden) and the single blocks as block(combined, temb) -> combined, on the concatenated

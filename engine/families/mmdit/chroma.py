@@ -8,10 +8,11 @@ Conventions: 16-channel Flux VAE latents, 2x2-packed; ``img_ids (h, w, 3)`` as i
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import FLUX, TextEncoders
 from ..lazy import torch
 from ..packing import image_ids, pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 # double: block(hidden, encoder, temb_i, rope, attention_mask) -> (encoder, hidden); single:
 # block(joint, temb_i, rope) -> joint. temb_i differs per block: the loop slices the approximator's

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import FLUX as FLUX_LATENTS
 from ..conditioning import TextEncoders
 from ..lazy import torch
 from ..packing import image_ids, pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 # Both lists are called as block(hidden, encoder, temb, rope, joint_attention_kwargs) and
 # return (encoder, hidden).

@@ -8,9 +8,10 @@ Conventions: 32-channel ``AutoencoderKLFlux2`` latents, 2x2-packed into 128-chan
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 # double: block(hidden, encoder, mod_img, mod_txt, rope, kv_attn_kwargs) -> (encoder, hidden);
 # single: block(joint, None, mod_single, rope, kv_attn_kwargs_single) -> joint, on the already

@@ -9,9 +9,10 @@ attends to padding tokens).
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 # Three routed lists run in this order, each scheduled on its own (the documents: "image, text,
 # reference-image and joint block lists are each split independently"): txt_mode_blocks as

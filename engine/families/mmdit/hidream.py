@@ -8,9 +8,10 @@ patchifies itself; the timestep is the scheduler timestep; the model takes no te
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..lazy import torch
 from ..position_tables import hidream_tokens
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # Blocks are HiDreamBlock wrappers around the real block (.block). double: block(hidden, masks,

@@ -8,9 +8,10 @@ transformer). Conventions: 16-channel Flux-style VAE latents, 2x2-packed; the ti
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
 from ..packing import pack_2x2, read_packed_2x2
+from ..registry import register_family
 
 # both lists: block(hidden, encoder, temb, rope) -> (encoder, hidden) (the single blocks concatenate
 # the streams inside and split them again on return); temb and rope are computed once before the

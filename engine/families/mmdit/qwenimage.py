@@ -8,10 +8,11 @@ between blocks are not modelled: the runner detects them and falls back to per-b
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import QWEN_IMAGE_TEMPLATE, WAN21, TextEncoders
 from ..lazy import torch
 from ..packing import pack_2x2, unpack_2x2
+from ..registry import register_family
 
 # block(hidden, encoder, encoder_mask, temb, image_rotary_emb, attention_kwargs, modulate_index)
 # -> (encoder, hidden)

@@ -8,8 +8,9 @@ rows, as in the pipeline.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 
 
 # As the pipeline builds them for text-to-image: AutoencoderKLQwenImage21 latents (64 channels, 16x)

@@ -9,11 +9,12 @@ not modelled: the runner detects them and falls back to per-block for the list.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import SD3 as SD3_LATENTS
 from ..conditioning import TextEncoders
 from ..lazy import torch
 from ..position_tables import pos_embed_grid
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, joint_attention_kwargs) -> (encoder, hidden)

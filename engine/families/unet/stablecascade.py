@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import alphas_cumprod, ddpm_timesteps
 
 _S = 0.008  # offset of the cosine schedule (DDPMWuerstchenScheduler / the prior pipeline)

@@ -9,8 +9,9 @@ SDXL / Kolors (``addition_embed_type="text_time"``) also get ``text_embeds`` (po
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # SD / SDXL / Kolors VAEs downsample by 8

@@ -7,10 +7,11 @@ the transformer is called.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import cosmos_positions
+from ..registry import register_family
 
 _FPS = 16  # the video2world pipelines' default; images (one frame) are passed without fps
 

@@ -7,10 +7,11 @@ file (``hunyuanvideo15.py``).
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import HUNYUAN_VIDEO
 from ..frames import HUNYUAN_VIDEO_VAE
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # Both lists: block(hidden, encoder, temb, attention_mask, rotary_emb, token_replace_emb,

@@ -6,9 +6,10 @@ with ``pipelines/hunyuan_video1_5`` for how the transformer is called.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..frames import FrameRule
 from ..lazy import torch
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, encoder, temb, encoder_attention_mask, rotary_emb) -> (hidden, encoder)

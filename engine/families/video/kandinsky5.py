@@ -6,10 +6,11 @@ Source: ``diffusers/models/transformers/transformer_kandinsky.py`` and
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..frames import HUNYUAN_VIDEO_VAE
 from ..lazy import torch
 from ..position_tables import kandinsky5_rope
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 _VAE_SCALE = 8  # pixels per latent (Flux VAE for images, HunyuanVideo VAE for videos)

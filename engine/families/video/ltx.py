@@ -8,11 +8,12 @@ same layout. LTX-2 has its own file (``ltx2video.py``).
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import LTXV, TextEncoders
 from ..frames import LTX_VIDEO_VAE
 from ..lazy import torch
 from ..packing import pack_video, read_packed_video
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # pipeline_ltx.py: rope_interpolation_scale = (VAE temporal ratio / frame_rate, spatial, spatial)

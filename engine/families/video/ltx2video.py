@@ -8,10 +8,11 @@ come back in the same layout; only the video prediction is read.
 
 from __future__ import annotations
 
-from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..frames import FrameRule
 from ..lazy import torch
 from ..packing import pack_video, read_packed_video
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # block(hidden, audio_hidden, encoder, audio_encoder, temb, temb_audio, ..., masks, ...,

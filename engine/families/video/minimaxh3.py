@@ -8,8 +8,9 @@ packed 1-D sequence (text rows, video rows, audio rows) with full self-attention
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, TextBatch, TextSpec
 from ..lazy import lazy_imports, torch
+from ..registry import register_family
 
 _VIDEO_TAG, _TEXT_TAG, _AUDIO_TAG = 0, 1, 2  # modular_pipelines/minimax_h3/modular_pipeline.py
 _AUDIO_CHANNELS = 2  # stereo, packed channel-major (no audio rows are built here)

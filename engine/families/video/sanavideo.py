@@ -6,10 +6,11 @@ Source read: ``diffusers/models/transformers/transformer_sana_video.py`` (diffus
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 

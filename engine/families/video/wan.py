@@ -8,11 +8,12 @@ adapter does the same with the batch's mask.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import WAN21, TextEncoders
 from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 

@@ -7,11 +7,12 @@ prompt as in Wan; the timestep is the scheduler timestep.
 
 from __future__ import annotations
 
-from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec, register_family
+from ..base import SINGLE, BlockList, Carry, FamilyAdapter, FlowShift, TextBatch, TextSpec
 from ..conditioning import WAN21, TextEncoders
 from ..frames import WAN_VAE
 from ..lazy import torch
 from ..position_tables import wan_rope
+from ..registry import register_family
 from ..timesteps import scheduler_timesteps
 
 # Under gradient checkpointing the loop first calls every VACE block as block(hidden, encoder,
