@@ -15,22 +15,28 @@ from PIL import Image
 from ..engine import api
 from .environment import PathError, contained, current_host, node_error, numbered_run, public_errors
 from .messages import node_words
-from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, FamilySchedule
-from .widgets import NodeOptions, tip, widget
+from .payloads import CATEGORY, FamilySchedule, Sockets
+from .v3 import io
+from .widgets import NodeOptions, widget
 
 OPTIONS = NodeOptions({"batch_size": "batch_size"})
+LORA_INPUT = "Optional: default rank 16, alpha 16."
 
 
-def _run_inputs() -> dict:
-    return {
-        "model": (MODEL, tip("From Load Diffusion Model.")),
-        "dataset": (DATASET, tip("From Image+Caption Dataset (sets the image size).")),
+def _run_inputs(**replaced: io.Input) -> list:
+    """The inputs both measurement nodes take, in order; ``replaced``: a node's own input of that name."""
+    inputs = {
+        "model": Sockets.model.Input("model", tooltip="From Load Diffusion Model."),
+        "dataset": Sockets.dataset.Input("dataset", tooltip="From Image+Caption Dataset (sets the image size)."),
         "batch_size": widget("batch_size"),
-        "warmup_steps": ("INT", tip("Steps per mode excluded from the figures.", default=1, min=1, max=100)),
-        "measured_steps": ("INT", tip("Steps per mode measured after the warm-up.", default=3, min=1, max=1000)),
-        "run_name": ("STRING", tip("Name of the results: each queue writes output/segckpt/<run_name>_00001, "
-                                   "_00002, ...", default="sweep")),
+        "warmup_steps": io.Int.Input("warmup_steps", default=1, min=1, max=100,
+                                     tooltip="Steps per mode excluded from the figures."),
+        "measured_steps": io.Int.Input("measured_steps", default=3, min=1, max=1000,
+                                       tooltip="Steps per mode measured after the warm-up."),
+        "run_name": io.String.Input("run_name", default="sweep", tooltip="Name of the results: each queue writes "
+                                    "output/segckpt/<run_name>_00001, _00002, ..."),
     }
+    return list((inputs | replaced).values())
 
 
 def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> api.TrainConfig:
@@ -41,7 +47,7 @@ def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> 
 
 
 def _validate(run_name, inputs) -> bool:
-    """The measurement nodes' VALIDATE_INPUTS: the run name stays under output/segckpt, the batch
+    """The measurement nodes' ``validate_inputs``: the run name stays under output/segckpt, the batch
     size is one the engine takes. Raised, so that ComfyUI lists the message once."""
     try:
         if run_name is not None:
@@ -80,37 +86,36 @@ def _measuring(host, unique_id):
         raise
 
 
-class CheckpointingSweep:
+class CheckpointingSweep(io.ComfyNode):
     """Measures every checkpointing mode on the connected model: a plot (IMAGE) and the table."""
 
-    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "sweep", True
-    RETURN_TYPES, RETURN_NAMES = ("IMAGE", "STRING"), ("plot", "table")
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SegCkptSweep", display_name="Checkpointing Sweep", category=CATEGORY, is_output_node=True,
+            inputs=[*_run_inputs(),
+                    io.Boolean.Input("attention_offload_modes", default=False,
+                                     tooltip="Also measure every mode with attention offload (doubles the sweep)."),
+                    io.Float.Input("budget_gib", default=0.0, min=0.0, max=4096.0, step=0.0001,
+                                   tooltip="Memory budget drawn on the plot, GiB (0 = none)."),
+                    Sockets.lora_config.Input("lora_config", optional=True, tooltip=LORA_INPUT)],
+            outputs=[io.Image.Output(display_name="plot"), io.String.Output(display_name="table")],
+            hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {**_run_inputs(),
-                         "attention_offload_modes": ("BOOLEAN", tip("Also measure every mode with attention "
-                                                                    "offload (doubles the sweep).", default=False)),
-                         "budget_gib": ("FLOAT", tip("Memory budget drawn on the plot, GiB (0 = none).",
-                                                     default=0.0, min=0.0, max=4096.0, step=0.0001))},
-            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
+    def validate_inputs(cls, run_name=None, batch_size=None):
         return _validate(run_name, {"batch_size": batch_size})
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Every queue measures again (ComfyUI would otherwise reuse the cached result)."""
         return float("nan")
 
+    @classmethod
     @public_errors
-    def sweep(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, attention_offload_modes,
-              budget_gib, lora_config=None, unique_id=None):
-        host = current_host()
+    def execute(cls, model, dataset, batch_size, warmup_steps, measured_steps, run_name, attention_offload_modes,
+                budget_gib, lora_config=None):
+        host, unique_id = current_host(), cls.hidden.unique_id
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         schedules = api.sweep_schedules(attention_offload_modes)
@@ -123,45 +128,42 @@ class CheckpointingSweep:
         image = rgb.float().div(255.0).unsqueeze(0)
         table = paths["markdown"].read_text()
         subfolder = folder.resolve().relative_to(host.output_dir.resolve()).as_posix()
-        return {"ui": {"text": [table], "images": [{"filename": "sweep.png", "subfolder": subfolder, "type": "output"}]},
-                "result": (image, table)}
+        return io.NodeOutput(image, table, ui={"text": [table], "images": [
+            {"filename": "sweep.png", "subfolder": subfolder, "type": "output"}]})
 
 
-class SchedulePlanner:
+class SchedulePlanner(io.ComfyNode):
     """Picks the fastest schedule predicted to fit a memory budget; wires into Train LoRA."""
 
-    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "plan", True
-    RETURN_TYPES, RETURN_NAMES = (SCHEDULE, "STRING"), ("schedule", "report")
+    @classmethod
+    def define_schema(cls):
+        own = {"run_name": io.String.Input("run_name", default="plan", tooltip="Name of the planner's files: each "
+                                           "queue writes output/segckpt/<run_name>_00001, _00002, ..."),
+               "measured_steps": io.Int.Input("measured_steps", default=2, min=0, max=1000, tooltip=(
+                   "Steps to time the chosen prediction and up to 2 other fitting ones head to head (one step of "
+                   "each in turn) before deciding; 0 = predict only."))}
+        return io.Schema(
+            node_id="SegCkptSchedulePlanner", display_name="Schedule Planner", category=CATEGORY, is_output_node=True,
+            inputs=[*_run_inputs(**own),
+                    io.Float.Input("budget_gib", default=0.0, min=0.0, max=4096.0, step=0.0001,
+                                   tooltip="Memory budget in GiB; 0 = fit this device (its total memory)."),
+                    Sockets.lora_config.Input("lora_config", optional=True, tooltip=LORA_INPUT)],
+            outputs=[Sockets.schedule.Output(display_name="schedule"), io.String.Output(display_name="report")],
+            hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        inputs = _run_inputs()
-        inputs["run_name"] = ("STRING", tip("Name of the planner's files: each queue writes output/segckpt/"
-                                            "<run_name>_00001, _00002, ...", default="plan"))
-        inputs["measured_steps"] = ("INT", tip("Steps to time the chosen prediction and up to 2 other fitting "
-                                               "ones head to head (one step of each in turn) before deciding; "
-                                               "0 = predict only.", default=2, min=0, max=1000))
-        return {
-            "required": {**inputs, "budget_gib": ("FLOAT", tip(
-                "Memory budget in GiB; 0 = fit this device (its total memory).", default=0.0, min=0.0,
-                max=4096.0, step=0.0001))},
-            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None):
+    def validate_inputs(cls, run_name=None, batch_size=None):
         return _validate(run_name, {"batch_size": batch_size})
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Every queue measures again (ComfyUI would otherwise reuse the cached result)."""
         return float("nan")
 
+    @classmethod
     @public_errors
-    def plan(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None,
-             unique_id=None):
-        host = current_host()
+    def execute(cls, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None):
+        host, unique_id = current_host(), cls.hidden.unique_id
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         budget = api.budget("device" if budget_gib == 0 else budget_gib, config, key="budget_gib")
@@ -187,4 +189,4 @@ class SchedulePlanner:
             summary += "\n" + verdict.render()
             api.write_schedule(chosen, folder)
         text = host.public(node_words(summary + "\n\n" + report))
-        return {"ui": {"text": [text]}, "result": (FamilySchedule(model.family.name, chosen), text)}
+        return io.NodeOutput(FamilySchedule(model.family.name, chosen), text, ui={"text": [text]})
