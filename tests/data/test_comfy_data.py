@@ -242,7 +242,7 @@ def test_train_lora_node_takes_latent_and_conditioning(base, image_runs):
     (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0)
     with torch.inference_mode():  # as ComfyUI runs nodes
         (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("flux"), steps=2, run_name="comfy",
-                                                    latent=latent, conditioning=conditioning[:1])
+                          latent=latent, conditioning=conditioning[:1])
     report = run.report
     assert report["dataset"]["source"] == "ComfyUI LATENT + CONDITIONING" and report["config"]["data"] is None
     assert report["dataset"]["conditioning"] == "one for all images" and len(run.history) == 2
@@ -252,8 +252,7 @@ def test_train_lora_node_refuses_a_family_without_mapping_before_any_work(base):
     (model,) = NODES["SegCkptLoadDiffusionModel"].execute("pixart", "(tiny preset)", 0)
     with pytest.raises(ValueError, match="family 'pixart' has no ComfyUI latent mapping"):
         run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("pixart"), steps=1, run_name="px",
-                                          latent={"samples": torch.zeros(1, 4, 4, 4)},
-                                          conditioning=[[torch.zeros(1, 3, 32), {}]])
+                 latent={"samples": torch.zeros(1, 4, 4, 4)}, conditioning=[[torch.zeros(1, 3, 32), {}]])
     assert not (base / "output" / "segckpt" / "px").exists()
 
 
@@ -391,8 +390,7 @@ def test_train_lora_node_previews_decode_with_comfyuis_vae_and_reach_the_page(ba
     vae = _RecordingVAE()
     with torch.inference_mode():
         run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("flux"), steps=3, run_name="seen",
-                                          latent=latent, conditioning=conditioning, vae=vae, preview_every=2,
-                                          unique_id="7")
+                 latent=latent, conditioning=conditioning, vae=vae, preview_every=2, node_id="7")
     previews = [data for event, data in events if event == "segckpt.preview"]
     assert [p["step"] for p in previews] == [2, 3] and all(p["node"] == "7" for p in previews)
     assert previews[0]["images"] == [{"filename": "step_00002_conditioning0.png",
