@@ -82,7 +82,7 @@ def test_an_offload_backend_over_a_schedule_without_checkpointing_says_it_does_n
                                                        gradient_checkpointing_offload_attention=False,
                                                        gradient_checkpointing_offload_pin_memory_max_buckets=12)
     (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, offload=offload, steps=1,
-                                               run_name="moot", resume=False, **TRAIN)
+                      run_name="moot", resume=False, **TRAIN)
     note = ("gradient_checkpointing=False: gradient_checkpointing_backend=unsloth does nothing (no block is "
             "checkpointed, so no checkpointed region's inputs are offloaded or recomputed)")
     assert _notes(host)[0] == f"Activation Offload Options: {note}"
@@ -93,7 +93,7 @@ def test_cancel_names_the_nodes_resume_not_the_command_lines(host, monkeypatch, 
     model, schedule, dataset = _inputs()
     monkeypatch.setattr(host, "interrupted", lambda: True)  # Cancel during step 1
     (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, steps=3, run_name="cancelled",
-                                               resume=False, **TRAIN)
+                      resume=False, **TRAIN)
     assert run.interrupted and len(run.history) == 1
     log = capsys.readouterr().out
     assert "interrupted after step 1: state saved, resume with resume=true" in log and "--resume" not in log

@@ -65,9 +65,9 @@ def test_node_functions_return_the_declared_types(base):
     transformers = len(_instances(transformer_class))
     with torch.inference_mode():  # as ComfyUI runs nodes
         (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
-                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
-                                                    seed=0, run_name="nodes_test", resume=False, lora_config=lora,
-                                                    node_id="5")
+                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                          seed=0, run_name="nodes_test", resume=False, lora_config=lora,
+                          node_id="5")
     # ComfyUI caches every node's output: none holds a model after the run (issue 34)
     assert run.model is None and len(_instances(transformer_class)) == transformers
     shown = NODES["SegCkptLossGraph"].execute(run)
@@ -206,8 +206,8 @@ def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
     (wan_schedule,) = NODES["SegCkptSchedule"].execute(family="wan", **keys)
     with pytest.raises(ValueError, match="schedule is for family 'wan' but the model is 'flux'"):
         run_node(NODES["SegCkptTrainLoRA"], model, wan_schedule, dataset=dataset, steps=1, learning_rate=1e-3,
-                                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
-                                          run_name="x", resume=False)
+                 lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
+                 run_name="x", resume=False)
     assert not (base / "output" / "segckpt" / "x").exists()
 
 
@@ -222,9 +222,9 @@ def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
         gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=12)
     with torch.inference_mode():
         (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
-                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
-                                                    seed=0, run_name="prec", resume=False, attention_backend="flash,math",
-                                                    on_nonfinite="skip")
+                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                          seed=0, run_name="prec", resume=False, attention_backend="flash,math",
+                          on_nonfinite="skip")
     report = run.report
     assert report["precision"]["base_model_precision"] == "int8-torchao"
     assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0

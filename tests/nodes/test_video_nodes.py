@@ -53,11 +53,11 @@ def test_an_image_batch_of_frames_trains_as_the_clip_file_does(base):
     assert dataset.num_frames == 5
     with torch.inference_mode():  # as ComfyUI runs nodes
         (from_folder,) = run_node(NODES["SegCkptTrainLoRA"], model, _schedule(), dataset=dataset, run_name="folder",
-                                                           node_id="1", **RUN)
+                                  node_id="1", **RUN)
         frames = _comfy_frames(base / "input" / "clip" / "pan.mp4")
         (from_batch,) = run_node(NODES["SegCkptTrainLoRA"], model, _schedule(), images=frames,
-                                                          caption="a camera pan over a photo", run_name="batch",
-                                                          node_id="2", **RUN)
+                                 caption="a camera pan over a photo", run_name="batch",
+                                 node_id="2", **RUN)
     (cache_file,) = (base / "output" / "segckpt" / "cache").glob("cache-*.safetensors")
     folder_latents = load_file(cache_file)["latents"]
     loaded = model.load()
