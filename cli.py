@@ -328,8 +328,8 @@ def _run_workflow(args: argparse.Namespace) -> int:
         print(f"segckpt: error: {exc}", file=sys.stderr)
         return 2
     for node_id, value in results.items():
-        if isinstance(value, dict) and "ui" in value:
-            for text in value["ui"].get("text", []):
+        if value.ui:
+            for text in value.ui.get("text", []):
                 print(f"[node {node_id}] {text}")
     return 0
 

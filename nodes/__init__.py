@@ -1,5 +1,8 @@
-"""ComfyUI node classes: thin adapters over the engine's facade (``engine/api.py``)."""
+"""ComfyUI node classes: thin adapters over the engine's facade (``engine/api.py``), declared with
+ComfyUI's V3 schema (``io.ComfyNode``; :mod:`.v3`) and handed to ComfyUI by :func:`comfy_entrypoint`."""
 
+from ..engine import api
+from .environment import in_comfyui
 from .guardrail_nodes import FitGuardrails
 from .model_nodes import ImageCaptionDataset, LoadDiffusionModel, LoRAConfig
 from .noise_nodes import NoiseSchedule
@@ -7,29 +10,31 @@ from .planning_nodes import CheckpointingSweep, SchedulePlanner
 from .report_nodes import LossGraph, RunReport
 from .schedule_nodes import ActivationOffloadOptions, GradientCheckpointingSchedule, WeightOffloadOptions
 from .training_nodes import SaveLoRA, TrainLoRA
+from .v3 import ComfyExtension, io
 
-_NODES = {
-    "SegCkptLoadDiffusionModel": (LoadDiffusionModel, "Load Diffusion Model (gradient checkpointing)"),
-    "SegCkptImageCaptionDataset": (ImageCaptionDataset, "Image+Caption Dataset"),
-    "SegCkptSchedule": (GradientCheckpointingSchedule, "Gradient Checkpointing Schedule"),
-    "SegCkptOffloadOptions": (ActivationOffloadOptions, "Activation Offload Options"),
-    "SegCkptWeightOffload": (WeightOffloadOptions, "Weight Offload Options (stream frozen weights)"),
-    "SegCkptLoRAConfig": (LoRAConfig, "LoRA Config"),
-    "SegCkptFitGuardrails": (FitGuardrails, "Fit Guardrails (pre-flight, OOM recovery, watchdog)"),
-    "SegCkptNoiseSchedule": (NoiseSchedule, "Noise Schedule (timesteps, shift, loss weighting, guidance)"),
-    "SegCkptTrainLoRA": (TrainLoRA, "Train LoRA (gradient checkpointing)"),
-    "SegCkptSaveLoRA": (SaveLoRA, "Save LoRA"),
-    "SegCkptLossGraph": (LossGraph, "Loss Graph"),
-    "SegCkptRunReport": (RunReport, "Run Report"),
-    "SegCkptSweep": (CheckpointingSweep, "Checkpointing Sweep"),
-    "SegCkptSchedulePlanner": (SchedulePlanner, "Schedule Planner"),
-}
-NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}
-NODE_DISPLAY_NAME_MAPPINGS = {name: title for name, (_, title) in _NODES.items()}
+NODES: list[type[io.ComfyNode]] = [
+    LoadDiffusionModel, ImageCaptionDataset, GradientCheckpointingSchedule, ActivationOffloadOptions,
+    WeightOffloadOptions, LoRAConfig, FitGuardrails, NoiseSchedule, TrainLoRA, SaveLoRA, LossGraph, RunReport,
+    CheckpointingSweep, SchedulePlanner,
+]
+"""The pack's nodes, in the order of ComfyUI's node menu."""
+NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in NODES}
+"""The node classes by node id (``SegCkptTrainLoRA``, ...): what ``segckpt run`` and the routes look up."""
 
-from .environment import in_comfyui as _in_comfyui
 
-if _in_comfyui():
-    from .routes import register_with_comfyui
+class SegmentedCheckpointingExtension(ComfyExtension):
+    """The pack as a V3 extension: its node classes."""
 
-    register_with_comfyui()
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> SegmentedCheckpointingExtension:
+    """What ComfyUI calls when it loads the pack (``nodes.py``, ``load_custom_node``): the extension,
+    with the pack's HTTP routes registered on ComfyUI's server first (ComfyUI 0.3.64 does not call
+    ``ComfyExtension.on_load``)."""
+    if in_comfyui():
+        with api.lazy_imports():
+            from .routes import register_with_comfyui
+        register_with_comfyui()
+    return SegmentedCheckpointingExtension()

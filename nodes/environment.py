@@ -2,7 +2,9 @@
 
 Inside ComfyUI, folders come from ``folder_paths`` (input, ``models/diffusers``, the single-file
 model folders ``diffusion_models`` (which covers ``models/unet``) and ``checkpoints``, ``models/loras``,
-output), progress goes through ``comfy.utils.ProgressBar``, interruption is
+output), progress goes through ``comfy.utils.ProgressBar`` (in ComfyUI 0.3.64 its hook updates the
+V3 progress state and sends the ``progress`` event; the V3 API's ``execution.set_progress`` of
+``comfy_api.v0_0_2`` updates the state only, with no ``progress`` event and no interrupt check), interruption is
 ``comfy.model_management.processing_interrupted`` and events go to the page through
 ``PromptServer.instance.send_sync``. Without ComfyUI (``segckpt run``) the same layout lives under
 a base folder (``SEGCKPT_BASE_DIR`` or the current directory); progress shows as the trainer's log lines.

@@ -3,7 +3,8 @@
 The API format is ComfyUI's queue format: ``{node_id: {"class_type": ..., "inputs": {name: value
 or [source_id, output_index]}}}``. Every node is validated first, as ComfyUI's ``/prompt`` does
 (known type, required inputs present, widget values of the declared type and range, the node's
-own ``VALIDATE_INPUTS``), then nodes run in dependency order, each once.
+own ``validate_inputs``), then nodes run in dependency order, each once, as ComfyUI runs a V3 node
+(:func:`run_node`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import NODE_CLASS_MAPPINGS
+from .v3 import io, overridden
 
 
 class GraphError(ValueError):
@@ -42,9 +44,9 @@ def _is_link(value: Any) -> bool:
 def _check_widget(node_id: str, kind: str, name: str, spec: Any, value: Any) -> None:
     declared, options = spec[0], (spec[1] if len(spec) > 1 else {})
     where = f"node {node_id} ({kind}) input {name}={value!r}"
-    if isinstance(declared, list):
-        if value not in declared:
-            raise GraphError(f"{where} is invalid: allowed {', '.join(map(str, declared))}")
+    if declared == "COMBO":
+        if value not in options["options"]:
+            raise GraphError(f"{where} is invalid: allowed {', '.join(map(str, options['options']))}")
         return
     python_type = {"INT": int, "FLOAT": (int, float), "BOOLEAN": bool, "STRING": str}.get(declared)
     if python_type is None:
@@ -85,24 +87,35 @@ def validate(graph: dict[str, dict]) -> None:
                         raise GraphError(f"node {node_id} ({kind}) input {name}: links to missing node {value[0]}")
                 else:
                     _check_widget(node_id, kind, name, spec, value)
-        if hasattr(cls, "VALIDATE_INPUTS"):
-            params = inspect.signature(cls.VALIDATE_INPUTS).parameters
+        validator = overridden(cls, "validate_inputs")
+        if validator is not None:
+            params = inspect.signature(validator).parameters
             every = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            # as ComfyUI: a linked input VALIDATE_INPUTS names arrives as None (its value is not known yet)
+            # as ComfyUI: a linked input the validator names arrives as None (its value is not known yet)
             given = {k: None if _is_link(v) else v for k, v in inputs.items() if every or k in params}
             try:
-                verdict = cls.VALIDATE_INPUTS(**given)
+                verdict = validator(**given)
             except ValueError as exc:  # validators that report once raise (see the Schedule node)
                 verdict = str(exc)
             if verdict is not True:
                 raise GraphError(f"node {node_id} ({kind}): {verdict}")
 
 
+def run_node(cls: type[io.ComfyNode], *args: Any, node_id: str | None = None, **inputs: Any) -> io.NodeOutput:
+    """Run one node as ComfyUI runs a V3 node: ``execute(*args, **inputs)`` on a copy of the class
+    whose hidden ``unique_id`` is ``node_id``.
+
+    Returns:
+        The node's output values (``[index]``, ``.result``) and what it shows (``.ui``).
+    """
+    return cls.PREPARE_CLASS_CLONE({io.Hidden.unique_id: node_id}).execute(*args, **inputs)
+
+
 def run_graph(graph: dict[str, dict]) -> dict[str, Any]:
     """Validate, then execute every node once in dependency order.
 
     Returns:
-        ``{node_id: outputs}``: the output tuple, or for output nodes the returned dict.
+        ``{node_id: outputs}``: each node's ``io.NodeOutput`` (its values by index, ``.ui``).
 
     Raises:
         GraphError: invalid graph or a dependency cycle.
@@ -121,15 +134,8 @@ def run_graph(graph: dict[str, dict]) -> dict[str, Any]:
         cls = NODE_CLASS_MAPPINGS[node["class_type"]]
         kwargs = {}
         for name, value in node.get("inputs", {}).items():
-            if _is_link(value):
-                upstream = outputs(value[0])
-                upstream = upstream["result"] if isinstance(upstream, dict) else upstream
-                kwargs[name] = upstream[value[1]]
-            else:
-                kwargs[name] = value
-        if "unique_id" in cls.INPUT_TYPES().get("hidden", {}):
-            kwargs["unique_id"] = node_id
-        results[node_id] = getattr(cls(), cls.FUNCTION)(**kwargs)
+            kwargs[name] = outputs(value[0])[value[1]] if _is_link(value) else value
+        results[node_id] = run_node(cls, node_id=node_id, **kwargs)
         running.discard(node_id)
         return results[node_id]
 

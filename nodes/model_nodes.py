@@ -16,35 +16,38 @@ from .environment import (
     public_errors,
     resolve_model,
 )
-from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, ModelSource
-from .widgets import NodeOptions, tip, widget
+from .payloads import CATEGORY, ModelSource, Sockets
+from .v3 import io
+from .widgets import NodeOptions, widget
 
 
-class LoadDiffusionModel:
+class LoadDiffusionModel(io.ComfyNode):
     """A diffusers folder under ``models/diffusers``, one ``.safetensors`` file under
     ``models/diffusion_models``, ``models/unet`` or ``models/checkpoints`` or one ``.gguf`` file under
     the first two (shown as ``diffusion_models/<file>``, ``checkpoints/<file>``), or the family's tiny
     random-init preset."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "load", (MODEL,), ("model",)
     OPTIONS = NodeOptions({"family": "family", "seed": "seed", "base_model_precision": "base_model_precision"})
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "family": widget("family"),
-            "source": ([TINY_PRESET] + model_folders(current_host()) + model_files(current_host()),
-                       tip("A diffusers folder under models/diffusers; a .safetensors file under "
-                           "models/diffusion_models, unet or checkpoints, or a .gguf file under diffusion_models or "
-                           "unet (original release or diffusers layout; scaled fp8 and GGUF files load as a "
-                           "quantized base; the variant is read from its shapes; training then needs a VAE, which "
-                           "a single file does not hold); or the tiny random-init preset.")),
-            "seed": widget("seed", tooltip="Seed of the preset's random init."),
-            "base_model_precision": widget("base_model_precision"),
-        }}
+    def define_schema(cls):
+        host = current_host()
+        return io.Schema(node_id="SegCkptLoadDiffusionModel", display_name="Load Diffusion Model (gradient checkpointing)",
+                         category=CATEGORY, inputs=[
+                             widget("family"),
+                             io.Combo.Input("source", options=[TINY_PRESET] + model_folders(host) + model_files(host),
+                                            tooltip="A diffusers folder under models/diffusers; a .safetensors file "
+                                            "under models/diffusion_models, unet or checkpoints, or a .gguf file under "
+                                            "diffusion_models or unet (original release or diffusers layout; scaled "
+                                            "fp8 and GGUF files load as a quantized base; the variant is read from its "
+                                            "shapes; training then needs a VAE, which a single file does not hold); or "
+                                            "the tiny random-init preset."),
+                             widget("seed", tooltip="Seed of the preset's random init."),
+                             widget("base_model_precision")],
+                         outputs=[Sockets.model.Output(display_name="model")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, source, **inputs):
+    def validate_inputs(cls, source, **inputs):
         try:
             if source is not None and source != TINY_PRESET:
                 resolve_model(current_host(), source)
@@ -53,8 +56,9 @@ class LoadDiffusionModel:
             raise node_error(exc) from None
         return True
 
+    @classmethod
     @public_errors
-    def load(self, family, source, seed, base_model_precision="auto"):
+    def execute(cls, family, source, seed, base_model_precision="auto"):
         # the model is read by each node that uses it (ModelSource.load), not here: a server keeps
         # node outputs, and would keep the model; its family is checked here (the config or the
         # tensor names, no weights read), so a wrong file is refused on this node
@@ -65,33 +69,34 @@ class LoadDiffusionModel:
         if found is not None and found != config.model.family:
             raise ValueError(f"family={family!r} is invalid for source={source!r}: it holds a {found} model; "
                              f"set family to {found}")
-        return (ModelSource(config),)
+        return io.NodeOutput(ModelSource(config))
 
 
-class ImageCaptionDataset:
+class ImageCaptionDataset(io.ComfyNode):
     """A folder of images and clips (video files, animated GIF / WebP) with same-name ``.txt``
     captions under ComfyUI's input folder, the frame options of the video families and the
     caption dropout."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (DATASET,), ("dataset",)
     OPTIONS = NodeOptions({name: name for name in ("resolution", "buckets") + api.FRAME_KEYS + ("caption_dropout",)},
                           zero_unset=("frame_rate", "min_frames"))
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "folder": ("STRING", tip(f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs "
-                                     f"shipped with scikit-image; {BUILTIN_CLIP} = a 33-frame pan across one (for "
-                                     "the video families).", default=BUILTIN_DATA)),
-            "resolution": widget("resolution"),
-            "buckets": widget("buckets"),
-        }, "optional": {**{name: widget(name, zero_unset=name in cls.OPTIONS.zero_unset,
-                                        extra=" 0 = unset." if name in cls.OPTIONS.zero_unset else "")
-                           for name in api.FRAME_KEYS},
-                        "caption_dropout": widget("caption_dropout")}}  # last: saved widgets_values map by position
+    def define_schema(cls):
+        unset = cls.OPTIONS.zero_unset
+        return io.Schema(node_id="SegCkptImageCaptionDataset", display_name="Image+Caption Dataset", category=CATEGORY,
+                         inputs=[io.String.Input("folder", default=BUILTIN_DATA, tooltip=(
+                                     f"Folder under ComfyUI's input folder; {BUILTIN_DATA} = photographs shipped with "
+                                     f"scikit-image; {BUILTIN_CLIP} = a 33-frame pan across one (for the video "
+                                     "families).")),
+                                 widget("resolution"), widget("buckets"),
+                                 *[widget(name, optional=True, zero_unset=name in unset,
+                                          extra=" 0 = unset." if name in unset else "") for name in api.FRAME_KEYS],
+                                 # last: saved widgets_values map by position
+                                 widget("caption_dropout", optional=True)],
+                         outputs=[Sockets.dataset.Output(display_name="dataset")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, folder, **inputs):
+    def validate_inputs(cls, folder, **inputs):
         host = current_host()
         try:
             cls.OPTIONS.config(inputs)
@@ -104,8 +109,9 @@ class ImageCaptionDataset:
             raise node_error(exc) from None
         return True
 
+    @classmethod
     @public_errors
-    def build(self, folder, resolution, buckets=False, **options):
+    def execute(cls, folder, resolution, buckets=False, **options):
         host = current_host()
         if folder == BUILTIN_DATA:  # written once per server and shared by its runs
             path = str(api.write_sample_dataset(host.output_dir / "segckpt" / "sample_data"))
@@ -113,40 +119,38 @@ class ImageCaptionDataset:
             path = str(api.write_sample_clip(host.output_dir / "segckpt" / "sample_clip"))
         else:
             path = str(contained(host.input_dir, folder, "folder"))
-        return (self.OPTIONS.config({"resolution": resolution, "buckets": buckets, **options}, data=path).data,)
+        return io.NodeOutput(cls.OPTIONS.config({"resolution": resolution, "buckets": buckets, **options}, data=path).data)
 
 
-class LoRAConfig:
+class LoRAConfig(io.ComfyNode):
     """The adapter: rank, alpha, dropout, target modules (a preset or names), type, DoRA and LoKr's
     factor (peft)."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (LORA_CONFIG,), ("lora_config",)
     OPTIONS = NodeOptions({"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
                            "lora_type": "lora_type", "use_dora": "use_dora", "lokr_factor": "lokr_factor",
                            "lokr_full_matrix": "lokr_full_matrix"})
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "rank": widget("lora_rank"),
-            "alpha": widget("lora_alpha"),
-            "dropout": widget("lora_dropout"),
-            "target_modules": widget("lora_target_modules", extra=" Comma-separated; empty = attention."),
-        }, "optional": {  # optional: workflows saved before they existed still validate
-            "lora_type": widget("lora_type"),
-            "use_dora": widget("use_dora"),
-            "lokr_factor": widget("lokr_factor"),
-            "lokr_full_matrix": widget("lokr_full_matrix"),
-        }}
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptLoRAConfig", display_name="LoRA Config", category=CATEGORY,
+                         inputs=[widget("lora_rank", "rank"), widget("lora_alpha", "alpha"),
+                                 widget("lora_dropout", "dropout"),
+                                 widget("lora_target_modules", "target_modules",
+                                        extra=" Comma-separated; empty = attention."),
+                                 # optional: workflows saved before they existed still validate
+                                 *[widget(key, optional=True) for key in ("lora_type", "use_dora", "lokr_factor",
+                                                                          "lokr_full_matrix")]],
+                         outputs=[Sockets.lora_config.Output(display_name="lora_config")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
+    def validate_inputs(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @classmethod
     @public_errors
-    def build(self, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False, lokr_factor=-1,
+    def execute(cls, rank, alpha, dropout, target_modules, lora_type="lora", use_dora=False, lokr_factor=-1,
               lokr_full_matrix=False):
         targets = tuple(t.strip() for t in target_modules.split(",") if t.strip()) or None
-        return (api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, lora_type=lora_type,
-                                 use_dora=use_dora, factor=lokr_factor,
-                                 full_matrix=lokr_full_matrix),)
+        return io.NodeOutput(api.LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
+                                              lora_type=lora_type, use_dora=use_dora, factor=lokr_factor,
+                                              full_matrix=lokr_full_matrix))

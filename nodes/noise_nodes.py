@@ -5,7 +5,8 @@ family's own, so a graph without this node trains that way)."""
 from __future__ import annotations
 
 from .environment import public_errors
-from .payloads import CATEGORY, NOISE_SCHEDULE
+from .payloads import CATEGORY, Sockets
+from .v3 import io
 from .widgets import NodeOptions, widget
 
 KEYS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shift", "loss_weighting", "snr_gamma",
@@ -13,22 +14,25 @@ KEYS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "flow_shif
 """The node's widgets, each the engine option of its name."""
 
 
-class NoiseSchedule:
+class NoiseSchedule(io.ComfyNode):
     """Timestep sampling, flow shift (auto: the family's inference shift), loss weighting and
     guidance; connect to Train LoRA. Without it Train LoRA uses these defaults."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (NOISE_SCHEDULE,), ("noise_schedule",)
     OPTIONS = NodeOptions({key: key for key in KEYS})
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {key: widget(key) for key in KEYS}}
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptNoiseSchedule",
+                         display_name="Noise Schedule (timesteps, shift, loss weighting, guidance)", category=CATEGORY,
+                         inputs=[widget(key) for key in KEYS],
+                         outputs=[Sockets.noise_schedule.Output(display_name="noise_schedule")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
+    def validate_inputs(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @classmethod
     @public_errors
-    def build(self, **inputs):
-        self.OPTIONS.validate(inputs)
-        return (self.OPTIONS.config(inputs).objective,)
+    def execute(cls, **inputs):
+        cls.OPTIONS.validate(inputs)
+        return io.NodeOutput(cls.OPTIONS.config(inputs).objective)

@@ -3,7 +3,8 @@
 ``SEGCKPT_MODEL``: :class:`ModelSource`; ``SEGCKPT_DATASET``: the engine's ``DataConfig``;
 ``SEGCKPT_LORA_CONFIG``: ``LoraSettings``; ``SEGCKPT_GUARDRAILS``: ``GuardrailsConfig``;
 ``SEGCKPT_NOISE_SCHEDULE``: ``ObjectiveConfig``;
-``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the three below.
+``SEGCKPT_TRAINING_RUN``: ``TrainResult``; and the three below. :class:`Sockets` holds them as V3
+types (``io.Custom``), named as before, so saved workflows connect as they did.
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import api
+from .v3 import io
 
 CATEGORY = "training/gradient checkpointing"
 MODEL, DATASET, SCHEDULE = "SEGCKPT_MODEL", "SEGCKPT_DATASET", "SEGCKPT_SCHEDULE"
 OFFLOAD, LORA_CONFIG, RUN = "SEGCKPT_OFFLOAD", "SEGCKPT_LORA_CONFIG", "SEGCKPT_TRAINING_RUN"
 GUARDRAILS, WEIGHT_OFFLOAD = "SEGCKPT_GUARDRAILS", "SEGCKPT_WEIGHT_OFFLOAD"
 NOISE_SCHEDULE = "SEGCKPT_NOISE_SCHEDULE"
+
+
+class Sockets:
+    """The pack's socket types as V3 types: ``Sockets.model.Input("model")``, ``.Output(...)``."""
+
+    model, dataset, schedule = io.Custom(MODEL), io.Custom(DATASET), io.Custom(SCHEDULE)
+    offload, lora_config, run = io.Custom(OFFLOAD), io.Custom(LORA_CONFIG), io.Custom(RUN)
+    guardrails, weight_offload = io.Custom(GUARDRAILS), io.Custom(WEIGHT_OFFLOAD)
+    noise_schedule = io.Custom(NOISE_SCHEDULE)
 
 
 @dataclass(frozen=True)
@@ -104,11 +115,3 @@ class WeightOffload:
             ScheduleError: the combination is invalid (a block count with ``weight_offload=none``).
         """
         return schedule.replace(**vars(self))
-
-
-class AnyType(str):
-    """A type that matches any input (ComfyUI compares types with ``!=``): lets Save LoRA's file name
-    feed a LoRA loader's ``lora_name``, so the file trained in this graph is the one applied."""
-
-    def __ne__(self, other: object) -> bool:
-        return False

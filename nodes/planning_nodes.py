@@ -15,8 +15,9 @@ from PIL import Image
 from ..engine import api
 from .environment import PathError, contained, current_host, node_error, numbered_run, public_errors
 from .messages import node_words
-from .payloads import CATEGORY, DATASET, LORA_CONFIG, MODEL, SCHEDULE, FamilySchedule
-from .widgets import NodeOptions, tip, widget
+from .payloads import CATEGORY, FamilySchedule, Sockets
+from .v3 import io
+from .widgets import NodeOptions, widget
 
 OPTIONS = NodeOptions({"batch_size": "batch_size"})
 SWEEP = NodeOptions({"warmup_steps": "warmup_steps", "measured_steps": "measured_steps",
@@ -24,23 +25,26 @@ SWEEP = NodeOptions({"warmup_steps": "warmup_steps", "measured_steps": "measured
 """The Checkpointing Sweep's measurement widgets: node input -> option key (``engine/config/measure.py``)."""
 PLAN = NodeOptions({"warmup_steps": "warmup_steps", "measured_steps": "timing_steps", "budget_gib": "budget"})
 """The Schedule Planner's (its ``budget_gib`` is the ``budget_gib`` widget read as ``budget``: 0 = this device)."""
+LORA_INPUT = "Optional: default rank 16, alpha 16."
 
 
-def _measured(key: str, **spec) -> tuple:
-    """The widget of measurement option ``key`` (its default, range and tooltip declared once)."""
-    return widget(key, options=api.MEASURE_OPTIONS, **spec)
+def _measured(key: str, name: str | None = None, **spec) -> io.Input:
+    """The input of measurement option ``key`` (its default, range and tooltip declared once)."""
+    return widget(key, name, options=api.MEASURE_OPTIONS, **spec)
 
 
-def _run_inputs() -> dict:
-    return {
-        "model": (MODEL, tip("From Load Diffusion Model.")),
-        "dataset": (DATASET, tip("From Image+Caption Dataset (sets the image size).")),
+def _run_inputs(**replaced: io.Input) -> list:
+    """The inputs both measurement nodes take, in order; ``replaced``: a node's own input of that name."""
+    inputs = {
+        "model": Sockets.model.Input("model", tooltip="From Load Diffusion Model."),
+        "dataset": Sockets.dataset.Input("dataset", tooltip="From Image+Caption Dataset (sets the image size)."),
         "batch_size": widget("batch_size"),
         "warmup_steps": _measured("warmup_steps"),
         "measured_steps": _measured("measured_steps"),
-        "run_name": ("STRING", tip("Name of the results: each queue writes output/segckpt/<run_name>_00001, "
-                                   "_00002, ...", default="sweep")),
+        "run_name": io.String.Input("run_name", default="sweep", tooltip="Name of the results: each queue writes "
+                                    "output/segckpt/<run_name>_00001, _00002, ..."),
     }
+    return list((inputs | replaced).values())
 
 
 def _plan_values(inputs: dict) -> dict:
@@ -59,7 +63,7 @@ def _config(model, dataset: api.DataConfig, batch_size, lora_config, output) -> 
 
 
 def _validate(run_name, inputs, measured: dict) -> bool:
-    """The measurement nodes' VALIDATE_INPUTS: the run name stays under output/segckpt, the batch
+    """The measurement nodes' ``validate_inputs``: the run name stays under output/segckpt, the batch
     size and the ``measured`` values (by option key) are ones the engine takes. Raised, so that
     ComfyUI lists the message once."""
     try:
@@ -95,35 +99,34 @@ def _measuring(host, unique_id):
         raise
 
 
-class CheckpointingSweep:
+class CheckpointingSweep(io.ComfyNode):
     """Measures every checkpointing mode on the connected model: a plot (IMAGE) and the table."""
 
-    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "sweep", True
-    RETURN_TYPES, RETURN_NAMES = ("IMAGE", "STRING"), ("plot", "table")
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SegCkptSweep", display_name="Checkpointing Sweep", category=CATEGORY, is_output_node=True,
+            inputs=[*_run_inputs(),
+                    _measured("attention_offload", "attention_offload_modes"),
+                    _measured("budget_gib"),
+                    Sockets.lora_config.Input("lora_config", optional=True, tooltip=LORA_INPUT)],
+            outputs=[io.Image.Output(display_name="plot"), io.String.Output(display_name="table")],
+            hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {**_run_inputs(),
-                         "attention_offload_modes": _measured("attention_offload"),
-                         "budget_gib": _measured("budget_gib")},
-            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None, **inputs):
+    def validate_inputs(cls, run_name=None, batch_size=None, **inputs):
         return _validate(run_name, {"batch_size": batch_size}, SWEEP.values(inputs))
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Every queue measures again (ComfyUI would otherwise reuse the cached result)."""
         return float("nan")
 
+    @classmethod
     @public_errors
-    def sweep(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, attention_offload_modes,
-              budget_gib, lora_config=None, unique_id=None):
-        host = current_host()
+    def execute(cls, model, dataset, batch_size, warmup_steps, measured_steps, run_name, attention_offload_modes,
+                budget_gib, lora_config=None):
+        host, unique_id = current_host(), cls.hidden.unique_id
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         measure = api.MeasureConfig.create(**SWEEP.values({
@@ -136,42 +139,39 @@ class CheckpointingSweep:
         image = rgb.float().div(255.0).unsqueeze(0)
         table = paths["markdown"].read_text()
         subfolder = folder.resolve().relative_to(host.output_dir.resolve()).as_posix()
-        return {"ui": {"text": [table], "images": [{"filename": "sweep.png", "subfolder": subfolder, "type": "output"}]},
-                "result": (image, table)}
+        return io.NodeOutput(image, table, ui={"text": [table], "images": [
+            {"filename": "sweep.png", "subfolder": subfolder, "type": "output"}]})
 
 
-class SchedulePlanner:
+class SchedulePlanner(io.ComfyNode):
     """Picks the fastest schedule predicted to fit a memory budget; wires into Train LoRA."""
 
-    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "plan", True
-    RETURN_TYPES, RETURN_NAMES = (SCHEDULE, "STRING"), ("schedule", "report")
+    @classmethod
+    def define_schema(cls):
+        own = {"run_name": io.String.Input("run_name", default="plan", tooltip="Name of the planner's files: each "
+                                           "queue writes output/segckpt/<run_name>_00001, _00002, ..."),
+               "measured_steps": _measured("timing_steps", "measured_steps")}
+        return io.Schema(
+            node_id="SegCkptSchedulePlanner", display_name="Schedule Planner", category=CATEGORY, is_output_node=True,
+            inputs=[*_run_inputs(**own),
+                    _measured("budget_gib", tooltip="Memory budget in GiB; 0 = fit this device (its total memory)."),
+                    Sockets.lora_config.Input("lora_config", optional=True, tooltip=LORA_INPUT)],
+            outputs=[Sockets.schedule.Output(display_name="schedule"), io.String.Output(display_name="report")],
+            hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        inputs = _run_inputs()
-        inputs["run_name"] = ("STRING", tip("Name of the planner's files: each queue writes output/segckpt/"
-                                            "<run_name>_00001, _00002, ...", default="plan"))
-        inputs["measured_steps"] = _measured("timing_steps")
-        return {
-            "required": {**inputs, "budget_gib": _measured(
-                "budget_gib", tooltip="Memory budget in GiB; 0 = fit this device (its total memory).")},
-            "optional": {"lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16."))},
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, run_name=None, batch_size=None, **inputs):
+    def validate_inputs(cls, run_name=None, batch_size=None, **inputs):
         return _validate(run_name, {"batch_size": batch_size}, _plan_values(inputs))
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Every queue measures again (ComfyUI would otherwise reuse the cached result)."""
         return float("nan")
 
+    @classmethod
     @public_errors
-    def plan(self, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None,
-             unique_id=None):
-        host = current_host()
+    def execute(cls, model, dataset, batch_size, warmup_steps, measured_steps, run_name, budget_gib, lora_config=None):
+        host, unique_id = current_host(), cls.hidden.unique_id
         folder = numbered_run(host.output_dir / "segckpt", run_name)
         config = _config(model, dataset, batch_size, lora_config, folder)
         measure = api.MeasureConfig.create(**_plan_values({"warmup_steps": warmup_steps,
@@ -185,4 +185,4 @@ class SchedulePlanner:
                    + (f", measured {choice.measured_peak_bytes / 2**30:.3g} GiB" if choice.measured_peak_bytes else "")
                    + f" (budget {choice.budget_bytes / 2**30:.3g} GiB)")
         text = host.public(node_words(summary + "\n\n" + report))
-        return {"ui": {"text": [text]}, "result": (FamilySchedule(model.family.name, chosen), text)}
+        return io.NodeOutput(FamilySchedule(model.family.name, chosen), text, ui={"text": [text]})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+import io as bytes_io
 import json
 from pathlib import Path
 
@@ -12,28 +12,29 @@ from PIL import Image
 from ..engine import api
 from .environment import current_host, public_errors
 from .messages import node_words
-from .payloads import CATEGORY, RUN
+from .payloads import CATEGORY, Sockets
+from .v3 import io
 
 
-class LossGraph:
+class LossGraph(io.ComfyNode):
     """The loss per optimizer step and beneath it the loss by noise level (report.json's
     ``loss_by_noise_level``: mean unweighted loss and sample count per sigma bin) as an IMAGE
     (``(1, H, W, 3)`` float in [0, 1]), also saved as ``loss.png`` in the run folder and shown on the node."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "plot", ("IMAGE",), ("image",)
-    OUTPUT_NODE = True
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptLossGraph", display_name="Loss Graph", category=CATEGORY, is_output_node=True,
+                         inputs=[Sockets.run.Input("run", tooltip="From Train LoRA.")],
+                         outputs=[io.Image.Output(display_name="image")])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
-
     @public_errors
-    def plot(self, run):
+    def execute(cls, run):
         result = run
         rgb = api.loss_curve_rgb(result.history, f"{result.plan.family} - {result.plan.mode}",
                                  noise_levels=result.report.get("loss_by_noise_level"))
         run_dir = Path(result.config.outputs.output)
-        png = io.BytesIO()
+        png = bytes_io.BytesIO()
         Image.fromarray(rgb).save(png, format="PNG")
         api.atomic_write_bytes(run_dir / "loss.png", png.getvalue())
         output_dir = current_host().output_dir.resolve()
@@ -42,20 +43,21 @@ class LossGraph:
             subfolder = run_dir.resolve().relative_to(output_dir).as_posix()
             shown = [{"filename": "loss.png", "subfolder": subfolder, "type": "output"}]
         image = torch.from_numpy(rgb).float().div(255.0).unsqueeze(0)
-        return {"ui": {"images": shown}, "result": (image,)}
+        return io.NodeOutput(image, ui={"images": shown})
 
 
-class RunReport:
+class RunReport(io.ComfyNode):
     """sec/step, peak memory and the effective per-block plan, as text."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES, OUTPUT_NODE = CATEGORY, "report", ("STRING",), ("report",), True
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptRunReport", display_name="Run Report", category=CATEGORY, is_output_node=True,
+                         inputs=[Sockets.run.Input("run", tooltip="From Train LoRA.")],
+                         outputs=[io.String.Output(display_name="report")])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"run": (RUN, {"tooltip": "From Train LoRA."})}}
-
     @public_errors
-    def report(self, run):
+    def execute(cls, run):
         result = run
         totals = result.report["totals"]
         sec = totals["sec_per_step"]
@@ -85,4 +87,4 @@ class RunReport:
             lines.append(api.render_receipt(report["receipt"]))
         lines.append(f"report: {current_host().public(str(result.report_path))}")
         text = current_host().public(node_words("\n".join(lines)))
-        return {"ui": {"text": [text], "plan": [json.dumps(result.plan.to_dict())]}, "result": (text,)}
+        return io.NodeOutput(text, ui={"text": [text], "plan": [json.dumps(result.plan.to_dict())]})

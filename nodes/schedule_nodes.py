@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ..engine import api
 from .environment import node_error, public_errors
-from .payloads import CATEGORY, OFFLOAD, SCHEDULE, WEIGHT_OFFLOAD, FamilySchedule, OffloadOptions, WeightOffload
-from .widgets import NodeOptions, tip, widget
+from .payloads import CATEGORY, FamilySchedule, OffloadOptions, Sockets, WeightOffload
+from .v3 import io
+from .widgets import NodeOptions, widget
 
 _KEYS = ("gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_interval",
          "gradient_checkpointing_segment_stride", "gradient_checkpointing_offload_attention",
@@ -17,22 +18,22 @@ _SAVE = "gradient_checkpointing_save_attention"
 _STREAM = ("weight_offload", "weight_offload_blocks", "weight_offload_prefetch")
 
 
-class GradientCheckpointingSchedule:
+class GradientCheckpointingSchedule(io.ComfyNode):
     """The six gradient-checkpointing keys (SimpleTuner names) for one family; 0 = unset for
     interval and stride. Outputs a :class:`~.payloads.FamilySchedule`."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (SCHEDULE,), ("schedule",)
     OPTIONS = NodeOptions({key: key for key in _KEYS + (_SAVE,)}, zero_unset=_KEYS[2:4])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "family": widget("family", tooltip="Family this schedule is for: the block strip shows its plan, and a "
-                             "backend the family cannot run is refused when the prompt is queued. Train LoRA refuses "
-                             "a model of another family."),
-            **{key: widget(key, extra=" 0 = unset." if key in cls.OPTIONS.zero_unset else "",
-                           zero_unset=key in cls.OPTIONS.zero_unset) for key in _KEYS},
-        }, "optional": {_SAVE: widget(_SAVE)}}
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptSchedule", display_name="Gradient Checkpointing Schedule", category=CATEGORY,
+                         inputs=[widget("family", tooltip="Family this schedule is for: the block strip shows its "
+                                        "plan, and a backend the family cannot run is refused when the prompt is "
+                                        "queued. Train LoRA refuses a model of another family."),
+                                 *[widget(key, extra=" 0 = unset." if key in cls.OPTIONS.zero_unset else "",
+                                          zero_unset=key in cls.OPTIONS.zero_unset) for key in _KEYS],
+                                 widget(_SAVE, optional=True)],
+                         outputs=[Sockets.schedule.Output(display_name="schedule")])
 
     @classmethod
     def schedule(cls, family: str | None = None, **keys) -> api.CheckpointSchedule:
@@ -48,7 +49,7 @@ class GradientCheckpointingSchedule:
         return cls.OPTIONS.config(keys, api.TrainConfig(schedule=api.CheckpointSchedule()), family=family).schedule
 
     @classmethod
-    def VALIDATE_INPUTS(cls, family=None, **keys):
+    def validate_inputs(cls, family=None, **keys):
         # ComfyUI skips its own checks of the inputs a validator takes: the config's validator
         # checks them all (and the keys that can be wrong together). Raised, not returned: a
         # returned message would be listed once per input, a raised one once for this node.
@@ -58,57 +59,63 @@ class GradientCheckpointingSchedule:
             raise node_error(exc) from None
         return True
 
+    @classmethod
     @public_errors
-    def build(self, family, **keys):
-        return (FamilySchedule(family, self.schedule(family, **keys)),)
+    def execute(cls, family, **keys):
+        return io.NodeOutput(FamilySchedule(family, cls.schedule(family, **keys)))
 
 
-class ActivationOffloadOptions:
+class ActivationOffloadOptions(io.ComfyNode):
     """Offload options that override the schedule's when connected to Train LoRA."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (OFFLOAD,), ("offload",)
     OPTIONS = NodeOptions({key: key for key in _OFFLOAD})
     DEFAULTS = {"gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True}
     """This node's defaults: offloading on (the schedule's own defaults keep it off)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {key: widget(key, **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
-                             for key in _OFFLOAD}}
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptOffloadOptions", display_name="Activation Offload Options", category=CATEGORY,
+                         inputs=[widget(key, **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
+                                 for key in _OFFLOAD],
+                         outputs=[Sockets.offload.Output(display_name="offload")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
+    def validate_inputs(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @classmethod
     @public_errors
-    def build(self, **keys):
-        return (OffloadOptions(**keys),)
+    def execute(cls, **keys):
+        return io.NodeOutput(OffloadOptions(**keys))
 
 
-class WeightOffloadOptions:
+class WeightOffloadOptions(io.ComfyNode):
     """Weight-streaming options that override the schedule's when connected to Train LoRA: the frozen
     weights of some or all blocks live in host memory and are copied to the device before each use.
     0 = all blocks for ``weight_offload_blocks``. Outputs a :class:`~.payloads.WeightOffload`."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "build", (WEIGHT_OFFLOAD,), ("weight_offload",)
     OPTIONS = NodeOptions({key: key for key in _STREAM}, zero_unset=_STREAM[1:2])
     DEFAULTS = {"weight_offload": "stream"}
     """This node's defaults: streaming on (the schedule's own default keeps every weight resident)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {key: widget(key, extra=" 0 = all." if key in cls.OPTIONS.zero_unset else "",
-                                         zero_unset=key in cls.OPTIONS.zero_unset,
-                                         **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
-                             for key in _STREAM}}
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptWeightOffload", display_name="Weight Offload Options (stream frozen weights)",
+                         category=CATEGORY,
+                         inputs=[widget(key, extra=" 0 = all." if key in cls.OPTIONS.zero_unset else "",
+                                        zero_unset=key in cls.OPTIONS.zero_unset,
+                                        **({"default": cls.DEFAULTS[key]} if key in cls.DEFAULTS else {}))
+                                 for key in _STREAM],
+                         outputs=[Sockets.weight_offload.Output(display_name="weight_offload")])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
+    def validate_inputs(cls, **inputs):
         return cls.OPTIONS.validate(inputs)
 
+    @classmethod
     @public_errors
-    def build(self, **keys):
-        return (WeightOffload(**self.OPTIONS.values(keys)),)
+    def execute(cls, **keys):
+        return io.NodeOutput(WeightOffload(**cls.OPTIONS.values(keys)))
 
 
-__all__ = ["ActivationOffloadOptions", "GradientCheckpointingSchedule", "WeightOffloadOptions", "tip"]
+__all__ = ["ActivationOffloadOptions", "GradientCheckpointingSchedule", "WeightOffloadOptions"]

@@ -28,21 +28,9 @@ from .environment import (
     public_errors,
 )
 from .live import LiveRun
-from .payloads import (
-    CATEGORY,
-    DATASET,
-    GUARDRAILS,
-    LORA_CONFIG,
-    MODEL,
-    NOISE_SCHEDULE,
-    OFFLOAD,
-    RUN,
-    SCHEDULE,
-    WEIGHT_OFFLOAD,
-    AnyType,
-    ModelSource,
-)
-from .widgets import NodeOptions, tip, widget
+from .payloads import CATEGORY, ModelSource, Sockets
+from .v3 import io
+from .widgets import NodeOptions, widget
 
 OPTIONS = NodeOptions({"steps": "steps", "learning_rate": "learning_rate", "lr_scheduler": "lr_scheduler",
                        "batch_size": "batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
@@ -137,66 +125,17 @@ def run_config(inputs: dict[str, Any], model: ModelSource | None = None, schedul
     return config
 
 
-class TrainLoRA:
+class TrainLoRA(io.ComfyNode):
     """Runs the training steps on its own copy of the model (loaded for the run, released after it)."""
 
-    CATEGORY, FUNCTION, RETURN_TYPES, RETURN_NAMES = CATEGORY, "train", (RUN,), ("run",)
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="SegCkptTrainLoRA", display_name="Train LoRA (gradient checkpointing)",
+                         category=CATEGORY, inputs=_train_inputs(), outputs=[Sockets.run.Output(display_name="run")],
+                         hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": (MODEL, tip("From Load Diffusion Model.")),
-                "schedule": (SCHEDULE, tip("From Gradient Checkpointing Schedule.")),
-                **{name: widget(name) for name in ("steps", "learning_rate", "lr_scheduler", "batch_size",
-                                                   "gradient_accumulation_steps", "seed")},
-                "run_name": ("STRING", tip("Name of the run: each queue trains into a new folder output/segckpt/"
-                                           "<run_name>_00001, _00002, ...", default="lora_run")),
-                "resume": widget("resume", tooltip="Continue the latest run of this name from its saved state (the "
-                                 "options that shape the run must match it; steps may grow)."),
-            },
-            "optional": {
-                "dataset": (DATASET, tip("From Image+Caption Dataset; or connect latent and conditioning instead "
-                                         "(one data source).")),
-                "latent": ("LATENT", tip("Instead of dataset: the training images' latents from VAE Encode (a "
-                                         "batch), encoded with this model's VAE; used with conditioning.")),
-                "conditioning": ("CONDITIONING", tip(
-                    "With latent: from CLIP Text Encode, one conditioning for all images, or one entry per image "
-                    "in the latents' order (as ComfyUI's own Train LoRA). Families without a ComfyUI latent "
-                    "mapping are refused when the run starts.")),
-                "images": ("IMAGE", tip(
-                    "Instead of dataset: a clip's frames (Load Video -> Get Video Components, Video Helper Suite) "
-                    "for a video family, trained as one clip of the most frames its rule allows (Wan: 4k+1); or "
-                    "images for an image family. Trained at their own size, cropped to the model's pixel multiple; "
-                    "encoded with the vae input, else the model's own VAE.")),
-                "caption": ("STRING", tip("With images: their caption.", default="", multiline=True)),
-                "offload": (OFFLOAD, tip("Optional: overrides the schedule's backend and offload keys.")),
-                "weight_offload": (WEIGHT_OFFLOAD, tip(
-                    "Optional, from Weight Offload Options: the blocks' frozen weights stay in host memory and "
-                    "stream to the device before each use (saves device memory, costs copies); overrides the "
-                    "schedule's weight_offload keys.")),
-                "lora_config": (LORA_CONFIG, tip("Optional: default rank 16, alpha 16.")),
-                "noise_schedule": (NOISE_SCHEDULE, tip(
-                    "Optional, from Noise Schedule: timestep sampling, flow shift, loss weighting, guidance; default: "
-                    "logit-normal noise levels at the family's own inference shift, unweighted, guidance 1.")),
-                "guardrails": (GUARDRAILS, tip("Optional, from Fit Guardrails: a pre-flight memory verdict before "
-                                               "step 1, out-of-memory recovery, the slowdown watchdog.")),
-                "attention_backend": widget("attention_backend"),
-                "compile_blocks": widget("compile_blocks"),
-                "on_nonfinite": widget("on_nonfinite"),
-                "preview_every": widget("validation_every", extra=" Shown on this node while it trains; with latent "
-                                        "+ conditioning, connect the VAE that encoded them."),
-                "vae": ("VAE", tip("Optional: decodes the previews of a run on ComfyUI latents (the VAE of VAE "
-                                   "Encode).")),
-                # after the widgets above: a saved workflow's widgets_values map by position
-                "optimizer": widget("optimizer"),
-                "max_grad_norm": widget("max_grad_norm"),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, **inputs):
+    def validate_inputs(cls, **inputs):
         # ComfyUI passes None for a linked input (its value is not known yet) and leaves an
         # unconnected optional input out, so which data inputs are connected is known at /prompt.
         # The model's family is not (it is another node's widget): a family without a ComfyUI
@@ -210,7 +149,7 @@ class TrainLoRA:
         return True
 
     @classmethod
-    def IS_CHANGED(cls, **inputs):
+    def fingerprint_inputs(cls, **inputs):
         """Every queue trains a new run (ComfyUI would otherwise reuse the cached result of an
         unchanged graph): NaN never equals the previous value."""
         return float("nan")
@@ -225,8 +164,9 @@ class TrainLoRA:
         """
         return run_config({k: v for k, v in inputs.items() if v is not None}, find_run=False)
 
+    @classmethod
     @public_errors
-    def train(self, model, schedule, unique_id=None, **inputs):
+    def execute(cls, model, schedule, **inputs):
         if schedule.family != model.family.name:
             raise ValueError(f"schedule is for family {schedule.family!r} but the model is {model.family.name!r}: "
                              "set the Gradient Checkpointing Schedule node's family to the model's")
@@ -251,7 +191,7 @@ class TrainLoRA:
                 previews = api.comfy_preview_source(bundle.family, prepared, inputs["vae"],
                                                     config.validation.validation_frames,
                                                     config.data.frame_rate)
-        live = LiveRun(host, unique_id, config)
+        live = LiveRun(host, cls.hidden.unique_id, config)
         if released:  # what ComfyUI unloaded: on the console and on the node
             for line in released:
                 live.log(line)
@@ -273,42 +213,42 @@ class TrainLoRA:
                        "(raise steps to continue it)"])
         # ComfyUI keeps node outputs in its cache: hand on the LoRA, not the trained model copy (its
         # frozen weights, the runner and its host buffers are released here)
-        return (result.without_model(),)
+        return io.NodeOutput(result.without_model())
 
 
-class SaveLoRA:
+class SaveLoRA(io.ComfyNode):
     """Writes the trained LoRA into ``models/loras`` as ``<prefix>_00001.safetensors``, ``_00002``, ...
     (never over an earlier file). Its default ``lora_format`` (``comfyui``) writes the family's
     released-layout names, which ComfyUI's own ``LoraLoaderModelOnly`` applies with every key, so the
     ``lora_name`` output can feed that loader in the same graph; ``diffusers`` writes diffusers'
     names, ``both`` the two files (``lora_name`` then names the ComfyUI one)."""
 
-    CATEGORY, FUNCTION, OUTPUT_NODE = CATEGORY, "save", True
-    RETURN_TYPES, RETURN_NAMES = (AnyType("*"),), ("lora_name",)
+    @classmethod
+    def define_schema(cls):
+        # the output's type "*" matches any input: the file name feeds a LoRA loader's lora_name
+        return io.Schema(node_id="SegCkptSaveLoRA", display_name="Save LoRA", category=CATEGORY, is_output_node=True,
+                         inputs=[Sockets.run.Input("run", tooltip="From Train LoRA."),
+                                 io.String.Input("filename_prefix", default="segckpt_lora", tooltip=(
+                                     "File name under models/loras (no '..', no absolute path); a number is added: "
+                                     "prefix_00001.safetensors, ...")),
+                                 widget("lora_format", optional=True, default="comfyui", tooltip=(
+                                     "comfyui: the names this graph's LoraLoaderModelOnly applies (the family's "
+                                     "released layout); diffusers: transformer.* names for diffusers' "
+                                     "load_lora_weights; both: the two files (the diffusers one as "
+                                     "<name>_diffusers.safetensors)."))],
+                         outputs=[io.AnyType.Output(display_name="lora_name")])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "run": (RUN, tip("From Train LoRA.")),
-            "filename_prefix": ("STRING", tip("File name under models/loras (no '..', no absolute path); a number "
-                                              "is added: prefix_00001.safetensors, ...", default="segckpt_lora")),
-        }, "optional": {
-            "lora_format": widget("lora_format", default="comfyui", tooltip=(
-                "comfyui: the names this graph's LoraLoaderModelOnly applies (the family's released layout); "
-                "diffusers: transformer.* names for diffusers' load_lora_weights; both: the two files "
-                "(the diffusers one as <name>_diffusers.safetensors).")),
-        }}
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, filename_prefix):
+    def validate_inputs(cls, filename_prefix):
         try:  # raised, as every node's refusal (``routes.name_inputs`` names the input)
             contained(current_host().loras_dir, filename_prefix, "filename_prefix")
         except PathError as exc:
             raise node_error(exc) from None
         return True
 
+    @classmethod
     @public_errors
-    def save(self, run, filename_prefix, lora_format="comfyui"):
+    def execute(cls, run, filename_prefix, lora_format="comfyui"):
         """Write the files; ``lora_name`` is the ComfyUI one's (the only one's) name under models/loras.
 
         Raises:
@@ -336,7 +276,7 @@ class SaveLoRA:
             extra = "".join(f", {kind}: {p.name}" for kind, p in files.items() if p != path)
             trained = f"; 0 trained in this run (nothing left after step {run.resumed_at})" if run.trained_steps == 0 else ""
             text = f"saved models/loras/{name} ({fmt}; {steps}{trained}{extra})"
-        return {"ui": {"text": [text]}, "result": (name,)}
+        return io.NodeOutput(name, ui={"text": [text]})
 
 
 def _same_earlier_file(path: Path, prefix: str) -> Path | None:
@@ -348,3 +288,53 @@ def _same_earlier_file(path: Path, prefix: str) -> Path | None:
         return earlier[0] if earlier and api.same_safetensors(earlier[0], path) else None
     except ValueError:  # a damaged earlier file is not this LoRA
         return None
+
+
+def _train_inputs() -> list:
+    """Train LoRA's inputs: required, then optional, each in the order saved workflows' widget values
+    follow (new ones last)."""
+    return [
+        Sockets.model.Input("model", tooltip="From Load Diffusion Model."),
+        Sockets.schedule.Input("schedule", tooltip="From Gradient Checkpointing Schedule."),
+        *[widget(name) for name in ("steps", "learning_rate", "lr_scheduler", "batch_size",
+                                    "gradient_accumulation_steps", "seed")],
+        io.String.Input("run_name", default="lora_run", tooltip="Name of the run: each queue trains into a new folder "
+                        "output/segckpt/<run_name>_00001, _00002, ..."),
+        widget("resume", tooltip="Continue the latest run of this name from its saved state (the options that shape "
+               "the run must match it; steps may grow)."),
+        Sockets.dataset.Input("dataset", optional=True, tooltip="From Image+Caption Dataset; or connect latent and "
+                              "conditioning instead (one data source)."),
+        io.Latent.Input("latent", optional=True, tooltip="Instead of dataset: the training images' latents from VAE "
+                        "Encode (a batch), encoded with this model's VAE; used with conditioning."),
+        io.Conditioning.Input("conditioning", optional=True, tooltip=(
+            "With latent: from CLIP Text Encode, one conditioning for all images, or one entry per image in the "
+            "latents' order (as ComfyUI's own Train LoRA). Families without a ComfyUI latent mapping are refused "
+            "when the run starts.")),
+        io.Image.Input("images", optional=True, tooltip=(
+            "Instead of dataset: a clip's frames (Load Video -> Get Video Components, Video Helper Suite) for a video "
+            "family, trained as one clip of the most frames its rule allows (Wan: 4k+1); or images for an image "
+            "family. Trained at their own size, cropped to the model's pixel multiple; encoded with the vae input, "
+            "else the model's own VAE.")),
+        io.String.Input("caption", optional=True, default="", multiline=True, tooltip="With images: their caption."),
+        Sockets.offload.Input("offload", optional=True, tooltip="Optional: overrides the schedule's backend and "
+                              "offload keys."),
+        Sockets.weight_offload.Input("weight_offload", optional=True, tooltip=(
+            "Optional, from Weight Offload Options: the blocks' frozen weights stay in host memory and stream to the "
+            "device before each use (saves device memory, costs copies); overrides the schedule's weight_offload "
+            "keys.")),
+        Sockets.lora_config.Input("lora_config", optional=True, tooltip="Optional: default rank 16, alpha 16."),
+        Sockets.noise_schedule.Input("noise_schedule", optional=True, tooltip=(
+            "Optional, from Noise Schedule: timestep sampling, flow shift, loss weighting, guidance; default: "
+            "logit-normal noise levels at the family's own inference shift, unweighted, guidance 1.")),
+        Sockets.guardrails.Input("guardrails", optional=True, tooltip=(
+            "Optional, from Fit Guardrails: a pre-flight memory verdict before step 1, out-of-memory recovery, the "
+            "slowdown watchdog.")),
+        *[widget(name, optional=True) for name in ("attention_backend", "compile_blocks", "on_nonfinite")],
+        widget("validation_every", "preview_every", optional=True, extra=" Shown on this node while it trains; with "
+               "latent + conditioning, connect the VAE that encoded them."),
+        io.Vae.Input("vae", optional=True, tooltip="Optional: decodes the previews of a run on ComfyUI latents (the VAE "
+                     "of VAE Encode)."),
+        # after the widgets above: a saved workflow's widgets_values map by position
+        widget("optimizer", optional=True),
+        widget("max_grad_norm", optional=True),
+    ]

@@ -1,10 +1,11 @@
 """Node inputs generated from the engine's option metadata (``engine/config/``), and the config a
 node's widget values make.
 
-A widget is declared once, in the option's field: its type (INT, FLOAT, BOOLEAN, STRING or a
-combo of its choices), default, bounds, step and tooltip come from there, so a node, the CLI and
+A widget is declared once, in the option's field: its V3 input (``io.Int``, ``io.Float``,
+``io.Boolean``, ``io.String`` or an ``io.Combo`` of its choices), default, bounds, step and tooltip
+come from there, so a node, the CLI and
 docs/OPTIONS.md say the same thing and accept the same values. A node names each of its widgets' option
-keys (``NodeOptions``); its ``VALIDATE_INPUTS`` builds the engine config from the values, so the
+keys (``NodeOptions``); its ``validate_inputs`` builds the engine config from the values, so the
 config's own validator refuses what the engine would refuse, before the prompt runs.
 """
 
@@ -16,21 +17,19 @@ from typing import Any, Mapping
 from ..engine import api
 from . import messages
 from .environment import node_error
+from .v3 import io
 
-_KINDS = {bool: "BOOLEAN", int: "INT", float: "FLOAT", str: "STRING", tuple: "STRING"}
+_TYPES = {bool: io.Boolean, int: io.Int, float: io.Float, str: io.String, tuple: io.String}
 _MISSING = object()
 
 
-def tip(text: str, **spec: Any) -> dict:
-    """A widget's options with its tooltip."""
-    return {"tooltip": text, **spec}
-
-
-def widget(key: str, *, default: Any = _MISSING, tooltip: str | None = None, extra: str = "",
-           zero_unset: bool = False, options: tuple[api.Option, ...] = api.OPTIONS) -> tuple[Any, dict]:
-    """The ComfyUI input spec of option ``key``: ``(type or choices, {default, min, max, step, tooltip})``.
+def widget(key: str, name: str | None = None, *, optional: bool = False, default: Any = _MISSING,
+           tooltip: str | None = None, extra: str = "", zero_unset: bool = False,
+           options: tuple[api.Option, ...] = api.OPTIONS) -> io.Input:
+    """The V3 input of option ``key``: its type (a combo of its choices), default, min, max, step, tooltip.
 
     Args:
+        name: the node's input name (default: ``key``). optional: an optional input.
         default: the node's default when it differs from the engine's (the Offload node's backend).
         tooltip: the node's own text instead of the option's help; extra: appended to it.
         zero_unset: an optional integer shown as 0 when unset (the schedule's interval and stride).
@@ -38,21 +37,20 @@ def widget(key: str, *, default: Any = _MISSING, tooltip: str | None = None, ext
     """
     opt = api.option_named(key, options)
     value = opt.default if default is _MISSING else default
-    spec = tip((tooltip or opt.help) + extra)
+    spec = {"optional": optional, "tooltip": (tooltip or opt.help) + extra}
     if opt.choices is not None:
-        return list(opt.choices), {**spec, "default": value}
-    kind = _KINDS[opt.type]
-    if kind == "STRING":
-        return kind, {**spec, "default": ", ".join(map(str, value)) if isinstance(value, tuple) else value or ""}
-    if kind == "BOOLEAN":
-        return kind, {**spec, "default": value}
+        return io.Combo.Input(name or key, options=list(opt.choices), default=value, **spec)
+    kind = _TYPES[opt.type]
+    if kind is io.String:
+        return kind.Input(name or key, default=", ".join(map(str, value)) if isinstance(value, tuple) else value or "",
+                          **spec)
+    if kind is io.Boolean:
+        return kind.Input(name or key, default=value, **spec)
     low, high = opt.bounds
     if zero_unset:
         low, value = 0, value or 0
-    bounds = {"min": low} if low is not None else {}
-    bounds |= {"max": high} if high is not None else {}
-    step = opt.meta["multiple"] or opt.meta["step"]
-    return kind, {**spec, "default": value, **bounds, **({"step": step} if step else {})}
+    return kind.Input(name or key, default=value, min=low, max=high, step=opt.meta["multiple"] or opt.meta["step"] or None,
+                      **spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +88,7 @@ class NodeOptions:
         return (base or api.TrainConfig()).replace(**self.values(inputs), **changes)
 
     def validate(self, inputs: Mapping[str, Any], base: api.TrainConfig | None = None) -> bool:
-        """A node's ``VALIDATE_INPUTS``: True when the engine takes the option values of ``inputs``.
+        """A node's ``validate_inputs``: True when the engine takes the option values of ``inputs``.
 
         Raises:
             NodeError: the engine's message, naming the node's inputs (:func:`~.environment.node_error`).

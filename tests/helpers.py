@@ -43,7 +43,7 @@ def verdict(cls, **inputs):
     """What ComfyUI reports for a node's VALIDATE_INPUTS: True, or the message (raised, so that
     ComfyUI lists it once; a returned one would be listed once per input the validator takes)."""
     try:
-        return cls.VALIDATE_INPUTS(**inputs)
+        return cls.validate_inputs(**inputs)
     except ValueError as exc:
         return str(exc)
 
@@ -190,3 +190,46 @@ def refuse_to_build_models(monkeypatch, before: str) -> None:
 
     monkeypatch.setattr(setup, "load_bundle", refuse)
     monkeypatch.setattr(loading, "load_bundle", refuse)  # the facade's load_model imports it when called
+
+
+def object_info_as_v1(info: dict) -> dict:
+    """A node's ``/object_info`` entry with what ComfyUI's V3 schema adds undone, to compare with the
+    entries recorded from the pack's classic (V1) nodes (``tests/nodes/fixtures/object_info.json``,
+    ComfyUI 0.3.64). What V3 adds (``comfy_api/latest/_io.py``, ``Schema.get_v1_info``), all of it:
+
+    - ``output_tooltips`` (``None`` per output: none has one), ``deprecated``, ``experimental`` and
+      ``api_node`` (``False``): V1 lists them only when a node sets them;
+    - a combo as ``["COMBO", {"options": [...], "multiselect": false, ...}]`` for V1's ``[[...], {...}]``;
+    - a STRING widget's ``"multiline": false``;
+    - a hidden input as ``[TYPE]`` for V1's ``TYPE``, and an output node's hidden ``prompt`` and
+      ``extra_pnginfo`` (``Schema.finalize``).
+
+    Anything else that differs is left as it is, so that the comparison fails on it.
+    """
+    import json
+
+    info = json.loads(json.dumps(info))  # tuples as lists, as the JSON of /object_info has them
+    if info.get("output_tooltips") == [None] * len(info["output"]):
+        del info["output_tooltips"]
+    for key in ("deprecated", "experimental", "api_node"):
+        if info.get(key) is False:
+            del info[key]
+    hidden, order = info["input"].get("hidden", {}), info["input_order"]
+    for name, kind in (("prompt", "PROMPT"), ("extra_pnginfo", "EXTRA_PNGINFO")):
+        if info["output_node"] and hidden.get(name) == [kind]:
+            del hidden[name]
+            order["hidden"].remove(name)
+    info["input"]["hidden"] = {name: kind[0] if isinstance(kind, list) and len(kind) == 1 else kind
+                               for name, kind in hidden.items()}
+    if not info["input"]["hidden"]:
+        del info["input"]["hidden"]
+        order.pop("hidden", None)
+    for section in ("required", "optional"):
+        for name, (kind, *options) in info["input"].get(section, {}).items():
+            spec = dict(options[0]) if options else {}
+            if kind == "COMBO" and spec.pop("multiselect", None) is False:
+                info["input"][section][name] = [spec.pop("options"), spec]
+            elif kind == "STRING" and spec.get("multiline") is False:
+                del spec["multiline"]
+                info["input"][section][name] = [kind, spec]
+    return info

@@ -22,13 +22,14 @@ def test_folder_imports_under_any_name_like_comfyui_custom_nodes(tmp_path):
         "submodule_search_locations=[str(__import__('pathlib').Path(path).parent)])\n"
         "module = importlib.util.module_from_spec(spec); sys.modules['My-Pack_copy'] = module\n"
         "spec.loader.exec_module(module)\n"
-        "print(module.WEB_DIRECTORY, type(module.NODE_CLASS_MAPPINGS).__name__)\n"
+        "print(module.WEB_DIRECTORY, hasattr(module, 'NODE_CLASS_MAPPINGS'), hasattr(module, 'comfy_entrypoint'))\n"
         "engine = importlib.import_module('My-Pack_copy.engine.train.loop')\n"
         "print(engine.__name__)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "./web dict" in result.stdout and "My-Pack_copy.engine.train.loop" in result.stdout
+    # no node classes without ComfyUI; inside it the V3 entry point alone (a V1 mapping would hide it)
+    assert "./web False False" in result.stdout and "My-Pack_copy.engine.train.loop" in result.stdout
 
 
 def test_engine_imports_without_comfyui():

@@ -100,8 +100,8 @@ def _pack_nodes() -> dict:
 def _spec(kind: str) -> tuple[dict, list[tuple[str, str]]]:
     """A node type's ``INPUT_TYPES()`` and outputs ``(name, type)``: read from our classes, or ``CORE_NODES``."""
     if kind not in CORE_NODES:
-        cls = _pack_nodes()[kind]
-        return cls.INPUT_TYPES(), list(zip(getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES, cls.RETURN_TYPES))
+        info = _pack_nodes()[kind].GET_NODE_INFO_V1()  # what /object_info lists
+        return info["input"], list(zip(info["output_name"], info["output"]))
     inputs, outputs = CORE_NODES[kind]
     spec = {"required": {}, "optional": {}}
     for name, type_, *rest in inputs:
@@ -121,7 +121,8 @@ def declared(kind: str) -> tuple[list[Input], list[tuple[str, str]]]:
     inputs = []
     for section in ("required", "optional"):
         for name, entry in spec.get(section, {}).items():
-            choices, options = entry[0] if isinstance(entry[0], list) else [], entry[1] if len(entry) > 1 else {}
+            options = entry[1] if len(entry) > 1 else {}
+            choices = entry[0] if isinstance(entry[0], list) else options.get("options", [])  # V1 or V3 combo
             type_ = "COMBO" if choices else entry[0]
             control = type_ == "INT" and (name in ("seed", "noise_seed") or bool(options.get("control_after_generate")))
             default = options.get("default", choices[0] if choices else TYPE_DEFAULTS.get(type_))

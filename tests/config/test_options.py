@@ -112,8 +112,10 @@ def test_one_declaration_gives_flag_json_key_widget_and_options_row():
     with pytest.raises(ConfigError, match=r"throwaway_level=12 is invalid: allowed an integer from 1 to 9"):
         _RunWithThrowaway.create(throwaway_level=12)
     # the node widget with its range, and the node's config from its value
-    assert widget("throwaway_level", options=options) == (
-        "INT", {"tooltip": "A throwaway option of the data (test only).", "default": 3, "min": 1, "max": 9})
+    level = widget("throwaway_level", options=options)
+    assert (level.id, level.get_io_type(), level.as_dict()) == (
+        "throwaway_level", "INT", {"tooltip": "A throwaway option of the data (test only).", "default": 3, "min": 1,
+                                   "max": 9})
     node_options = NodeOptions({"level": "throwaway_level"})
     assert node_options.config({"level": 4}, _RunWithThrowaway()).data.throwaway_level == 4
     # its row of the options table (docs/OPTIONS.md), from the option tree or from its class

@@ -35,7 +35,7 @@ from segmented_checkpointing.engine.model.text_encoders import (
 )
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
-from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
+from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph, run_node
 
 QUIET = {"log": lambda line: None}
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "api" / "train_segmented_lora.api.json"
@@ -230,7 +230,7 @@ def base(tmp_path, monkeypatch):
 
 
 def _schedule(family):
-    return NODES["SegCkptSchedule"]().build(
+    return NODES["SegCkptSchedule"].execute(
         family=family, gradient_checkpointing=True, gradient_checkpointing_backend="torch",
         gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=0,
         gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=0)[0]
@@ -239,21 +239,20 @@ def _schedule(family):
 def test_train_lora_node_takes_latent_and_conditioning(base, image_runs):
     _, cache, _ = image_runs("flux")
     latent, conditioning = _as_comfy("flux", cache)
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0)
     with torch.inference_mode():  # as ComfyUI runs nodes
-        (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("flux"), steps=2, run_name="comfy",
-                                                    latent=latent, conditioning=conditioning[:1])
+        (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("flux"), steps=2, run_name="comfy",
+                          latent=latent, conditioning=conditioning[:1])
     report = run.report
     assert report["dataset"]["source"] == "ComfyUI LATENT + CONDITIONING" and report["config"]["data"] is None
     assert report["dataset"]["conditioning"] == "one for all images" and len(run.history) == 2
 
 
 def test_train_lora_node_refuses_a_family_without_mapping_before_any_work(base):
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("pixart", "(tiny preset)", 0)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("pixart", "(tiny preset)", 0)
     with pytest.raises(ValueError, match="family 'pixart' has no ComfyUI latent mapping"):
-        NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("pixart"), steps=1, run_name="px",
-                                          latent={"samples": torch.zeros(1, 4, 4, 4)},
-                                          conditioning=[[torch.zeros(1, 3, 32), {}]])
+        run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("pixart"), steps=1, run_name="px",
+                 latent={"samples": torch.zeros(1, 4, 4, 4)}, conditioning=[[torch.zeros(1, 3, 32), {}]])
     assert not (base / "output" / "segckpt" / "px").exists()
 
 
@@ -387,12 +386,11 @@ def test_train_lora_node_previews_decode_with_comfyuis_vae_and_reach_the_page(ba
     monkeypatch.setattr(training_nodes, "current_host", lambda: host)
     _, cache, _ = image_runs("flux")
     latent, conditioning = _as_comfy("flux", cache)
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0)
     vae = _RecordingVAE()
     with torch.inference_mode():
-        NODES["SegCkptTrainLoRA"]().train(model, schedule=_schedule("flux"), steps=3, run_name="seen",
-                                          latent=latent, conditioning=conditioning, vae=vae, preview_every=2,
-                                          unique_id="7")
+        run_node(NODES["SegCkptTrainLoRA"], model, schedule=_schedule("flux"), steps=3, run_name="seen",
+                 latent=latent, conditioning=conditioning, vae=vae, preview_every=2, node_id="7")
     previews = [data for event, data in events if event == "segckpt.preview"]
     assert [p["step"] for p in previews] == [2, 3] and all(p["node"] == "7" for p in previews)
     assert previews[0]["images"] == [{"filename": "step_00002_conditioning0.png",

@@ -215,9 +215,9 @@ def test_drop_workflow_shows_the_plan_strip_and_runs(browser_server, ui_file, tm
     if "SegCkptTrainLoRA" in types:
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
             && n.segckptLoss?.history.length === 3)""", timeout=30_000)
-    if "SegCkptFitGuardrails" in types:  # the pre-flight verdict, drawn on Train LoRA
+    if "SegCkptFitGuardrails" in types:  # the pre-flight verdict, drawn on Train LoRA (after the unload note)
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
-            && n.segckptNotes?.[0]?.startsWith('pre-flight:'))""", timeout=30_000)
+            && n.segckptNotes?.some(line => line.startsWith('pre-flight:')))""", timeout=30_000)
     if previews:  # the validation preview of step 3, loaded from the server and drawn on the node
         page.wait_for_function("""() => window.app.graph._nodes.some(n => n.type === 'SegCkptTrainLoRA'
             && n.segckptPreviews?.step === 3 && n.segckptPreviews.images[0]?.naturalWidth === 64)""", timeout=30_000)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import json
 import threading
 import uuid
 
 import pytest
-from live_comfyui import Server, Socket, api_workflow, comfyui_path, finished, queue
+from helpers import object_info_as_v1
+from live_comfyui import PACK_FOLDER, ROOT, Server, Socket, api_workflow, comfyui_path, finished, queue
 
 FAMILIES = ("wan", "qwenimage", "hunyuanvideo", "sd3")
 """Four families whose diffusers classes share one import cycle (diffusers -> loaders.peft -> accelerate)."""
@@ -22,6 +24,22 @@ def fresh_server(tmp_path):
     running = Server(comfyui_path(), tmp_path / "base")
     yield running
     running.stop()
+
+
+def test_the_v3_nodes_list_the_object_info_recorded_from_the_classic_ones(fresh_server):
+    """Issue 37: ComfyUI loads the pack through its V3 entry point, with no warning, and lists every
+    node as it listed the classic nodes (``tests/nodes/fixtures/object_info.json``, recorded from
+    the pack before the change on this server layout: an empty base folder), apart from what V3
+    adds (``helpers.object_info_as_v1`` names it), so saved workflows load as before."""
+    recorded = json.loads((ROOT / "tests" / "nodes" / "fixtures" / "object_info.json").read_text())
+    ours = {kind: entry for kind, entry in fresh_server.get("/object_info").items() if kind.startswith("SegCkpt")}
+    assert sorted(ours) == sorted(recorded)
+    assert all("output_tooltips" in entry for entry in ours.values())  # V3's rendering (V1 lists it only when set)
+    for kind, entry in ours.items():
+        assert object_info_as_v1(entry) == recorded[kind], kind
+    lines = [line for line in fresh_server.log().splitlines() if PACK_FOLDER in line or "comfy_entrypoint" in line]
+    assert len(lines) == 1 and "seconds:" in lines[0] and "IMPORT FAILED" not in lines[0], lines
+    assert "Traceback" not in fresh_server.log()
 
 
 def _plans_at_once(server: Server, families: tuple[str, ...]) -> dict[str, tuple[int, dict]]:

@@ -290,7 +290,7 @@ def test_lokr_factor_reaches_peft_and_shapes_the_kronecker_factors():
     from segmented_checkpointing.engine.model.adapters import peft_config
     from segmented_checkpointing.nodes.model_nodes import LoRAConfig
 
-    settings = LoRAConfig().build(rank=2, alpha=2, dropout=0.0, target_modules="proj", lora_type="lokr",
+    settings = LoRAConfig.execute(rank=2, alpha=2, dropout=0.0, target_modules="proj", lora_type="lokr",
                                   lokr_factor=2)[0]
     assert settings.factor == 2 and peft_config(settings, ["proj"]).decompose_factor == 2
     model = torch.nn.Sequential()
@@ -310,7 +310,7 @@ def test_a_full_matrix_lokr_keeps_both_factors_whole_and_scales_by_one():
     from segmented_checkpointing.engine.model.adapters import FULL_RANK, peft_config
     from segmented_checkpointing.nodes.model_nodes import LoRAConfig
 
-    settings = LoRAConfig().build(rank=2, alpha=1, dropout=0.0, target_modules="0", lora_type="lokr", lokr_factor=4,
+    settings = LoRAConfig.execute(rank=2, alpha=1, dropout=0.0, target_modules="0", lora_type="lokr", lokr_factor=4,
                                   lokr_full_matrix=True)[0]
     assert settings.full_matrix and peft_config(settings, ["0"]).r == peft_config(settings, ["0"]).alpha == FULL_RANK
     layer = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), peft_config(settings, ["0"])).base_model.model[0]

@@ -199,11 +199,11 @@ def test_node_lists_and_loads_files_from_the_model_folders(tmp_path, monkeypatch
     _write(tmp_path / "models" / "diffusion_models" / "tiny-sd3.safetensors", "sd3", original)
     _write(tmp_path / "models" / "checkpoints" / "sub" / "full.safetensors", "sd3", original, full_checkpoint=True)
     node = NODES["SegCkptLoadDiffusionModel"]
-    choices = node.INPUT_TYPES()["required"]["source"][0]
+    choices = node.INPUT_TYPES()["required"]["source"][1]["options"]
     assert {"diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"} <= set(choices)
     for source in ("diffusion_models/tiny-sd3.safetensors", "checkpoints/sub/full.safetensors"):
-        assert node.VALIDATE_INPUTS(source=source) is True
-        (model,) = node().load("sd3", source, 0, "fp32")
+        assert node.validate_inputs(source=source) is True
+        (model,) = node.execute("sd3", source, 0, "fp32")
         _assert_same_forward("sd3", original, model.load().transformer)
     for bad in ("diffusion_models/../../x.safetensors", "diffusion_models/missing.safetensors", "checkpoints/"):
         assert "source=" in verdict(node, source=bad)
@@ -222,7 +222,7 @@ def test_node_leaves_out_links_that_lead_outside_the_model_folders(tmp_path, mon
     (tmp_path / "comfy" / "models" / "unet").mkdir(parents=True)
     (tmp_path / "comfy" / "models" / "unet" / "link.safetensors").symlink_to(outside)
     node = NODES["SegCkptLoadDiffusionModel"]
-    assert "diffusion_models/link.safetensors" not in node.INPUT_TYPES()["required"]["source"][0]
+    assert "diffusion_models/link.safetensors" not in node.INPUT_TYPES()["required"]["source"][1]["options"]
     assert "leads outside" in verdict(node, source="diffusion_models/link.safetensors")
 
 

@@ -73,12 +73,12 @@ def test_the_node_lists_gguf_files_of_diffusion_models_and_unet_and_loads_them(t
         _stub_comfyui(monkeypatch, tmp_path, extra)
     else:
         monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))
-    choices = [c for c in NODE.INPUT_TYPES()["required"]["source"][0] if c.endswith(".gguf")]
+    choices = [c for c in NODE.INPUT_TYPES()["required"]["source"][1]["options"] if c.endswith(".gguf")]
     want = ["diffusion_models/flux-Q4_K_S.gguf", "diffusion_models/sub/flux-Q8_0.gguf"]
     assert choices == sorted(want + (["diffusion_models/wan-Q5_K_M.gguf"] if host == "comfyui" else []))
-    assert NODE.VALIDATE_INPUTS(source="diffusion_models/sub/flux-Q8_0.gguf") is True
+    assert NODE.validate_inputs(source="diffusion_models/sub/flux-Q8_0.gguf") is True
     assert "no such .safetensors file" in verdict(NODE, source="checkpoints/flux-Q8_0.gguf")
-    (source,) = NODE().load("flux", "diffusion_models/sub/flux-Q8_0.gguf", 0, "fp32")
+    (source,) = NODE.execute("flux", "diffusion_models/sub/flux-Q8_0.gguf", 0, "fp32")
     bundle = source.load()
     assert isinstance(bundle.transformer.transformer_blocks[0].attn.to_q, GGUFLinear)
 

@@ -43,7 +43,7 @@ def _run(steps=4, buckets=True, **guardrails):
     graph["2"]["inputs"].update(resolution=64, buckets=buckets)
     graph["4"]["inputs"].update(guardrails)
     results = run_graph(graph)
-    return results["5"][0], results["7"]["result"][0]
+    return results["5"][0], results["7"].result[0]
 
 
 def _notes(events) -> list[str]:
@@ -133,10 +133,10 @@ def test_the_planner_judges_its_choice_per_bucket(events, tmp_path, monkeypatch)
     graph["3"]["inputs"].update(measured_steps=0, budget_gib=1.0)
     graph["4"]["inputs"]["steps"] = 2
     results = run_graph(graph)
-    text = results["3"]["ui"]["text"][0]
+    text = results["3"].ui["text"][0]
     assert "pre-flight:" in text and "fits in 1 GiB" in text
     assert text.count(" ok ") >= 2  # one line per bucket
-    assert results["3"]["result"][0].schedule.mode in text
+    assert results["3"].result[0].schedule.mode in text
     # one bar for the probe, then the per-bucket check after it: it moves on and ends full
     bar = [data for event, data in events if event == "progress"][:-2]  # Train LoRA's own two steps follow
     values = [value for value, _ in bar]

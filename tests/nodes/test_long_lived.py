@@ -77,6 +77,6 @@ def test_fifty_runs_of_the_demo_workflow_stay_flat(tmp_path, monkeypatch):
                                    local.progress, lambda: next(polls) >= 0, local.send)
     monkeypatch.setattr(training_nodes, "current_host", lambda: interrupted)
     results = run_graph(_graph("train_with_offload.api.json", "offload-interrupted"))
-    run = next(v for v in results.values() if isinstance(v, tuple) and isinstance(v[0], TrainResult))
+    run = next(v.result for v in results.values() if isinstance(v.result[0], TrainResult))
     assert run[0].interrupted and len(run[0].history) == 1
     assert _pools() == 0 and _open_files() == files and _threads() == threads

@@ -22,24 +22,24 @@ from segmented_checkpointing.nodes.messages import node_words
 from segmented_checkpointing.nodes.routes import name_inputs, name_inputs_middleware
 
 ROOT = Path(__file__).resolve().parents[2]
-SOCKETS = {"dataset": None}  # a linked input reaches VALIDATE_INPUTS as None (Train LoRA's data)
+SOCKETS = {"dataset": None}  # a linked input reaches validate_inputs as None (Train LoRA's data)
 
 
 def _widgets(cls) -> dict[str, tuple]:
     declared = cls.INPUT_TYPES()
     return {name: spec for section in ("required", "optional") for name, spec in declared.get(section, {}).items()
-            if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "BOOLEAN", "STRING")}
+            if spec[0] in ("COMBO", "INT", "FLOAT", "BOOLEAN", "STRING")}
 
 
 def _default(spec) -> object:
     kind, options = spec[0], spec[1] if len(spec) > 1 else {}
-    return options.get("default", kind[0] if isinstance(kind, list) else None)
+    return options.get("default", options["options"][0] if kind == "COMBO" else None)
 
 
 def _bad(name: str, spec) -> object:
     """A value the engine refuses for a widget: below its minimum, not a choice, not a switch, a path."""
     kind, options = spec[0], spec[1] if len(spec) > 1 else {}
-    if isinstance(kind, list):
+    if kind == "COMBO":
         return "nope"
     if kind in ("INT", "FLOAT"):
         return options["min"] - 1 if "min" in options else options["max"] + 1
@@ -50,7 +50,7 @@ def _bad(name: str, spec) -> object:
 
 def _refused(cls, inputs) -> str:
     try:
-        verdict = cls.VALIDATE_INPUTS(**inputs)
+        verdict = cls.validate_inputs(**inputs)
     except ValueError as exc:
         return str(exc)
     assert verdict is not True, inputs
@@ -69,7 +69,7 @@ def _inner_error(kind: str, message: str) -> dict:
 
 def comfyui_errors(kind: str, inputs: dict) -> list[dict]:
     """The errors a ComfyUI 0.3.64 server lists for a pack node at ``/prompt``, from its
-    ``VALIDATE_INPUTS`` answer (``execution.py``, ``validate_inputs``), after the pack's middleware
+    ``validate_inputs`` answer (``execution.py``, ``validate_inputs``), after the pack's middleware
     (:func:`name_inputs`).
 
     ComfyUI gives the validator the inputs its signature names (all of them with ``**kwargs``). A
@@ -78,14 +78,14 @@ def comfyui_errors(kind: str, inputs: dict) -> list[dict]:
     output node's own (``exception_during_validation``, named by no input).
     """
     cls = NODES[kind]
-    spec = inspect.getfullargspec(cls.VALIDATE_INPUTS)
+    spec = inspect.getfullargspec(cls.validate_inputs)
     given = {name: value for name, value in inputs.items() if spec.varkw or name in spec.args}
     try:
-        answer = cls.VALIDATE_INPUTS(**given)
+        answer = cls.validate_inputs(**given)
     except Exception as exc:
         extra = {"exception_message": str(exc), "exception_type": type(exc).__name__,
                  "traceback": ["  File \"/srv/comfyui/execution.py\", line 808\n"]}
-        if getattr(cls, "OUTPUT_NODE", False):
+        if cls.GET_SCHEMA().is_output_node:
             errors = [{"type": "exception_during_validation", "details": str(exc), "extra_info": extra}]
         else:
             errors = [{"type": "exception_during_inner_validation", "details": str(exc),
@@ -138,7 +138,7 @@ def test_every_refused_option_names_the_nodes_own_input(kind, tmp_path, monkeypa
     defaults = {name: _default(spec) for name, spec in widgets.items()}
     if kind == "SegCkptImageCaptionDataset":
         defaults["folder"] = "(built-in sample photos)"
-    assert cls.VALIDATE_INPUTS(**defaults, **SOCKETS) if kind == "SegCkptTrainLoRA" else cls.VALIDATE_INPUTS(**defaults)
+    assert cls.validate_inputs(**defaults, **SOCKETS) if kind == "SegCkptTrainLoRA" else cls.validate_inputs(**defaults)
     # a combo ComfyUI checks itself; a free list; a folder (tested apart); free text (the images' caption)
     skip = {"family", "target_modules", "folder", "caption"}
     for name, spec in widgets.items():
@@ -239,7 +239,7 @@ errors = []
 for kind, inputs in [("SegCkptSchedule", {"gradient_checkpointing_interval": 4, "gradient_checkpointing_segment_stride": 2}),
                      ("SegCkptTrainLoRA", {"steps": 0})]:
     try:
-        module.NODE_CLASS_MAPPINGS[kind].VALIDATE_INPUTS(**inputs)
+        sys.modules[name + ".nodes"].NODE_CLASS_MAPPINGS[kind].validate_inputs(**inputs)
     except Exception as exc:
         errors.append(full_type_name(type(exc)))
 @environment.public_errors

@@ -17,8 +17,9 @@ from segmented_checkpointing.engine.config import LoraSettings
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.model.bundle import ModelBundle
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
-from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph
+from segmented_checkpointing.nodes.graph import GraphError, load_api_graph, run_graph, run_node
 from segmented_checkpointing.nodes.payloads import ModelSource
+from segmented_checkpointing.nodes.v3 import overridden
 
 WORKFLOWS = sorted((Path(__file__).resolve().parents[2] / "workflows" / "api").glob("*.api.json"))
 
@@ -37,58 +38,58 @@ def _instances(cls: type) -> list:
 
 def test_every_node_has_category_tooltips_and_function():
     for name, cls in NODES.items():
-        assert cls.CATEGORY == "training/gradient checkpointing", name
-        assert callable(getattr(cls(), cls.FUNCTION))
+        assert cls.GET_SCHEMA().category == "training/gradient checkpointing", name
+        assert overridden(cls, "execute") is not None
         for section in ("required", "optional"):
             for key, spec in cls.INPUT_TYPES().get(section, {}).items():
                 assert spec[1].get("tooltip"), f"{name}.{key} has no tooltip"
 
 
 def test_node_functions_return_the_declared_types(base):
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0)
     assert isinstance(model, ModelSource) and model.family.name == "flux"
     with torch.inference_mode():  # as ComfyUI runs nodes
         loaded = model.load()
     assert isinstance(loaded, ModelBundle) and not any(p.is_inference() for p in loaded.transformer.parameters())
     transformer_class = type(loaded.transformer)
     del loaded
-    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
-    (schedule,) = NODES["SegCkptSchedule"]().build(
+    (dataset,) = NODES["SegCkptImageCaptionDataset"].execute("(built-in sample photos)", 64)
+    (schedule,) = NODES["SegCkptSchedule"].execute(
         family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
         gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
         gradient_checkpointing_offload_pin_memory_max_buckets=12)
     assert schedule.family == "flux" and isinstance(schedule.schedule, CheckpointSchedule)
     assert schedule.schedule.gradient_checkpointing_segment_stride is None
-    (lora,) = NODES["SegCkptLoRAConfig"]().build(4, 4.0, 0.0, "to_q, to_v")
+    (lora,) = NODES["SegCkptLoRAConfig"].execute(4, 4.0, 0.0, "to_q, to_v")
     assert isinstance(lora, LoraSettings) and lora.target_modules == ("to_q", "to_v")
     transformers = len(_instances(transformer_class))
     with torch.inference_mode():  # as ComfyUI runs nodes
-        (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
-                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
-                                                    seed=0, run_name="nodes_test", resume=False, lora_config=lora,
-                                                    unique_id="5")
+        (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
+                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                          seed=0, run_name="nodes_test", resume=False, lora_config=lora,
+                          node_id="5")
     # ComfyUI caches every node's output: none holds a model after the run (issue 34)
     assert run.model is None and len(_instances(transformer_class)) == transformers
-    shown = NODES["SegCkptLossGraph"]().plot(run)
-    (image,) = shown["result"]
-    assert shown["ui"]["images"][0]["subfolder"] == "segckpt/nodes_test_00001"  # numbered: one folder a queue
+    shown = NODES["SegCkptLossGraph"].execute(run)
+    (image,) = shown.result
+    assert shown.ui["images"][0]["subfolder"] == "segckpt/nodes_test_00001"  # numbered: one folder a queue
     assert (base / "output" / "segckpt" / "nodes_test_00001" / "loss.png").is_file()
     assert image.ndim == 4 and image.shape[0] == 1 and image.shape[-1] == 3 and 0 <= image.min() <= image.max() <= 1
     assert image.shape[1:3] == (720, 640)  # the loss curve and beneath it the loss by noise level
-    report = NODES["SegCkptRunReport"]().report(run)
-    assert isinstance(report["result"][0], str) and "CC" in report["result"][0]
-    saved = NODES["SegCkptSaveLoRA"]().save(run, "node_lora")
-    assert saved["ui"]["text"][0].startswith("saved models/loras/node_lora_00001.safetensors (comfyui; 2 steps")
-    assert saved["result"] == ("node_lora_00001.safetensors",)  # links into LoraLoaderModelOnly.lora_name
+    report = NODES["SegCkptRunReport"].execute(run)
+    assert isinstance(report.result[0], str) and "CC" in report.result[0]
+    saved = NODES["SegCkptSaveLoRA"].execute(run, "node_lora")
+    assert saved.ui["text"][0].startswith("saved models/loras/node_lora_00001.safetensors (comfyui; 2 steps")
+    assert saved.result == ("node_lora_00001.safetensors",)  # links into LoraLoaderModelOnly.lora_name
     tensors = load_file(base / "models" / "loras" / "node_lora_00001.safetensors")
     assert tensors and all(k.startswith("diffusion_model.") for k in tensors)  # what ComfyUI maps for the family
-    again = NODES["SegCkptSaveLoRA"]().save(run, "node_lora", "both")  # never over the first; both files
-    assert again["result"] == ("node_lora_00002.safetensors",)
-    assert "diffusers: node_lora_00002_diffusers.safetensors" in again["ui"]["text"][0]
+    again = NODES["SegCkptSaveLoRA"].execute(run, "node_lora", "both")  # never over the first; both files
+    assert again.result == ("node_lora_00002.safetensors",)
+    assert "diffusers: node_lora_00002_diffusers.safetensors" in again.ui["text"][0]
     twin = load_file(base / "models" / "loras" / "node_lora_00002_diffusers.safetensors")
     assert twin and all(k.startswith("transformer.") for k in twin)
-    diffusers = NODES["SegCkptSaveLoRA"]().save(run, "node_lora", "diffusers")
-    saved = load_file(base / "models" / "loras" / diffusers["result"][0])
+    diffusers = NODES["SegCkptSaveLoRA"].execute(run, "node_lora", "diffusers")
+    saved = load_file(base / "models" / "loras" / diffusers.result[0])
     trained = load_file(base / "output" / "segckpt" / "nodes_test_00001" / "lora.safetensors")  # from the model
     assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
 
@@ -111,7 +112,7 @@ def test_links_out_of_the_input_folder_are_refused(base, tmp_path_factory):
     (base / "input" / "sneaky").symlink_to(outside)
     assert "outside" in verdict(NODES["SegCkptImageCaptionDataset"], folder="sneaky")
     Image.new("RGB", (32, 32)).save(base / "input" / "photos" / "a.png")
-    assert NODES["SegCkptImageCaptionDataset"].VALIDATE_INPUTS(folder="photos") is True
+    assert NODES["SegCkptImageCaptionDataset"].validate_inputs(folder="photos") is True
 
 
 def test_a_dataset_that_cannot_train_is_refused_when_queued(base):
@@ -188,7 +189,7 @@ def test_schedule_node_refuses_a_backend_the_family_cannot_run():
     schedule = NODES["SegCkptSchedule"]
     ok = dict(gradient_checkpointing_backend="torch-ffn", gradient_checkpointing_interval=2,
               gradient_checkpointing_segment_stride=4, gradient_checkpointing_offload_attention=False)
-    assert schedule.VALIDATE_INPUTS(family="flux", **ok) is True
+    assert schedule.validate_inputs(family="flux", **ok) is True
     found = verdict(schedule, family="ideogram4", **ok)  # no FFN boundary (docs/SCHEDULES.md)
     assert "gradient_checkpointing_backend='torch-ffn'" in found and "ideogram4" in found
     found = verdict(schedule, family="ideogram4", **{**ok, "gradient_checkpointing_backend": "torch",
@@ -197,33 +198,33 @@ def test_schedule_node_refuses_a_backend_the_family_cannot_run():
 
 
 def test_train_refuses_a_schedule_of_another_family_before_any_work(base):
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0)
-    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0)
+    (dataset,) = NODES["SegCkptImageCaptionDataset"].execute("(built-in sample photos)", 64)
     keys = dict(gradient_checkpointing=True, gradient_checkpointing_backend="torch", gradient_checkpointing_interval=2,
                 gradient_checkpointing_segment_stride=0, gradient_checkpointing_offload_attention=False,
                 gradient_checkpointing_offload_pin_memory_max_buckets=0)
-    (wan_schedule,) = NODES["SegCkptSchedule"]().build(family="wan", **keys)
+    (wan_schedule,) = NODES["SegCkptSchedule"].execute(family="wan", **keys)
     with pytest.raises(ValueError, match="schedule is for family 'wan' but the model is 'flux'"):
-        NODES["SegCkptTrainLoRA"]().train(model, wan_schedule, dataset=dataset, steps=1, learning_rate=1e-3,
-                                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
-                                          run_name="x", resume=False)
+        run_node(NODES["SegCkptTrainLoRA"], model, wan_schedule, dataset=dataset, steps=1, learning_rate=1e-3,
+                 lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
+                 run_name="x", resume=False)
     assert not (base / "output" / "segckpt" / "x").exists()
 
 
 def test_precision_and_kernels_reach_the_run_through_the_nodes(base):
     pytest.importorskip("torchao")
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("flux", "(tiny preset)", 0, "int8-torchao")
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("flux", "(tiny preset)", 0, "int8-torchao")
     assert model.base_precision == "int8-torchao"
-    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("(built-in sample photos)", 64)
-    (schedule,) = NODES["SegCkptSchedule"]().build(
+    (dataset,) = NODES["SegCkptImageCaptionDataset"].execute("(built-in sample photos)", 64)
+    (schedule,) = NODES["SegCkptSchedule"].execute(
         family="flux", gradient_checkpointing=True, gradient_checkpointing_backend="unsloth",
         gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4,
         gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=12)
     with torch.inference_mode():
-        (run,) = NODES["SegCkptTrainLoRA"]().train(model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
-                                                    lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
-                                                    seed=0, run_name="prec", resume=False, attention_backend="flash,math",
-                                                    on_nonfinite="skip")
+        (run,) = run_node(NODES["SegCkptTrainLoRA"], model, schedule, dataset=dataset, steps=2, learning_rate=1e-3,
+                          lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1,
+                          seed=0, run_name="prec", resume=False, attention_backend="flash,math",
+                          on_nonfinite="skip")
     report = run.report
     assert report["precision"]["base_model_precision"] == "int8-torchao"
     assert report["precision"]["quantized_linear_layers"] == report["precision"]["linear_layers"] > 0
@@ -246,7 +247,7 @@ def test_the_noise_schedule_node_reaches_the_run_config_and_refuses_by_name(base
 
     node = NODES["SegCkptNoiseSchedule"]
     values = {key: spec[1]["default"] for key, spec in node.INPUT_TYPES()["required"].items()}
-    (objective,) = node().build(**{**values, "timestep_sampling": "mode", "flow_shift": "3", "guidance_value": 3.5})
+    (objective,) = node.execute(**{**values, "timestep_sampling": "mode", "flow_shift": "3", "guidance_value": 3.5})
     assert (objective.timestep_sampling, objective.shift, objective.guidance_value) == ("mode", 3.0, 3.5)
     config = run_config({"run_name": "run", "noise_schedule": objective}, find_run=False)
     assert config.objective == objective and config.to_dict()["flow_shift"] == "3.0"
@@ -266,7 +267,7 @@ def test_optimizer_clipping_and_caption_dropout_widgets_reach_the_run_config_and
     train, data = NODES["SegCkptTrainLoRA"], NODES["SegCkptImageCaptionDataset"]
     assert list(train.INPUT_TYPES()["optional"])[-2:] == ["optimizer", "max_grad_norm"]
     assert list(data.INPUT_TYPES()["optional"])[-1] == "caption_dropout"
-    (dataset,) = data().build("(built-in sample photos)", 64, caption_dropout=0.25)
+    (dataset,) = data.execute("(built-in sample photos)", 64, caption_dropout=0.25)
     config = run_config({"run_name": "run", "optimizer": "adafactor", "max_grad_norm": 0.5, "dataset": dataset},
                         find_run=False)
     assert (config.optimizer.name, config.optimizer.max_grad_norm, config.data.caption_dropout) == ("adafactor", 0.5,

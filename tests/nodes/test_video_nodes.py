@@ -14,6 +14,7 @@ from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.data.comfy_data import ComfyDataError
 from segmented_checkpointing.engine.families import TextBatch, get_family
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
+from segmented_checkpointing.nodes.graph import run_node
 
 RUN = dict(steps=2, learning_rate=1e-3, lr_scheduler="constant", batch_size=1, gradient_accumulation_steps=1, seed=0,
            resume=False)
@@ -39,7 +40,7 @@ def _comfy_frames(path) -> torch.Tensor:
 
 
 def _schedule():
-    (schedule,) = NODES["SegCkptSchedule"]().build(
+    (schedule,) = NODES["SegCkptSchedule"].execute(
         family="wan", gradient_checkpointing=True, gradient_checkpointing_backend="torch",
         gradient_checkpointing_interval=0, gradient_checkpointing_segment_stride=0,
         gradient_checkpointing_offload_attention=False, gradient_checkpointing_offload_pin_memory_max_buckets=0)
@@ -47,16 +48,16 @@ def _schedule():
 
 
 def test_an_image_batch_of_frames_trains_as_the_clip_file_does(base):
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("wan", "(tiny preset)", 0)
-    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("clip", 64, num_frames=5)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("wan", "(tiny preset)", 0)
+    (dataset,) = NODES["SegCkptImageCaptionDataset"].execute("clip", 64, num_frames=5)
     assert dataset.num_frames == 5
     with torch.inference_mode():  # as ComfyUI runs nodes
-        (from_folder,) = NODES["SegCkptTrainLoRA"]().train(model, _schedule(), dataset=dataset, run_name="folder",
-                                                           unique_id="1", **RUN)
+        (from_folder,) = run_node(NODES["SegCkptTrainLoRA"], model, _schedule(), dataset=dataset, run_name="folder",
+                                  node_id="1", **RUN)
         frames = _comfy_frames(base / "input" / "clip" / "pan.mp4")
-        (from_batch,) = NODES["SegCkptTrainLoRA"]().train(model, _schedule(), images=frames,
-                                                          caption="a camera pan over a photo", run_name="batch",
-                                                          unique_id="2", **RUN)
+        (from_batch,) = run_node(NODES["SegCkptTrainLoRA"], model, _schedule(), images=frames,
+                                 caption="a camera pan over a photo", run_name="batch",
+                                 node_id="2", **RUN)
     (cache_file,) = (base / "output" / "segckpt" / "cache").glob("cache-*.safetensors")
     folder_latents = load_file(cache_file)["latents"]
     loaded = model.load()
@@ -94,7 +95,7 @@ def test_the_dataset_node_validates_its_frame_options(base):
     assert verdict(dataset_node, folder="clip", resolution=64, buckets=False, num_frames=5) is True
     assert "frame_sampling='sideways'" in verdict(dataset_node, folder="clip", resolution=64, buckets=False,
                                                   frame_sampling="sideways")
-    (dataset,) = dataset_node().build("clip", 64, frame_buckets="5, 9", frame_rate=0, min_frames=0)
+    (dataset,) = dataset_node.execute("clip", 64, frame_buckets="5, 9", frame_rate=0, min_frames=0)
     assert dataset.frame_buckets == (5, 9) and dataset.frame_rate is None and dataset.min_frames is None
 
 
@@ -104,9 +105,9 @@ def test_train_lora_takes_one_data_source(base):
 
 
 def test_the_planner_node_judges_a_clip_dataset_at_its_frames(base):
-    (model,) = NODES["SegCkptLoadDiffusionModel"]().load("wan", "(tiny preset)", 0)
-    (dataset,) = NODES["SegCkptImageCaptionDataset"]().build("clip", 64, num_frames=5)
+    (model,) = NODES["SegCkptLoadDiffusionModel"].execute("wan", "(tiny preset)", 0)
+    (dataset,) = NODES["SegCkptImageCaptionDataset"].execute("clip", 64, num_frames=5)
     with torch.inference_mode():
-        shown = NODES["SegCkptSchedulePlanner"]().plan(model, dataset, 1, 1, 0, "plan", 1.0, unique_id="3")
-    text = shown["result"][1]
+        shown = run_node(NODES["SegCkptSchedulePlanner"], model, dataset, 1, 1, 0, "plan", 1.0, node_id="3")
+    text = shown.result[1]
     assert "train 1x16x2x8x8" in text and "5 frames, 32 tokens" in text  # the clip's 2 latent frames x 16 patches

@@ -13,7 +13,6 @@ from helpers import verdict
 from segmented_checkpointing.engine import api
 from segmented_checkpointing.engine.config.schedule import STREAM_KEYS, CheckpointSchedule
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
-from segmented_checkpointing.nodes import NODE_DISPLAY_NAME_MAPPINGS as TITLES
 from segmented_checkpointing.nodes import environment
 from segmented_checkpointing.nodes.graph import run_graph
 from segmented_checkpointing.nodes.payloads import WEIGHT_OFFLOAD, FamilySchedule, WeightOffload
@@ -25,8 +24,9 @@ WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "api" / "train_wi
 
 
 def test_the_node_is_registered_with_its_socket_and_title():
-    assert TITLES["SegCkptWeightOffload"] == "Weight Offload Options (stream frozen weights)"
-    assert NODE.RETURN_TYPES == (WEIGHT_OFFLOAD,) == ("SEGCKPT_WEIGHT_OFFLOAD",)
+    info = NODE.GET_NODE_INFO_V1()
+    assert info["display_name"] == "Weight Offload Options (stream frozen weights)"
+    assert info["output"] == [WEIGHT_OFFLOAD] == ["SEGCKPT_WEIGHT_OFFLOAD"]
     assert NODES["SegCkptTrainLoRA"].INPUT_TYPES()["optional"]["weight_offload"][0] == WEIGHT_OFFLOAD
 
 
@@ -34,8 +34,8 @@ def test_widgets_come_from_the_option_metadata():
     required = NODE.INPUT_TYPES()["required"]
     assert tuple(required) == STREAM_KEYS
     mode, blocks, prefetch = (api.option_named(key, api.OPTIONS) for key in STREAM_KEYS)
-    choices, spec = required["weight_offload"]
-    assert choices == list(mode.choices) == ["none", "stream"]
+    kind, spec = required["weight_offload"]
+    assert kind == "COMBO" and spec["options"] == list(mode.choices) == ["none", "stream"]
     assert spec["default"] == "stream" != mode.default  # connecting the node means streaming
     assert spec["tooltip"] == mode.help
     kind, spec = required["weight_offload_blocks"]
@@ -60,25 +60,25 @@ def test_validation_refuses_an_invalid_value_naming_the_key(inputs, text):
 
 def test_validation_takes_the_defaults_and_linked_inputs():
     defaults = {key: spec[1]["default"] for key, spec in NODE.INPUT_TYPES()["required"].items()}
-    assert NODE.VALIDATE_INPUTS(**defaults) is True
-    assert NODE.VALIDATE_INPUTS(**{**defaults, "weight_offload_blocks": None}) is True  # linked: not known yet
+    assert NODE.validate_inputs(**defaults) is True
+    assert NODE.validate_inputs(**{**defaults, "weight_offload_blocks": None}) is True  # linked: not known yet
 
 
 def test_build_reads_blocks_0_as_all_and_applies_over_a_schedule():
-    (payload,) = NODE().build(weight_offload="stream", weight_offload_blocks=0, weight_offload_prefetch=2)
+    (payload,) = NODE.execute(weight_offload="stream", weight_offload_blocks=0, weight_offload_prefetch=2)
     assert payload == WeightOffload("stream", None, 2)
     schedule = payload.apply(CheckpointSchedule(gradient_checkpointing_interval=2))
     assert schedule.streams and schedule.weight_offload_blocks is None and schedule.weight_offload_prefetch == 2
     assert schedule.gradient_checkpointing_interval == 2 and schedule.mode == "interval2-stream-p2"
-    (eight,) = NODE().build(weight_offload="stream", weight_offload_blocks=8, weight_offload_prefetch=1)
+    (eight,) = NODE.execute(weight_offload="stream", weight_offload_blocks=8, weight_offload_prefetch=1)
     assert eight.apply(CheckpointSchedule()).weight_offload_blocks == 8
 
 
 def test_train_lora_applies_it_after_the_activation_offload_options():
-    (offload,) = NODES["SegCkptOffloadOptions"]().build(
+    (offload,) = NODES["SegCkptOffloadOptions"].execute(
         gradient_checkpointing_backend="unsloth", gradient_checkpointing_offload_attention=True,
         gradient_checkpointing_offload_pin_memory_max_buckets=4)
-    (weights,) = NODE().build(weight_offload="stream", weight_offload_blocks=3, weight_offload_prefetch=0)
+    (weights,) = NODE.execute(weight_offload="stream", weight_offload_blocks=3, weight_offload_prefetch=0)
     schedule = FamilySchedule("flux", CheckpointSchedule(gradient_checkpointing_interval=2))
     config = run_config({"offload": offload, "weight_offload": weights}, schedule=schedule, find_run=False)
     assert config.schedule.gradient_checkpointing_backend == "unsloth"  # the offload node's

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
+from segmented_checkpointing.nodes.v3 import io
 
 FOLDER = Path(__file__).resolve().parents[2] / "workflows"
 _SPEC = importlib.util.spec_from_file_location("make_ui", FOLDER / "make_ui.py")
 make_ui = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(make_ui)
 UI_FILES = sorted(FOLDER.glob("*.json"))
-WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING")
+WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "BOOLEAN", "STRING")
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
 
 
@@ -205,19 +206,18 @@ def test_every_committed_workflow_is_what_the_generator_writes():
 
 
 def test_a_new_node_input_reaches_both_graphs_with_its_default(monkeypatch, tmp_path):
-    """An input added to INPUT_TYPES needs no hand edit: the generator puts its default in both files."""
+    """An input added to a node's schema needs no hand edit: the generator puts its default in both files."""
     train = NODES["SegCkptTrainLoRA"]
-    declared = train.INPUT_TYPES
+    declared = train.define_schema
 
     def more_inputs():
-        spec = declared()
-        spec = {**spec, "required": dict(spec["required"]), "optional": dict(spec["optional"])}
-        spec["required"]["new_switch"] = ("BOOLEAN", {"default": True})
-        spec["optional"]["new_mode"] = (["fast", "slow"],)
-        spec["optional"]["new_count"] = ("INT", {"default": 7, "min": 0})
-        return spec
+        schema = declared()
+        schema.inputs = [*schema.inputs, io.Boolean.Input("new_switch", default=True),
+                         io.Combo.Input("new_mode", options=["fast", "slow"], optional=True),
+                         io.Int.Input("new_count", default=7, min=0, optional=True)]
+        return schema
 
-    monkeypatch.setattr(train, "INPUT_TYPES", staticmethod(more_inputs))
+    monkeypatch.setattr(train, "define_schema", staticmethod(more_inputs))
     for name in ("api", "layout"):
         (tmp_path / name).mkdir()
     for path in [*(FOLDER / "api").glob("*.api.json"), *(FOLDER / "layout").glob("*.json")]:
@@ -229,7 +229,7 @@ def test_a_new_node_input_reaches_both_graphs_with_its_default(monkeypatch, tmp_
         if path.parent != tmp_path:
             continue
         ui, api = json.loads(text), json.loads(texts[tmp_path / "api" / f"{path.stem}.api.json"])
-        mine = _as_api(ui)  # reads the patched INPUT_TYPES too
+        mine = _as_api(ui)  # reads the patched schema too
         assert mine == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
         for node in (n for n in ui["nodes"] if n["type"] == "SegCkptTrainLoRA"):
             inputs = api[str(node["id"])]["inputs"]
