@@ -107,7 +107,8 @@ class CheckpointingSweep(io.ComfyNode):
         return io.Schema(
             node_id="SegCkptSweep", display_name="Checkpointing Sweep", category=CATEGORY, is_output_node=True,
             inputs=[*_run_inputs(),
-                    _measured("attention_offload", "attention_offload_modes"),
+                    # a node's sweep stays the short one by default (the CLI's sweep measures both)
+                    _measured("attention_offload", "attention_offload_modes", default=False),
                     _measured("budget_gib"),
                     Sockets.lora_config.Input("lora_config", optional=True, tooltip=LORA_INPUT)],
             outputs=[io.Image.Output(display_name="plot"), io.String.Output(display_name="table")],

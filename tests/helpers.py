@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -233,3 +235,37 @@ def object_info_as_v1(info: dict) -> dict:
                 del spec["multiline"]
                 info["input"][section][name] = [kind, spec]
     return info
+
+
+MEASURE_TOOLTIPS = {("SegCkptSweep", "warmup_steps"), ("SegCkptSweep", "measured_steps"),
+                    ("SegCkptSweep", "attention_offload_modes"), ("SegCkptSweep", "budget_gib"),
+                    ("SegCkptSchedulePlanner", "warmup_steps"), ("SegCkptSchedulePlanner", "measured_steps")}
+"""Inputs whose tooltip is now their measurement option's help text (issue 37 item 1: declared once,
+``engine/config/measure.py``); every other field of theirs is compared."""
+UNIFIED_DEFAULTS = {("SegCkptSchedulePlanner", "measured_steps"): (2, 3)}
+"""(recorded, now): the planner's timing steps had three defaults (CLI 3, node 2, ``api.plan`` 0);
+issue 37 item 1 declares one, the CLI's. A saved workflow keeps the value it stored."""
+
+
+def _without_measure_tooltips(kind: str, entry: dict) -> dict:
+    entry = json.loads(json.dumps({k: v for k, v in entry.items() if k != "python_module"}))
+    for node, name in MEASURE_TOOLTIPS:
+        if node == kind:
+            entry["input"]["required"][name][1].pop("tooltip")
+    return entry
+
+
+def recorded_object_info(kind: str) -> dict:
+    """``tests/nodes/fixtures/object_info.json``'s entry of ``kind`` (the classic nodes' /object_info)
+    with the deliberate changes above: the unified defaults; the measurement tooltips left out."""
+    recorded = json.loads((Path(__file__).parent / "nodes" / "fixtures" / "object_info.json").read_text())[kind]
+    entry = _without_measure_tooltips(kind, recorded)
+    for (node, name), (_, now) in UNIFIED_DEFAULTS.items():
+        if node == kind:
+            entry["input"]["required"][name][1]["default"] = now
+    return entry
+
+
+def comparable_object_info(kind: str, info: dict) -> dict:
+    """A V1 rendering of ``kind``'s entry (:func:`object_info_as_v1` done) as :func:`recorded_object_info` holds it."""
+    return _without_measure_tooltips(kind, info)

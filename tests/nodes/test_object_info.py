@@ -12,12 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import object_info_as_v1
+from helpers import MEASURE_TOOLTIPS, comparable_object_info, object_info_as_v1, recorded_object_info
 
+from segmented_checkpointing.engine import api
 from segmented_checkpointing.nodes import NODE_CLASS_MAPPINGS as NODES
 from segmented_checkpointing.nodes import comfy_entrypoint
+from segmented_checkpointing.nodes.planning_nodes import PLAN, SWEEP
 from segmented_checkpointing.nodes.v3 import io
 
+NODE_OPTIONS = {"SegCkptSweep": SWEEP, "SegCkptSchedulePlanner": PLAN}
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "object_info.json").read_text())
 
 
@@ -32,4 +35,8 @@ def test_object_info_of_every_node_is_the_recorded_one(kind, tmp_path, monkeypat
     monkeypatch.setenv("SEGCKPT_BASE_DIR", str(tmp_path))  # no model files: the source list is the preset only
     info = object_info_as_v1(NODES[kind].GET_NODE_INFO_V1())
     assert info.pop("python_module") is None  # set by ComfyUI when it loads the pack (compared in tests/live/)
-    assert info == {k: v for k, v in RECORDED[kind].items() if k != "python_module"}
+    for node, name in MEASURE_TOOLTIPS:  # now the option's help text
+        if node == kind:
+            option = api.option_named(NODE_OPTIONS[kind].names[name], api.MEASURE_OPTIONS)
+            assert info["input"]["required"][name][1]["tooltip"].endswith(option.help)
+    assert comparable_object_info(kind, info) == recorded_object_info(kind)
