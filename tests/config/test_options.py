@@ -138,15 +138,21 @@ def test_widgets_take_their_range_from_the_engine():
 
 
 def test_the_planning_nodes_widgets_are_the_measurement_options():
-    """Issue 37: the Sweep and Planner nodes restate no default or range: one declaration each."""
+    """Issue 37: the Sweep and Planner nodes restate no default, range or tooltip: one declaration
+    each (``engine/config/measure.py``); the node's sweep alone keeps attention offload off by default."""
     sweep = NODES["SegCkptSweep"].INPUT_TYPES()["required"]
     planner = NODES["SegCkptSchedulePlanner"].INPUT_TYPES()["required"]
-    for name, key in [("warmup_steps", "warmup_steps"), ("measured_steps", "measured_steps"),
-                      ("attention_offload_modes", "attention_offload"), ("budget_gib", "budget_gib")]:
-        assert sweep[name] == widget(key, options=MEASURE_OPTIONS), name
-    assert planner["warmup_steps"] == sweep["warmup_steps"]
-    assert planner["measured_steps"] == ("INT", {"tooltip": MEASURE_OPTIONS[MEASURE_PINNED.index("timing_steps")].help,
-                                                 "default": 3, "min": 0, "max": 1000})
+    by_key = dict(zip(MEASURE_PINNED, MEASURE_OPTIONS))
+    for inputs, name, key in [(sweep, "warmup_steps", "warmup_steps"), (sweep, "measured_steps", "measured_steps"),
+                              (sweep, "attention_offload_modes", "attention_offload"), (sweep, "budget_gib", "budget_gib"),
+                              (planner, "warmup_steps", "warmup_steps"), (planner, "measured_steps", "timing_steps")]:
+        opt = by_key[key]
+        spec = inputs[name][1]
+        default = False if name == "attention_offload_modes" else opt.default
+        assert spec["tooltip"].endswith(opt.help) and spec["default"] == default, name
+        if opt.type is not bool:
+            assert (spec["min"], spec["max"]) == opt.bounds, name
+    assert planner["measured_steps"][1]["default"] == 3 and by_key["attention_offload"].default is True
     assert planner["budget_gib"][1] | {"tooltip": ""} == {"tooltip": "", "default": 0.0, "min": 0.0, "max": 4096.0,
                                                           "step": 0.0001}
 

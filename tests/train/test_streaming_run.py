@@ -135,6 +135,6 @@ def test_a_stream_the_host_cannot_hold_is_refused_before_any_model_is_built(data
     refuse_to_build_models(monkeypatch, "the host memory was checked")
     monkeypatch.setattr(host, "host_budget_bytes", lambda *a: 1000)  # what the facade's train reads
     config = TrainConfig.create(output=str(data_dir / "host"), data=str(data_dir / "data"), weight_offload="stream")
-    with pytest.raises(api.HostBudgetError, match=r"--host-budget=default \(9.313e-07 GiB\) is too small: "
+    with pytest.raises(api.HostBudgetError, match=r"host_budget=default \(9.313e-07 GiB\) is too small: "
                                                   r"weight_offload=stream \(interval2-stride4-stream\) keeps \d+ bytes"):
         api.train(config, **QUIET)
