@@ -81,3 +81,21 @@ def test_real_lockstep_runs_measure_what_a_run_alone_measures():
         assert [h["peak_bytes"] for h in result.history] == [h["peak_bytes"] for h in alone.history]
         assert [h["loss"] for h in result.history] == pytest.approx([h["loss"] for h in alone.history], rel=1e-5)
     assert together[0].history[-1]["peak_bytes"] > together[1].history[-1]["peak_bytes"]
+
+
+def test_a_workspace_opens_afresh_and_never_twice_at_once():
+    """The sweep opens its workspace once per frame count: each opening counts its own steps; a
+    workspace still open refuses a second opening (a measurement given an open one by mistake)."""
+    order: list = []
+    config, bundle, seen = TrainConfig.create(family="flux", output="unused"), build_preset("flux"), []
+    workspace = RunWorkspace(config, bundle, _recording_runs(order), on_step=lambda done, total: seen.append(done))
+    for _ in range(2):
+        with workspace:
+            lockstep_runs(workspace, [MODES["none"]], warmup_steps=1, measured_steps=1)
+            with pytest.raises(RuntimeError, match="open already"):
+                workspace.__enter__()
+    assert seen == [1, 2, 1, 2] and workspace.done == 2
+    again = workspace.fresh(schedule=MODES["layer"])  # counts on from the 2 steps done
+    with again:
+        lockstep_runs(again, [MODES["none"]], warmup_steps=1, measured_steps=1)
+    assert seen[4:] == [3, 4] and again.config.schedule == MODES["layer"]
