@@ -5,7 +5,9 @@ A :class:`RunWorkspace` is a temporary folder shared by such runs: the built-in 
 written once and the latent cache is encoded once (every run of the same data and model reuses
 it), and each run trains a deep copy of the model into an output folder of its own. Runs are
 :class:`~..train.loop.TrainingRun` iterators, so a caller may drive several of them one step at a
-time.
+time. The workspace holds a measurement's settings and model, so the measurements take it rather
+than the whole config: a sweep, a plan and a pre-flight take one not yet open and open it; their
+parts (the probe, the calibration, lockstep timing) take it open.
 """
 
 from __future__ import annotations
