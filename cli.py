@@ -214,7 +214,7 @@ def _train(args: argparse.Namespace) -> int:
     """``segckpt train``: the run, its loss graph and one line of totals."""
     try:
         config = config_from_args(args, precheck=True)  # the disk's refusals before any heavy import
-        api.check_vae(config)
+        api.check_vae(config.model)
         api.check_run(config)
     except ValueError as exc:  # ConfigError, ScheduleError, LoraConfigError, FolderInUseError, ...
         return error(exc)

@@ -74,7 +74,7 @@ from segmented_checkpointing.engine.measure.planner import PlannerError, predict
 from segmented_checkpointing.engine.measure.planning import plan_for_budget  # noqa: E402
 from segmented_checkpointing.engine.measure.preflight import preflight  # noqa: E402
 from segmented_checkpointing.engine.measure.probe import probe  # noqa: E402
-from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup, short_run
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.measure.sweep import (  # noqa: E402
     sweep_schedules,
 )
@@ -291,7 +291,8 @@ def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
                          DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init mid-size Flux")
     with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
         config = TrainConfig.create(resolution=sizes.planner_resolution, device=device.type, output=folder)
-        measured_probe = probe(config, bundle)
+        with RunWorkspace(config, bundle) as workspace:
+            measured_probe = probe(workspace)
         peaks = sorted(predict(measured_probe, s).peak_bytes for s in sweep_schedules(True))
         unit, scale = mem_unit(device)
         rows = [f"| budget {unit} | choice | predicted peak {unit} | measured peak {unit} | error | fits |",
@@ -299,11 +300,13 @@ def planner_check(sizes: Sizes, device: torch.device) -> list[str]:
         for fraction in (0.25, 0.5, 0.75):
             budget = int((peaks[0] + fraction * (peaks[-1] - peaks[0])) / 0.95)  # the planner keeps 5% headroom
             try:
-                chosen = plan_for_budget(config, bundle, PREDICT_ONLY, budget, probe_=measured_probe).chosen
+                chosen = plan_for_budget(RunWorkspace(config, bundle), PREDICT_ONLY, budget,
+                                         probe_=measured_probe).chosen
             except PlannerError as exc:
                 rows.append(f"| {budget / scale:.3f} | {exc} | | | | |")
                 continue
-            measured = peak_after_warmup(short_run(config, bundle, chosen.schedule, 1, 2), 1)
+            with RunWorkspace(config, bundle) as workspace:
+                measured = peak_after_warmup(workspace.run(chosen.schedule, 1, 2), 1)
             error = (chosen.peak_bytes - measured) / measured
             rows.append(f"| {budget / scale:.3f} | {chosen.schedule.mode} | {chosen.peak_bytes / scale:.3f} | "
                         f"{measured / scale:.3f} | {error:+.1%} | {'yes' if measured <= budget else 'NO'} |")
@@ -330,7 +333,7 @@ def preflight_check(sizes: Sizes, device: torch.device) -> list[str]:
         config = TrainConfig.create(data=str(data), resolution=r, buckets=True, device=device.type, schedule=schedule,
                              output=str(Path(folder) / "out"))
         budget = device_budget(device)
-        verdict = preflight(config, bundle, budget)
+        verdict = preflight(RunWorkspace(config, bundle), budget)
         unit, scale = mem_unit(device)
         rows = [f"| bucket (latent) | share | predicted peak {unit} | measured peak {unit} | error |",
                 "|---|---:|---:|---:|---:|"]
@@ -390,11 +393,12 @@ def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
                     log(f"  {base} | {name}: {_stream_text(measured[-1][2], scale)}")
                 budgets = ([g * 2**30 for g in STREAM_BUDGETS_GIB] if device.type == "cuda" else
                            [int(f * reference["peak"]) for f in (0.5, 0.7, 0.9)] if reference else [])
-                measured_probe = probe(config, bundle, workspace=workspace) if budgets else None  # one for every budget
+                measured_probe = probe(workspace) if budgets else None  # one for every budget
                 for budget in budgets:
                     label = f"planner, {budget / scale:.4g} {unit}"
                     try:
-                        chosen = plan_for_budget(config, bundle, PREDICT_ONLY, budget, probe_=measured_probe).chosen.schedule
+                        chosen = plan_for_budget(RunWorkspace(config, bundle), PREDICT_ONLY, budget,
+                                                 probe_=measured_probe).chosen.schedule
                     except PlannerError as exc:
                         measured.append((label, None, {"error": str(exc)[:160]}))
                         continue

@@ -48,8 +48,8 @@ def main() -> None:
     bundle = build_preset(args.family)
     schedules = sweep_schedules(streaming=True)
     with RunWorkspace(config, bundle) as workspace:
-        measured_probe = probe(config, bundle, workspace=workspace)
-        results = lockstep_runs(config, bundle, schedules, args.warmup, args.measure, workspace=workspace)
+        measured_probe = probe(workspace)
+        results = lockstep_runs(workspace, schedules, args.warmup, args.measure)
     print(f"{args.family} at {args.resolution}px; probe {measured_probe.sec_per_step:.4f} sec/step, "
           f"peak {measured_probe.peak_bytes / 2**20:.3f} MiB; {len(schedules)} modes x {args.measure} lockstep steps")
     print(f"{'mode':<44} {'measured s / MiB':>18} {'predicted s / MiB':>18} {'time error':>10} {'peak error':>10}")
@@ -90,7 +90,8 @@ def choices(config, bundle, measured_probe, schedules, measured: dict, args) -> 
         if chosen.mode in measured:
             own, theirs = measured[chosen.mode][1], fastest[1]
         else:  # measured now, in lockstep with the fastest fitting mode
-            own, theirs = lockstep_runs(config, bundle, [chosen, fastest[0]], args.warmup, args.measure)
+            with RunWorkspace(config, bundle) as workspace:
+                own, theirs = lockstep_runs(workspace, [chosen, fastest[0]], args.warmup, args.measure)
         seconds, peak = statistics.median(step_seconds(own, args.warmup)), peak_after_warmup(own, args.warmup)
         ratio = paired_ratio(own, theirs, args.warmup)
         ok = peak <= budget and (chosen.mode == fastest[0].mode or ratio <= 1 + args.tie)

@@ -163,8 +163,9 @@ def model_family(model_path: str | None, model_file: str | None) -> str | None:
     return None
 
 
-def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -> int:
-    """A memory budget in bytes on ``config``'s device: a number of GiB, ``device`` or ``free``.
+def budget(value: str | float | int, model: ModelConfig, key: str = "budget") -> int:
+    """A memory budget in bytes on ``model``'s device (``TrainConfig.model``): a number of GiB,
+    ``device`` or ``free``.
 
     Raises:
         ConfigError: not a budget; the message names ``key``.
@@ -173,13 +174,13 @@ def budget(value: str | float | int, config: TrainConfig, key: str = "budget") -
         from .core.memory import budget_bytes
         from .model.loading import resolve_device
 
-    return budget_bytes(value, resolve_device(config.model), key)
+    return budget_bytes(value, resolve_device(model), key)
 
 
-def host_budget(value: str | float | None, config: TrainConfig) -> int:
+def host_budget(value: str | float | None, model: ModelConfig, schedule: CheckpointSchedule) -> int:
     """The host budget in bytes (``--host-budget``: GiB, ``free``, ``device``; default the host's
-    available memory less a margin), refused before any model is built when ``config`` streams
-    more frozen weights than it holds (``engine/measure/host.py``).
+    available memory less a margin), refused before any model is built when ``schedule`` streams
+    more of ``model``'s frozen weights than it holds (``engine/measure/host.py``).
 
     Raises:
         HostBudgetError: an invalid value, or one below the streamed bytes (named).
@@ -188,7 +189,7 @@ def host_budget(value: str | float | None, config: TrainConfig) -> int:
         from .measure.host import check_host_budget, host_budget_bytes
 
     budget_bytes_ = host_budget_bytes(value)
-    check_host_budget(config, budget_bytes_, value)
+    check_host_budget(model, schedule, budget_bytes_, value)
     return budget_bytes_
 
 
@@ -220,9 +221,8 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         config: the run. bundle: the loaded model (default: loaded here when the pre-flight needs
             it, else by the run). log: where lines go.
         on_verdict: called with the verdict before training starts (a node shows it).
-        on_preflight: the pre-flight's progress, ``(probe steps done, probe steps in all)``:
-            ``(0, 0)`` while it encodes the data, then ``(0, K)`` and one call per probe step
-            (``engine/measure/preflight.py``).
+        on_preflight: the pre-flight's progress, ``(probe steps done, probe steps in all)``: ``(0, 0)``
+            while it encodes the data, then ``(0, K)`` and one call per probe step (``engine/measure/preflight.py``).
         run: passed to the run (``on_step``, ``should_stop``, ``cache_dir``, ``prepared``,
             ``preview_source``; ``engine/train/loop.py``).
 
@@ -237,7 +237,7 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
         from .measure.host import check_host_budget, host_budget_bytes
         from .measure.preflight import PreflightRefused, preflight
         from .measure.receipt import build_receipt, render_receipt
-        from .measure.runs import Progress
+        from .measure.runs import RunWorkspace
         from .train.checks import check_input_paths
         from .train.loop import train as _train
         from .train.report import write_report
@@ -245,11 +245,12 @@ def train(config: TrainConfig, *, bundle: ModelBundle | None = None, log: Callab
     verdict, guards = None, config.guards
     check_input_paths(config)  # the data's captions and images too: before the pre-flight loads the model
     if config.schedule.streams:  # the host must hold the streamed weights: refused before any model is built
-        check_host_budget(config, host_budget_bytes())
+        check_host_budget(config.model, config.schedule, host_budget_bytes())
     if guards.memory_budget is not None:
         bundle = bundle or load_model(config, log)
-        verdict = preflight(config, bundle, budget(guards.memory_budget, config, "memory_budget"), progress=Progress(
-            on_step=on_preflight, should_stop=run.get("should_stop")), prepared=run.get("prepared"))
+        workspace = RunWorkspace(config, bundle, on_step=on_preflight, should_stop=run.get("should_stop"),
+                                 prepared=run.get("prepared"))
+        verdict = preflight(workspace, budget(guards.memory_budget, config.model, "memory_budget"))
         log(verdict.render())
         if on_verdict is not None:
             on_verdict(verdict)
@@ -301,15 +302,15 @@ def write_plan(choice: PlanChoice, folder: str | Path) -> dict[str, Path]:
     return write_choice(choice, folder)
 
 
-def check_vae(config: TrainConfig) -> None:
+def check_vae(model: ModelConfig) -> None:
     """A run or a measurement of the command line encodes its images (a node's model comes with
-    its VAE): a single model file needs a VAE folder.
+    its VAE): a single model file (``TrainConfig.model``) needs a VAE folder.
 
     Raises:
         ConfigError: ``model_file`` without ``vae_path``.
     """
-    if config.model.model_file and not config.model.vae_path:
-        raise ConfigError(f"vae_path=None is invalid with model_file={config.model.model_file!r}: allowed a "
+    if model.model_file and not model.vae_path:
+        raise ConfigError(f"vae_path=None is invalid with model_file={model.model_file!r}: allowed a "
                           "diffusers VAE folder (--vae-path); a single .safetensors file holds no VAE to "
                           "encode the images with")
 
@@ -337,16 +338,16 @@ def _measurement(config: TrainConfig, measure: MeasureConfig,
         from .train.checks import check_input_paths
 
     if measure.frames:
-        measure = measure.replace(frames=check_measure_frames(config, measure.frames, key="frames"))
+        measure = measure.replace(frames=check_measure_frames(config.model, measure.frames, key="frames"))
     budget_bytes = host_bytes = None
     if budgets:
         if measure.plan.budget is None:
             raise ConfigError(f"budget=None is invalid: allowed {BUDGET_ALLOWED} (required)")
-        budget_bytes = budget(measure.plan.budget, config, "budget")
-        host_bytes = host_budget(measure.plan.host_budget, config)
+        budget_bytes = budget(measure.plan.budget, config.model, "budget")
+        host_bytes = host_budget(measure.plan.host_budget, config.model, config.schedule)
     check_input_paths(config)
-    check_resolution(config)
-    check_vae(config)
+    check_resolution(config.model, config.data, config.validation.validation_frames)
+    check_vae(config.model)
     check_writable(config.outputs.output, "output")
     return measure, budget_bytes, host_bytes
 
@@ -367,11 +368,13 @@ def sweep(config: TrainConfig, measure: MeasureConfig, progress: Progress | None
         SweepInterrupted: ``should_stop`` answered True, or Ctrl-C; the tables hold what was measured.
     """
     with lazy_imports():
-        from .measure.runs import Progress
+        from .measure.runs import Progress, RunWorkspace
         from .measure.sweep import sweep_tables
 
     measure, progress = _measurement(config, measure, budgets=False)[0], progress or Progress()
-    return sweep_tables(config, bundle or load_model(config, progress.log), measure, progress)
+    workspace = RunWorkspace(config, bundle or load_model(config, progress.log), on_step=progress.on_step,
+                             should_stop=progress.should_stop)
+    return sweep_tables(workspace, measure, progress)
 
 
 def plan(config: TrainConfig, measure: MeasureConfig, progress: Progress | None = None, *,
@@ -393,12 +396,13 @@ def plan(config: TrainConfig, measure: MeasureConfig, progress: Progress | None 
     """
     with lazy_imports():
         from .measure.planning import plan_for_budget
-        from .measure.runs import Progress
+        from .measure.runs import Progress, RunWorkspace
 
     measure, budget_bytes, host_bytes = _measurement(config, measure, budgets=True)
     progress = progress or Progress()
-    return plan_for_budget(config, bundle or load_model(config, progress.log), measure, budget_bytes, progress,
-                           host_budget_bytes=host_bytes)
+    workspace = RunWorkspace(config, bundle or load_model(config, progress.log), on_step=progress.on_step,
+                             should_stop=progress.should_stop)
+    return plan_for_budget(workspace, measure, budget_bytes, host_budget_bytes=host_bytes)
 
 
 def check_fit(config: TrainConfig, measure: MeasureConfig, progress: Progress | None = None, *,
@@ -417,9 +421,10 @@ def check_fit(config: TrainConfig, measure: MeasureConfig, progress: Progress | 
     """
     with lazy_imports():
         from .measure.preflight import preflight
-        from .measure.runs import Progress
+        from .measure.runs import Progress, RunWorkspace
 
     measure, budget_bytes, host_bytes = _measurement(config, measure, budgets=True)
     progress = progress or Progress()
-    return preflight(config, bundle or load_model(config, progress.log), budget_bytes, measure, progress,
-                     host_budget_bytes=host_bytes)
+    workspace = RunWorkspace(config, bundle or load_model(config, progress.log), on_step=progress.on_step,
+                             should_stop=progress.should_stop)
+    return preflight(workspace, budget_bytes, measure, host_budget_bytes=host_bytes)

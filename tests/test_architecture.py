@@ -306,23 +306,6 @@ PARAMETERS = 8
 each count one; ``self`` and ``cls`` (the first parameter of a method) do not."""
 CONFIG_OWN = "config/train.py"
 """``TrainConfig``'s own module: its constructors and readers take the config they build; not counted."""
-MEASURE_VIOLATIONS = {
-    "whole_config": {"measure/frames.py:check_measure_frames", "measure/frames.py:clip_shape",
-                     "measure/frames.py:clip_data", "measure/frames.py:frames_label",
-                     "measure/host.py:streamed_bytes_estimate", "measure/host.py:streamed_host_bytes",
-                     "measure/host.py:streamed_sizes", "measure/host.py:check_host_budget",
-                     "measure/lockstep.py:lockstep_runs", "measure/planner.py:_time_head_to_head",
-                     "measure/planner.py:plan_for_budget", "measure/planner.py:_plan_frames", "measure/planner.py:_plan",
-                     "measure/preflight.py:preflight", "measure/probe.py:_offload_cost", "measure/probe.py:probe",
-                     "measure/probe.py:shallow_probe", "measure/probe.py:_probe_plain", "measure/runs.py:short_run",
-                     "measure/runs.py:RunWorkspace.__init__", "measure/sweep.py:run_sweep"},
-    "lines": {"measure/sweep.py:run_sweep", "measure/planner.py:predict", "measure/preflight.py:preflight"},
-    "parameters": {"measure/sweep.py:run_sweep", "measure/planner.py:plan_for_budget", "measure/planner.py:_plan_frames",
-                   "measure/planner.py:_plan", "measure/preflight.py:preflight", "measure/probe.py:probe"},
-    "circles": {("measure.levers", "measure.planner", "measure.ranks")},
-}
-"""Where ``engine/measure/`` breaks the limits above today. Issue 37 item 1 (MeasureConfig) removes these:
-the lead empties this table after merging it; nothing outside ``engine/measure/`` may be added here."""
 
 
 def _functions() -> list[tuple[str, ast.FunctionDef]]:
@@ -348,16 +331,6 @@ def _parameters(function: ast.FunctionDef) -> list[ast.arg]:
     if positional and positional[0].arg in ("self", "cls"):
         positional = positional[1:]
     return positional + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a is not None]
-
-
-def _measured(name: str) -> bool:
-    return name.startswith("measure/")
-
-
-def _allowed(kind: str, name: str) -> bool:
-    """Whether ``name`` is a listed violation of ``engine/measure/`` (``Class.method`` listed as the class's)."""
-    short = name.split(":")[0] + ":" + name.split(":")[1].split(".")[-1]
-    return name in MEASURE_VIOLATIONS[kind] or short in MEASURE_VIOLATIONS[kind]
 
 
 def _class_of(path: Path, name: str) -> ast.ClassDef:
@@ -396,20 +369,17 @@ def _takes_whole_config(function: ast.FunctionDef) -> bool:
 
 def test_few_functions_take_the_whole_config():
     whole = [name for name, f in _functions() if _takes_whole_config(f) and not name.startswith(CONFIG_OWN)]
-    listed = [name for name in whole if _measured(name)]
-    assert all(_allowed("whole_config", name) for name in listed), [n for n in listed if not _allowed("whole_config", n)]
-    counted = [name for name in whole if not _measured(name)]
-    assert len(counted) <= WHOLE_CONFIG_FUNCTIONS, counted
+    assert len(whole) <= WHOLE_CONFIG_FUNCTIONS, whole
 
 
 def test_no_function_is_long_or_takes_many_parameters():
     long, many = [], []
     for name, function in _functions():
         lines = function.end_lineno - function.lineno + 1
-        if lines > FUNCTION_LINES and not (_measured(name) and _allowed("lines", name)):
+        if lines > FUNCTION_LINES:
             long.append(f"{name} ({lines} lines)")
         count = len(_parameters(function))
-        if count > PARAMETERS and not (_measured(name) and _allowed("parameters", name)):
+        if count > PARAMETERS:
             many.append(f"{name} ({count} parameters)")
     assert not long and not many, long + many
 
@@ -468,5 +438,4 @@ def _circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
 def test_the_engine_imports_form_no_circle():
     """Type-only imports count: a circle under ``TYPE_CHECKING`` is still two modules that need each other."""
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]  # the finder finds one
-    circles = set(_circles(_module_graph()))
-    assert circles <= MEASURE_VIOLATIONS["circles"], circles - MEASURE_VIOLATIONS["circles"]
+    assert not _circles(_module_graph())

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import diffusers
 import torch
 
-from ..config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from ..config import ConfigError, DataConfig, ModelConfig
 from ..families import FamilyAdapter, get_family
 from ..families.limits import Limits, describe_bound, full_config, largest_square, model_limits, token_patch
 from ..model.bundle import ModelBundle, ModelLoadError, tiny_vae
@@ -107,9 +107,10 @@ def model_shape(model: ModelConfig, bundle: ModelBundle | None = None) -> ModelS
     return ModelShape(family, full_config(family.model_cls(), values), scale, source)
 
 
-def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> Limits | None:
-    """Refuse frame counts the family does not take (:func:`check_frames`) and a square
-    ``resolution`` whose token grid exceeds the model's limits, before any model is built (with buckets too: every bucket keeps the square's area, so when the square's
+def check_resolution(model: ModelConfig, data: DataConfig, validation_frames: int | None,
+                     bundle: ModelBundle | None = None) -> Limits | None:
+    """Refuse frame counts ``model``'s family does not take (:func:`check_frames`) and a square
+    ``data.resolution`` whose token grid exceeds the model's limits, before any model is built (with buckets too: every bucket keeps the square's area, so when the square's
     grid does not fit, no bucket's does).
 
     Returns:
@@ -119,11 +120,11 @@ def check_resolution(config: TrainConfig, bundle: ModelBundle | None = None) -> 
         ConfigError: ``resolution=1024 is invalid for sd3 (tiny preset): allowed at most 256
             (16x16 tokens (pos_embed_max_size 16) x patch 2 x VAE 8; the square is 64x64 tokens)``.
     """
-    check_frames(config.model, config.data, config.validation.validation_frames, bundle)
-    shape = model_shape(config.model, bundle)
+    check_frames(model, data, validation_frames, bundle)
+    shape = model_shape(model, bundle)
     if shape is None or shape.downscale is None:
         return None
-    limits, res = shape.limits, config.data.resolution
+    limits, res = shape.limits, data.resolution
     cells = res // shape.downscale // shape.patch
     if limits.fits(cells, cells):
         return limits

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import TrainConfig
 from ..config.backends import TABLE
 from ..config.schedule import CheckpointSchedule
 from ..core.plan import effective_plan
@@ -240,13 +239,12 @@ def calibration_schedules(family, blocks: dict[str, list[BlockCost]], stream: bo
     return useful
 
 
-def calibrate(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace,
-              schedules: list[CheckpointSchedule], blocks: dict[str, list[BlockCost]], frozen_bytes: int,
-              h2d_s_per_byte: float) -> Calibration:
+def calibrate(workspace: RunWorkspace, warmup_steps: int, schedules: list[CheckpointSchedule],
+              blocks: dict[str, list[BlockCost]], frozen_bytes: int, h2d_s_per_byte: float) -> Calibration:
     """Measure the :class:`Calibration` of this machine (see the module docstring).
 
     Args:
-        config / bundle / workspace: the probe's (each run trains its own copy of the model).
+        workspace: the probe's, open (its settings and model; each run trains its own copy of the model).
         warmup_steps: unpaired leading steps of each run.
         schedules: the runs besides the plain one (:func:`calibration_schedules`).
         blocks: the probe's block costs (what each run adds, :func:`~.costs.work`).
@@ -256,8 +254,8 @@ def calibrate(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWork
     Raises:
         Exception: the first error of a calibration run (as :func:`~.lockstep.lockstep_runs`).
     """
-    family = get_family(bundle.family.name)
-    results = lockstep_runs(config, bundle, [PLAIN, *schedules], warmup_steps, CALIBRATION_STEPS, workspace=workspace)
+    family = get_family(workspace.bundle.family.name)
+    results = lockstep_runs(workspace, [PLAIN, *schedules], warmup_steps, CALIBRATION_STEPS)
     plain, extra = results[0], {}
     for schedule, result in zip(schedules, results[1:]):
         extra[schedule.mode] = (max(0.0, paired_difference(result, plain, warmup_steps)),

@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, ModelConfig
 from ..data.buckets import shape_classes, vae_downscale
 from ..data.comfy_data import PreparedData
 from ..data.limits import frame_limit, model_shape
@@ -29,8 +29,8 @@ from .runs import RunWorkspace
 SOURCE = "synthetic clip latents (measurement)"
 
 
-def check_measure_frames(config: TrainConfig, counts: Sequence[int], key: str = "--frames") -> tuple[int, ...]:
-    """The pixel-frame counts of a measurement, checked against the family's frame rule and the
+def check_measure_frames(model: ModelConfig, counts: Sequence[int], key: str = "--frames") -> tuple[int, ...]:
+    """The pixel-frame counts of a measurement, checked against ``model``'s family's frame rule and the
     model's latent-frame limit (when its config can be read without loading it), in the order
     given, duplicates dropped.
 
@@ -41,18 +41,18 @@ def check_measure_frames(config: TrainConfig, counts: Sequence[int], key: str = 
     """
     if not counts:
         raise ConfigError(f"{key} is empty: allowed one or more pixel-frame counts")
-    family = get_family(config.model.family)
-    shape = model_shape(config.model)
+    family = get_family(model.family)
+    shape = model_shape(model)
     most = frame_limit(family, shape.config) if shape is not None else None
     for n in counts:
         check_frame_count(family, key, n, most)
     return tuple(dict.fromkeys(counts))
 
 
-def clip_shape(config: TrainConfig, bundle, frames: int) -> tuple[int, ...]:
+def clip_shape(resolution: int, bundle, frames: int) -> tuple[int, ...]:
     """One synthetic sample's latent shape without channels: ``(F', h, w)`` for a video family
     (``F' = rule.latent_frames(frames)``), ``(h, w)`` for an image family; ``h = w =
-    resolution // VAE downscale`` (the run's square; latent cells).
+    resolution // VAE downscale`` (``resolution``: the run's square side, pixels; latent cells).
 
     Raises:
         ConfigError: the model has no VAE to read the downscale from.
@@ -60,19 +60,20 @@ def clip_shape(config: TrainConfig, bundle, frames: int) -> tuple[int, ...]:
     if bundle.vae is None:
         raise ConfigError(f"--frames needs the model's VAE (its downscale gives the latent size): {bundle.source} "
                           "has none; give --vae-path")
-    side = config.data.resolution // vae_downscale(bundle.vae)
+    side = resolution // vae_downscale(bundle.vae)
     rule = bundle.family.frames
     return (rule.latent_frames(frames), side, side) if rule is not None else (side, side)
 
 
-def clip_data(cache: dict[str, torch.Tensor], config: TrainConfig, bundle, frames: int) -> PreparedData:
+def clip_data(cache: dict[str, torch.Tensor], resolution: int, seed: int, bundle, frames: int) -> PreparedData:
     """Synthetic latents of ``frames`` pixel frames at the run's square resolution, with the text
     of ``cache`` (the run's encoded data).
 
     Args:
         cache: a latent cache (:meth:`~.runs.RunWorkspace.data_cache`): its latent channels C and
             every row's text states are kept.
-        config: the run's settings (``resolution``, ``seed``). bundle: the model (VAE, family).
+        resolution: the run's square side, pixels. seed: the run's seed (the latents' generator).
+        bundle: the model (VAE, family).
         frames: pixel frames, allowed by the family's rule (image families: 1).
 
     Returns:
@@ -82,8 +83,8 @@ def clip_data(cache: dict[str, torch.Tensor], config: TrainConfig, bundle, frame
     text = {k: v.contiguous() for k, v in cache.items() if k.startswith("text_")}
     count = text["text_seq"].shape[0]
     channels = shape_classes(cache)[0][0][0]
-    dims = (channels, *clip_shape(config, bundle, frames))
-    latents = torch.randn(count, *dims, generator=torch.Generator().manual_seed(config.seed))
+    dims = (channels, *clip_shape(resolution, bundle, frames))
+    latents = torch.randn(count, *dims, generator=torch.Generator().manual_seed(seed))
     summary = {"source": SOURCE, "images": count, "images_per_epoch": count, "latent_shape": list(dims),
                "latent_format": "standard normal", "conditioning": "the run's captions",
                "text_tokens": text["text_seq"].shape[1], "text_width": text["text_seq"].shape[2],
@@ -91,10 +92,10 @@ def clip_data(cache: dict[str, torch.Tensor], config: TrainConfig, bundle, frame
     return PreparedData(bundle.family.name, {"latents": latents, **text}, summary)
 
 
-def frames_label(config: TrainConfig, bundle, frames: int) -> str:
+def frames_label(resolution: int, bundle, frames: int) -> str:
     """``5 frames (2 latent frames, 128 tokens per sample)``: what a measurement at ``frames``
-    trains on (:func:`clip_shape`; tokens: :func:`~..families.limits.token_count`)."""
-    shape = clip_shape(config, bundle, frames)
+    and the square ``resolution`` trains on (:func:`clip_shape`; tokens: :func:`~..families.limits.token_count`)."""
+    shape = clip_shape(resolution, bundle, frames)
     tokens = token_count(bundle.family, dict(bundle.transformer.config), (0, *shape))
     latent = f"{shape[0]} latent frame{'s' if shape[0] != 1 else ''}, " if len(shape) == 3 else ""
     return f"{frames} frame{'s' if frames != 1 else ''} ({latent}{tokens} tokens per sample)"
@@ -108,10 +109,11 @@ def use_frames(workspace: RunWorkspace, frames: int) -> Iterator[PreparedData]:
     Yields:
         The prepared clip data the runs train on.
     """
-    base = getattr(workspace, "_frames_base", None)
+    base = workspace._frames_base
     if base is None:
         base = workspace._frames_base = workspace.data_cache()
-    clips = clip_data(base, workspace.config, workspace.bundle, frames)
+    config = workspace.config
+    clips = clip_data(base, config.data.resolution, config.seed, workspace.bundle, frames)
     saved = workspace.config, workspace.data, workspace.prepared
     # prepared data is one batch shape and no folder; num_frames says what the runs train at
     workspace.config = workspace.config.replace(data=None, buckets=False, num_frames=frames, frame_buckets=None,

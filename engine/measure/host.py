@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig
+from ..config import ModelConfig
 from ..config.guardrails import check_budget
+from ..config.schedule import CheckpointSchedule
 from ..core.arena import plan_chunks
 from ..core.memory import device_budget, free_memory
 from ..core.plan import count_blocks, effective_plan
@@ -67,22 +68,22 @@ def host_budget_bytes(value: str | float | None = None, key: str = "host_budget"
     return int(checked * 2**30)
 
 
-def streamed_bytes_estimate(config: TrainConfig) -> int | None:
-    """Host bytes of the frozen weights ``config``'s schedule streams (:func:`streamed_sizes`)."""
-    sizes = streamed_sizes(config)
+def streamed_bytes_estimate(model: ModelConfig, schedule: CheckpointSchedule) -> int | None:
+    """Host bytes of the frozen weights of ``model`` that ``schedule`` streams (:func:`streamed_sizes`)."""
+    sizes = streamed_sizes(model, schedule)
     return None if sizes is None else sum(sizes)
 
 
-def streamed_host_bytes(config: TrainConfig) -> int | None:
+def streamed_host_bytes(model: ModelConfig, schedule: CheckpointSchedule) -> int | None:
     """Host bytes a streamed run allocates for its weights: the chunks the host arena plans for
     :func:`streamed_sizes` (engine/core/arena.py :func:`~..core.arena.plan_chunks`), the same plan the run makes.
     What the host budget counts. None when the model's files cannot tell."""
-    sizes = streamed_sizes(config)
+    sizes = streamed_sizes(model, schedule)
     return None if sizes is None else sum(plan_chunks(sizes))
 
 
-def streamed_sizes(config: TrainConfig) -> list[int] | None:
-    """Host bytes of each frozen tensor ``config``'s schedule streams, from the model's config
+def streamed_sizes(model_cfg: ModelConfig, schedule: CheckpointSchedule) -> list[int] | None:
+    """Host bytes of each frozen tensor of ``model_cfg``'s model that ``schedule`` streams, from the model's config
     on the ``meta`` device at the run's storage precision (a quantized base: 1 byte per weight
     plus a 4-byte scale and, for int8, a 1-byte zero point per output row, as torchao stores them).
 
@@ -94,10 +95,8 @@ def streamed_sizes(config: TrainConfig) -> list[int] | None:
         The bytes of each tensor in the order the run holds them ([] without streaming), or None when the model's files cannot tell (the run's own
         checks name what is wrong with them).
     """
-    schedule = config.schedule
     if not schedule.streams:
         return []
-    model_cfg = config.model
     family = get_family(model_cfg.family)
     stored: dict[str, int] = {}
     if model_cfg.model_file:
@@ -145,9 +144,10 @@ def _block_sizes(block: torch.nn.Module, precision, names: dict[int, str], store
     return sizes
 
 
-def check_host_budget(config: TrainConfig, budget_bytes: int, value: str | float | None = None) -> int | None:
-    """Refuse, before any model is built, a streamed schedule whose host copies exceed the host
-    budget, counted as allocated: the host arena's chunks (:func:`streamed_host_bytes`).
+def check_host_budget(model: ModelConfig, schedule: CheckpointSchedule, budget_bytes: int,
+                      value: str | float | None = None) -> int | None:
+    """Refuse, before any model is built, a streamed ``schedule`` of ``model`` whose host copies exceed
+    the host budget, counted as allocated: the host arena's chunks (:func:`streamed_host_bytes`).
 
     Returns:
         The host bytes the streamed weights' chunks take (None when unknown before the weights are read).
@@ -155,11 +155,11 @@ def check_host_budget(config: TrainConfig, budget_bytes: int, value: str | float
     Raises:
         HostBudgetError: in one line naming ``host_budget``, the value and the bytes needed.
     """
-    needed = streamed_host_bytes(config)
+    needed = streamed_host_bytes(model, schedule)
     if needed is not None and needed > budget_bytes:
         shown = value if value is not None else f"default ({budget_bytes / 2**30:.4g} GiB)"
         raise HostBudgetError(
-            f"host_budget={shown} is too small: weight_offload=stream ({config.schedule.mode}) keeps "
+            f"host_budget={shown} is too small: weight_offload=stream ({schedule.mode}) keeps "
             f"{needed} bytes ({needed / 2**30:.4g} GiB) of frozen weights in host memory (as allocated: the chunks "
             f"holding them); allowed a host budget of at least that, or fewer streamed blocks (weight_offload_blocks)")
     return needed

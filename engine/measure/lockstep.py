@@ -22,26 +22,22 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..config import TrainConfig
 from ..config.schedule import CheckpointSchedule
-from .runs import MeasurementInterrupted, RunWorkspace, StartRun
+from .runs import MeasurementInterrupted, RunWorkspace
 
 
-def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedule], warmup_steps: int = 1,
-                  measured_steps: int = 4, start_run: StartRun | None = None,
-                  workspace: RunWorkspace | None = None) -> list[Any]:
-    """Train one copy of ``bundle`` per schedule in lockstep (one step of each in turn).
+def lockstep_runs(workspace: RunWorkspace, schedules: list[CheckpointSchedule], warmup_steps: int = 1,
+                  measured_steps: int = 4) -> list[Any]:
+    """Train one copy of the workspace's model per schedule in lockstep (one step of each in turn).
 
     Args:
-        config: shared run settings (see :class:`~.runs.RunWorkspace`).
-        bundle: the loaded model; never changed (each run trains a deep copy).
+        workspace: an open workspace (:class:`~.runs.RunWorkspace`: the shared run settings and
+            the model, never changed, each run training a deep copy; its sample data and latent
+            cache shared with the caller's other runs).
         schedules: the schedules to compare (at least one).
         warmup_steps: leading steps not paired (at least 1: the first step also sets the run up
             and allocates the optimizer state).
         measured_steps: steps after the warm-up; each run's ``history`` has their seconds.
-        start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
-        workspace: an open workspace to run in (sample data and latent cache shared with the
-            caller's other runs); default: one of its own.
 
     Returns:
         One :class:`~..train.loop.TrainResult` per schedule, in order.
@@ -53,9 +49,6 @@ def lockstep_runs(config: TrainConfig, bundle, schedules: list[CheckpointSchedul
     if warmup_steps < 1 or measured_steps < 1 or not schedules:
         raise ValueError(f"lockstep_runs: warmup_steps={warmup_steps}, measured_steps={measured_steps}, "
                          f"{len(schedules)} schedules: allowed warmup_steps >= 1, measured_steps >= 1, >= 1 schedule")
-    if workspace is None:
-        with RunWorkspace(config, bundle, start_run) as own:
-            return lockstep_runs(config, bundle, schedules, warmup_steps, measured_steps, start_run, own)
     runs = [workspace.start(s, warmup_steps, measured_steps) for s in schedules]
     steps = [iter(run) for run in runs]
     live, error = list(range(len(runs))), None

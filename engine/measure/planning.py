@@ -16,9 +16,8 @@ and keeps the fastest measured one that fits (measured ties again follow the doc
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from ..config import MeasureConfig, TrainConfig
+from ..config import MeasureConfig
 from ..config.measure import LEVERS
 from .frames import frames_label, use_frames
 from .lockstep import lockstep_runs, paired_ratio
@@ -37,16 +36,15 @@ from .planner import (
 from .preflight import preflight
 from .probe import Probe, probe, probe_steps
 from .ranks import rank_peaks, sharded_choice
-from .runs import MeasurementInterrupted, PlanInterrupted, Progress, RunWorkspace, StartRun, peak_after_warmup
+from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, peak_after_warmup
 from .sweep import sweep_schedules
 
 MAX_TRIES = 4
 """Choices measured over the budget before the planner gives up (each is excluded and the choice repeats)."""
 
 
-def plan_for_budget(config: TrainConfig, bundle, measure: MeasureConfig | None, budget_bytes: int,
-                    progress: Progress | None = None, *, host_budget_bytes: int | None = None,
-                    start_run: StartRun | None = None, probe_: Probe | None = None) -> PlanChoice:
+def plan_for_budget(workspace: RunWorkspace, measure: MeasureConfig | None, budget_bytes: int, *,
+                    host_budget_bytes: int | None = None, probe_: Probe | None = None) -> PlanChoice:
     """Probe, choose, and (``measure.plan.timing_steps`` > 0) measure before deciding.
 
     With timing steps the chosen prediction and other fitting ones (see
@@ -65,11 +63,12 @@ def plan_for_budget(config: TrainConfig, bundle, measure: MeasureConfig | None, 
     FSDP2 per-rank peak fits (predicted).
 
     Args:
+        workspace: not open (:class:`~.runs.RunWorkspace`, opened here): the run settings, the
+            loaded model, the run maker (tests inject their own) and ``on_step`` / ``should_stop``
+            (progress and Cancel after every step of every run).
         budget_bytes / host_budget_bytes: the device's and the host's budgets, bytes (the host's:
             what streamed weights and offloaded activations may use; None: not counted).
-        progress: ``on_step`` / ``should_stop``: progress and Cancel after every step of every run.
-        start_run: makes a run (tests inject their own). probe_: a probe of the same model and
-            settings to reuse (several budgets), else one runs.
+        probe_: a probe of the same model and settings to reuse (several budgets), else one runs.
 
     Raises:
         PlannerError: nothing is predicted to fit (on one process, nor under FSDP2 on ``nproc``),
@@ -78,30 +77,30 @@ def plan_for_budget(config: TrainConfig, bundle, measure: MeasureConfig | None, 
             holding the prediction, when it happened in the head-to-head measurement; Ctrl-C
             there raises it too).
     """
-    measure, progress = measure or MeasureConfig(), progress or Progress()
+    measure = measure or MeasureConfig()
     nproc = measure.plan.nproc
-    with RunWorkspace(config, bundle, start_run, progress.on_step, progress.should_stop) as workspace:
-        planning = _Planning(config, bundle, measure, budget_bytes, host_budget_bytes, workspace)
+    with workspace:
+        planning = _Planning(measure, budget_bytes, host_budget_bytes, workspace)
         try:
             choice = planning.over_frames() if measure.frames else planning.once(probe_)
         except PlannerError as exc:
             if nproc == 1 or exc.probe is None:
                 raise
             return sharded_choice(exc, budget_bytes, nproc)
-    if not measure.frames and (config.data.buckets or config.data.video):
-        judge_per_shape(choice, config, bundle, measure, _after(progress, workspace.done))
+    data = workspace.config.data
+    if not measure.frames and (data.buckets or data.video):
+        judge_per_shape(choice, workspace.fresh(schedule=choice.chosen.schedule), measure)
     choice.ranks = rank_peaks(choice.probe, choice.chosen, budget_bytes, nproc)
     return choice
 
 
-def judge_per_shape(choice: PlanChoice, config: TrainConfig, bundle, measure: MeasureConfig,
-                    progress: Progress | None = None) -> None:
-    """The pre-flight of the chosen schedule per batch shape of the data (:func:`~.preflight.preflight`:
-    the planner's probe mixed the shapes), kept as ``choice.verdict``; when a shape does not fit,
+def judge_per_shape(choice: PlanChoice, workspace: RunWorkspace, measure: MeasureConfig) -> None:
+    """The pre-flight of the chosen schedule per batch shape of the data (:func:`~.preflight.preflight`
+    in ``workspace``, not open, whose schedule is the chosen one: the planner's probe mixed the
+    shapes), kept as ``choice.verdict``; when a shape does not fit,
     the schedule the pre-flight names instead becomes the choice (said in ``choice.notes``;
     not timed, so no measured figures and no ``compile_blocks`` decision go with it)."""
-    verdict = preflight(config.replace(schedule=choice.chosen.schedule), bundle, choice.budget_bytes, measure,
-                        progress, host_budget_bytes=choice.host_budget_bytes)
+    verdict = preflight(workspace, choice.budget_bytes, measure, host_budget_bytes=choice.host_budget_bytes)
     choice.verdict = verdict
     if verdict.fits or verdict.suggestion is None:
         return
@@ -115,21 +114,10 @@ def judge_per_shape(choice: PlanChoice, config: TrainConfig, bundle, measure: Me
     choice.measured_sec_per_step, choice.measured_peak_bytes = chosen.measured_sec_per_step, chosen.measured_peak_bytes
 
 
-def _after(progress: Progress, base: int) -> Progress:
-    """``progress`` whose steps count on from ``base`` steps already done (a second measurement on
-    the same bar)."""
-    if progress.on_step is None or not base:
-        return progress
-    on_step = progress.on_step
-    return dataclasses.replace(progress, on_step=lambda done, total: on_step(base + done, base + total))
-
-
 @dataclasses.dataclass
 class _Planning:
-    """One plan's settings and workspace (the data is encoded once for every run of it)."""
+    """One plan's settings and workspace (open: the data is encoded once for every run of it)."""
 
-    config: TrainConfig
-    bundle: Any
     measure: MeasureConfig
     budget_bytes: int
     host_budget_bytes: int | None
@@ -146,7 +134,7 @@ class _Planning:
         """Probe (unless ``probe_`` is given) and decide."""
         warmup = self.measure.warmup_steps
         self.workspace.expect((probe_steps(warmup) if probe_ is None else 0) + self.announced)
-        return self.decide(probe_ or probe(self.config, self.bundle, warmup, workspace=self.workspace))
+        return self.decide(probe_ or probe(self.workspace, warmup))
 
     def over_frames(self) -> PlanChoice:
         """Over pixel-frame counts: probe each (the first calibrates the offloader for the
@@ -157,7 +145,7 @@ class _Planning:
         calibration = None
         for n in frames:
             with use_frames(self.workspace, n):
-                probes[n] = probe(self.config, self.bundle, warmup, workspace=self.workspace, calibration=calibration)
+                probes[n] = probe(self.workspace, warmup, calibration=calibration)
             calibration = probes[n].calibration
         largest = max(frames)
         with use_frames(self.workspace, largest):
@@ -165,7 +153,8 @@ class _Planning:
         for n in frames:
             self._at_count(choice, n, probes[n], largest)
         choice.by_frames = {n: choice.by_frames[n] for n in frames if n in choice.by_frames}
-        choice.labels = {n: frames_label(self.config, self.bundle, n) for n in frames}
+        resolution = self.workspace.config.data.resolution
+        choice.labels = {n: frames_label(resolution, self.workspace.bundle, n) for n in frames}
         return choice
 
     def _at_count(self, choice: PlanChoice, n: int, probed: Probe, largest: int) -> None:
@@ -175,7 +164,7 @@ class _Planning:
             return
         try:
             choice.by_frames[n] = choose(probed, self.budget_bytes, host_budget_bytes=self.host_budget_bytes,
-                                         stream=self.config.schedule.streams)
+                                         stream=self.workspace.config.schedule.streams)
         except PlannerError as exc:  # cannot happen when the largest count fits; said, not raised
             choice.notes.append(f"{n} frames: {exc}")
             return
@@ -190,7 +179,7 @@ class _Planning:
         for _ in range(MAX_TRIES):
             candidates = [s for s in sweep_schedules() if s.mode not in excluded]
             choice = choose(measured_probe, self.budget_bytes, candidates, host_budget_bytes=self.host_budget_bytes,
-                            stream=self.config.schedule.streams)
+                            stream=self.workspace.config.schedule.streams)
             choice.candidates = [p for p in choice.candidates if p.schedule.mode not in excluded]
             choice.notes = notes
             if self.measure.plan.timing_steps <= 0:
@@ -231,8 +220,7 @@ def _time_head_to_head(planning: _Planning, choice: PlanChoice, timed: list[Pred
     """Run ``timed`` in lockstep; record their measured numbers; choose the fastest measured one
     that fits (measured ties within ``TIE`` follow the documents' rule)."""
     warmup = planning.measure.warmup_steps
-    results = lockstep_runs(planning.config, planning.bundle, [p.schedule for p in timed], warmup,
-                            planning.measure.plan.timing_steps, workspace=planning.workspace)
+    results = lockstep_runs(planning.workspace, [p.schedule for p in timed], warmup, planning.measure.plan.timing_steps)
     for prediction, result in zip(timed, results):
         prediction.measured_sec_per_step = result.report["totals"]["sec_per_step"]
         prediction.measured_peak_bytes = peak_after_warmup(result, warmup)

@@ -21,17 +21,16 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import MeasureConfig, TrainConfig
+from ..config import MeasureConfig
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
 from ..core.arena import planned_total
 from ..data.buckets import shape_classes
-from ..data.comfy_data import PreparedData
 from ..families import get_family
 from ..families.limits import token_count
 from .frames import use_frames
 from .planner import MARGIN, NOT_STREAMED, TIE, Prediction, fewest_streamed, predict, preference, streaming_helps
 from .probe import Probe, plain_steps, probe, probe_steps
-from .runs import Progress, RunWorkspace, StartRun
+from .runs import RunWorkspace
 from .sweep import sweep_schedules
 
 
@@ -226,41 +225,40 @@ def _fewest(probe_: Probe, family, schedule: CheckpointSchedule, limit: float, a
     return fewest_streamed(probe_, schedule, limit, asked)
 
 
-def preflight(config: TrainConfig, bundle, budget_bytes: int, measure: MeasureConfig | None = None,
-              progress: Progress | None = None, *, prepared: PreparedData | None = None,
-              start_run: StartRun | None = None, host_budget_bytes: int | None = None) -> Verdict:
-    """Probe every batch shape of the run's data (and the preview phase) and judge ``config``'s
+def preflight(workspace: RunWorkspace, budget_bytes: int, measure: MeasureConfig | None = None, *,
+              host_budget_bytes: int | None = None) -> Verdict:
+    """Probe every batch shape of the run's data (and the preview phase) and judge the run's
     schedule against ``budget_bytes``.
 
     Args:
-        config: the run's settings (data, resolution, batch, schedule, previews, device, ...).
-        bundle: the loaded model (never changed: probes train deep copies).
+        workspace: the run to judge, not open (:class:`~.runs.RunWorkspace`: its settings - data,
+            resolution, batch, schedule, previews, device, ...; the model, never changed: probes
+            train deep copies; ComfyUI's latents and text when the run trains on them; its
+            ``on_step`` is also called with ``(0, 0)`` before the data is encoded and ``(0, K)``
+            before the first of the ``K`` probe steps); opened here for the probes.
         budget_bytes: the memory budget, bytes.
         measure: ``warmup_steps`` (probe steps before the measured one) and ``frames``: pixel-frame
             counts (checked by :func:`~.frames.check_measure_frames`) to judge instead of the data's
             shapes: one phase per count, on synthetic clips of the run's square resolution
             (:func:`~.frames.use_frames`), equal shares. Default: the defaults.
-        progress: ``on_step`` and ``should_stop``: see :class:`~.runs.RunWorkspace`; ``on_step`` is
-            also called with ``(0, 0)`` before the data is encoded and ``(0, K)`` before the first of
-            the ``K`` probe steps.
-        prepared: ComfyUI's latents and text, when the run trains on them.
-        start_run: makes a run (tests inject their own).
         host_budget_bytes: the host memory the streamed weights and offloaded activations may use.
 
     Raises:
         MeasurementInterrupted: ``should_stop`` answered True.
     """
-    measure, progress = measure or MeasureConfig(), progress or Progress()
-    with RunWorkspace(config, bundle, start_run, progress.on_step, progress.should_stop, prepared) as workspace:
-        probed = _probe_shapes(workspace, config, bundle, measure)
-    return _verdict(config, budget_bytes, host_budget_bytes, *probed)
+    measure = measure or MeasureConfig()
+    with workspace:
+        probed = _probe_shapes(workspace, measure)
+    config = workspace.config
+    return _verdict(config.schedule, bool(config.validation.validation_every), budget_bytes, host_budget_bytes,
+                    *probed)
 
 
-def _probe_shapes(workspace: RunWorkspace, config: TrainConfig, bundle,
+def _probe_shapes(workspace: RunWorkspace,
                   measure: MeasureConfig) -> tuple[dict[str, Probe], dict[str, float], dict[str, tuple[int, int]]]:
     """One probe per batch shape (the first calibrates the offloader for the others): ``(probes,
     shares, sizes)`` by shape key (see :func:`preflight`)."""
-    warmup_steps = measure.warmup_steps
+    warmup_steps, config, bundle = measure.warmup_steps, workspace.config, workspace.bundle
     workspace.report()  # (0, 0): encoding the data
     counts = measure.frames or (None,)
     classes = {n: _classes(workspace, n) for n in counts}
@@ -279,31 +277,30 @@ def _probe_shapes(workspace: RunWorkspace, config: TrainConfig, bundle,
                 # the preview phase is sampled once, after the largest shape's last probe step
                 previews = {"validation_every": plain_steps(warmup_steps), "validation_num_inference_steps": 1} \
                     if not probes and config.validation.validation_every else {}
-                measured = probe(config, bundle, warmup_steps, workspace=workspace, rows=rows,
-                                 calibration=calibration, **previews)
+                measured = probe(workspace, warmup_steps, rows=rows, calibration=calibration, **previews)
                 calibration = measured.calibration
                 probes[key], shares[key] = measured, len(rows) / total / len(counts)
                 sizes[key] = shape_size(bundle, shape)
     return probes, shares, sizes
 
 
-def _verdict(config: TrainConfig, budget_bytes: int, host_budget_bytes: int | None, probes: dict[str, Probe],
-             shares: dict[str, float], sizes: dict[str, tuple[int, int]]) -> Verdict:
-    """The verdict of ``config``'s schedule on the probed shapes (and the preview phase), with the
-    schedule that would fit when a training phase does not."""
-    phases = training_phases(probes, shares, config.schedule, budget_bytes, sizes)
-    on_host = [predict(measured, config.schedule) for measured in probes.values()]
-    verdict = Verdict(budget_bytes, config.schedule, phases, probes=probes,
+def _verdict(schedule: CheckpointSchedule, previews: bool, budget_bytes: int, host_budget_bytes: int | None,
+             probes: dict[str, Probe], shares: dict[str, float], sizes: dict[str, tuple[int, int]]) -> Verdict:
+    """The verdict of the run's ``schedule`` on the probed shapes (and the preview phase, when the run
+    samples ``previews``), with the schedule that would fit when a training phase does not."""
+    phases = training_phases(probes, shares, schedule, budget_bytes, sizes)
+    on_host = [predict(measured, schedule) for measured in probes.values()]
+    verdict = Verdict(budget_bytes, schedule, phases, probes=probes,
                       host_bytes=max(p.host_bytes for p in on_host), streamed_bytes=max(p.streamed_bytes for p in on_host),
                       host_budget_bytes=host_budget_bytes)
     validation = next(iter(probes.values())).validation_peak_bytes
-    if config.validation.validation_every and validation:
+    if previews and validation:
         phases.append(Phase("validation", "", 0.0, validation, _fits(validation, budget_bytes)))
         if not phases[-1].fits:
             verdict.notes.append("the preview phase alone does not fit (it runs without gradients: no schedule "
                                  "changes it): fewer validation prompts, or validation_every 0")
     if not all(p.fits for p in phases if p.kind == "train"):
-        verdict.suggestion, why = suggest(probes, shares, budget_bytes, stream=config.schedule.streams)
+        verdict.suggestion, why = suggest(probes, shares, budget_bytes, stream=schedule.streams)
         if verdict.suggestion is not None:
             verdict.suggested = training_phases(probes, shares, verdict.suggestion, budget_bytes, sizes)
         else:

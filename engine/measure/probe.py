@@ -24,7 +24,6 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.module_tracker import ModuleTracker
 
-from ..config import TrainConfig
 from ..core.memory import PeakMemory
 from ..core.offload import copy_key, resident_storages
 from ..core.plan import count_blocks
@@ -42,7 +41,7 @@ from .costs import (
     calibration_steps,
     copy_seconds_per_byte,
 )
-from .runs import RunWorkspace, StartRun
+from .runs import RunWorkspace
 
 
 @dataclass
@@ -307,8 +306,7 @@ SHALLOW_BLOCKS = 2
 """Blocks per list of the copy :func:`shallow_probe` measures when the plain step does not fit."""
 
 
-def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRun | None = None,
-          workspace: RunWorkspace | None = None, rows: list[int] | None = None,
+def probe(workspace: RunWorkspace, warmup_steps: int = 1, rows: list[int] | None = None,
           calibration: Calibration | None = None, shallow: int | None = None, **changes) -> Probe:
     """Measure per-block activation bytes and forward time on one step without checkpointing.
 
@@ -317,12 +315,10 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
     list instead (:func:`shallow_probe`); ``shallow`` = k asks for that directly.
 
     Args:
-        config: the run settings (data, resolution, batch, device, ...); the schedule, steps
-            and output are replaced.
-        bundle: the loaded model (never changed: the probe trains a deep copy).
+        workspace: an open workspace (:class:`~.runs.RunWorkspace`: the run settings - data,
+            resolution, batch, device, ...; the schedule, steps and output are replaced - and the
+            loaded model, never changed: the probe trains a deep copy; shared data and latent cache).
         warmup_steps: steps before the measured one (>= 1: the first sets the run up).
-        start_run: makes a run (default :class:`~..train.loop.TrainingRun`).
-        workspace: an open workspace to run in (shared data and latent cache); default: its own.
         rows: probe batches of these cache rows only (one bucket: one shape).
         calibration: the :class:`~.costs.Calibration` of an earlier probe on this machine
             (:attr:`Probe.calibration`; skips the calibration runs).
@@ -334,20 +330,16 @@ def probe(config: TrainConfig, bundle, warmup_steps: int = 1, start_run: StartRu
     if warmup_steps < 1:
         raise ValueError(f"warmup_steps={warmup_steps} is invalid: allowed >= 1 (the probe records after "
                          "the run set up its LoRA)")
-    if workspace is None:
-        with RunWorkspace(config, bundle, start_run) as own:
-            return probe(config, bundle, warmup_steps, start_run, own, rows, calibration, shallow, **changes)
     if shallow:
-        return shallow_probe(config, bundle, shallow, warmup_steps, workspace, rows, calibration, **changes)
+        return shallow_probe(workspace, shallow, warmup_steps, rows, calibration, **changes)
     try:
-        return _probe_plain(config, bundle, warmup_steps, workspace, rows, calibration, **changes)
+        return _probe_plain(workspace, warmup_steps, rows, calibration, **changes)
     except (OutOfMemoryStop, torch.OutOfMemoryError) as exc:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
-            return shallow_probe(config, bundle, SHALLOW_BLOCKS, warmup_steps, workspace, rows, calibration,
-                                 **changes)
+            return shallow_probe(workspace, SHALLOW_BLOCKS, warmup_steps, rows, calibration, **changes)
         except ShallowProbeError:
             raise exc from None
 
@@ -381,11 +373,10 @@ def shallow_copy(model: torch.nn.Module, family: FamilyAdapter, keep: int) -> to
             model._modules[attr] = blocks
 
 
-def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, workspace: RunWorkspace,
-                  rows: list[int] | None = None, calibration: Calibration | None = None,
-                  **changes) -> Probe:
-    """The probe of a model whose plain step does not fit: one plain step of a copy with the first
-    ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
+def shallow_probe(workspace: RunWorkspace, keep: int, warmup_steps: int, rows: list[int] | None = None,
+                  calibration: Calibration | None = None, **changes) -> Probe:
+    """The probe of a model whose plain step does not fit: one plain step (in the open ``workspace``)
+    of a copy of its model with the first ``keep`` blocks of every list, its last block standing for the blocks left out (a list's
     blocks have the same shapes and widths, so the same activation bytes, forward time, LoRA and
     frozen bytes). The left-out blocks add their activations, their frozen and LoRA bytes (with
     the optimizer's state of the LoRA, as the last block's was measured) to the peak and three
@@ -394,12 +385,13 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
     Raises:
         ShallowProbeError: see :func:`shallow_copy`.
     """
+    bundle = workspace.bundle
     family = get_family(bundle.family.name)
     counts = count_blocks(family, bundle.transformer)
     small = dataclasses.replace(bundle, transformer=shallow_copy(bundle.transformer, family, keep))
     original, workspace.bundle = workspace.bundle, small
     try:
-        measured = _probe_plain(config, small, warmup_steps, workspace, rows, calibration, **changes)
+        measured = _probe_plain(workspace, warmup_steps, rows, calibration, **changes)
     finally:
         workspace.bundle = original
     blocks, frozen, states = {}, {}, {}
@@ -425,12 +417,12 @@ def shallow_probe(config: TrainConfig, bundle, keep: int, warmup_steps: int, wor
         extrapolated_from=keep)
 
 
-def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunWorkspace,
-                 rows: list[int] | None, calibration: Calibration | None, **changes) -> Probe:
-    """One plain step of ``bundle``'s model in ``workspace``, recorded block by block, then the
+def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | None,
+                 calibration: Calibration | None, **changes) -> Probe:
+    """One plain step of the model of ``workspace`` (open), recorded block by block, then the
     clean steps timed and (without ``calibration``) the calibration runs."""
-    family = get_family(bundle.family.name)
-    device = resolve_device(config.model)
+    family = get_family(workspace.bundle.family.name)
+    device = resolve_device(workspace.config.model)
     run, collector = _record(family, device, warmup_steps, workspace, rows, **changes)
     result = run.result
     recorded = result.history[warmup_steps]
@@ -448,10 +440,10 @@ def _probe_plain(config: TrainConfig, bundle, warmup_steps: int, workspace: RunW
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
     if calibration is None:
-        schedules = calibration_schedules(family, costs, config.schedule.streams)
+        schedules = calibration_schedules(family, costs, workspace.config.schedule.streams)
         workspace.expect(calibration_steps(warmup_steps, 1 + len(schedules)) - calibration_steps(warmup_steps))
-        calibration = calibrate(config, bundle, warmup_steps, workspace, schedules, costs,
-                                sum(sum(b) for b in frozen.values()), h2d_s_per_byte)
+        calibration = calibrate(workspace, warmup_steps, schedules, costs, sum(sum(b) for b in frozen.values()),
+                                h2d_s_per_byte)
     return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
                  statistics.median(r["seconds"] for r in clean), calibration.offload_s_per_tensor,
                  calibration.offload_s_per_byte, blocks_end, result.report["memory"]["validation_peak_bytes"], frozen,

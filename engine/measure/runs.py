@@ -5,7 +5,9 @@ A :class:`RunWorkspace` is a temporary folder shared by such runs: the built-in 
 written once and the latent cache is encoded once (every run of the same data and model reuses
 it), and each run trains a deep copy of the model into an output folder of its own. Runs are
 :class:`~..train.loop.TrainingRun` iterators, so a caller may drive several of them one step at a
-time.
+time. The workspace holds a measurement's settings and model, so the measurements take it rather
+than the whole config: a sweep, a plan and a pre-flight take one not yet open and open it; their
+parts (the probe, the calibration, lockstep timing) take it open.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class RunWorkspace:
         self._runs = 0
         self.done, self._ahead = 0, 0
         self._live: list[_Watched] = []
+        self._frames_base: dict[str, torch.Tensor] | None = None
 
     @property
     def total(self) -> int:
@@ -108,16 +111,41 @@ class RunWorkspace:
         self._ahead = max(0, self._ahead + steps)
 
     def __enter__(self) -> "RunWorkspace":
+        """Open the workspace afresh: a new temporary folder, no step done or announced yet (a
+        measurement that opens it once per table starts each one from the same settings).
+
+        Raises:
+            RuntimeError: the workspace is open already.
+        """
+        if self._folder is not None:
+            raise RuntimeError("RunWorkspace is open already: a measurement opens a workspace once at a time")
         self._folder = tempfile.TemporaryDirectory(prefix="segckpt-runs-")
         self.root = Path(self._folder.name)
         self.data = self.config.data.folder  # the sample photos are written at the first run
+        self._runs = self.done = self._ahead = 0
+        self._live = []
+        self._frames_base = None  # the data clips are made with (``frames.use_frames``): this opening's
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._folder.cleanup()
+        self._folder = None
         if exc[0] is None and self.on_step is not None and self.total != self.done:
             self._ahead = 0  # announced runs that did not happen (a decision made on the way)
             self.on_step(self.done, self.done)
+
+    def fresh(self, **changes: Any) -> "RunWorkspace":
+        """A new workspace (not open) of this one's model, run maker, Cancel and prepared data, its
+        settings with ``changes`` (e.g. ``schedule``), whose progress counts on from this one's
+        steps done: a second measurement on the same bar (the planner's per-shape pre-flight)."""
+        on_step, base = self.on_step, self.done
+        if on_step is not None and base:
+            def counted_on(done: int, total: int) -> None:
+                on_step(base + done, base + total)
+        else:
+            counted_on = on_step
+        return RunWorkspace(self.config.replace(**changes), self.bundle, self.start_run, counted_on,
+                            self.should_stop, self.prepared)
 
     def _config(self, **changes: Any) -> TrainConfig:
         """The shared settings for the next run: its own output folder, the workspace's data."""
@@ -196,13 +224,6 @@ class _Watched:
             self.left = 0
             if self in self.workspace._live:
                 self.workspace._live.remove(self)
-
-
-def short_run(config: TrainConfig, bundle, schedule: CheckpointSchedule, warmup_steps: int, measured_steps: int,
-              start_run: StartRun | None = None) -> TrainResult:
-    """One run of ``schedule`` in a workspace of its own (deleted afterwards)."""
-    with RunWorkspace(config, bundle, start_run) as workspace:
-        return workspace.run(schedule, warmup_steps, measured_steps)
 
 
 def peak_after_warmup(result: TrainResult, warmup_steps: int) -> int:

@@ -38,7 +38,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import TrainConfig
 from ..config.backends import BACKENDS, DEFAULT
 from ..config.measure import MeasureConfig
 from ..config.schedule import CheckpointSchedule, ScheduleError, check_supported
@@ -48,7 +47,7 @@ from ..files.atomic import atomic_write_bytes, atomic_write_text
 from ..train.recovery import OutOfMemoryStop, is_out_of_memory
 from .frames import frames_label, use_frames
 from .plots import sweep_plot_png
-from .runs import MeasurementInterrupted, Progress, RunWorkspace, StartRun, peak_after_warmup
+from .runs import MeasurementInterrupted, Progress, RunWorkspace, peak_after_warmup
 
 BASE_MODES = {
     "none": CheckpointSchedule(gradient_checkpointing=False),
@@ -158,26 +157,25 @@ def _mode(schedule: CheckpointSchedule, changes: dict) -> str:
     return schedule.mode + ("+compile" if changes else "")
 
 
-def run_sweep(config: TrainConfig, bundle, measure: MeasureConfig | None = None, progress: Progress | None = None, *,
+def run_sweep(workspace: RunWorkspace, measure: MeasureConfig | None = None, progress: Progress | None = None, *,
               schedules: list[CheckpointSchedule] | None = None,
-              skip: Callable[[CheckpointSchedule], bool] | None = None, start_run: StartRun | None = None,
-              frames: int | None = None) -> list[SweepCell]:
-    """Measure each schedule on a fresh copy of ``bundle``.
+              skip: Callable[[CheckpointSchedule], bool] | None = None, frames: int | None = None) -> list[SweepCell]:
+    """Measure each schedule on a fresh copy of the workspace's model.
 
     Args:
-        config: the run settings shared by every cell (data, resolution, batch, lr, seed,
-            device); its schedule, steps, output and resume are replaced per cell.
-        bundle: the loaded model (:class:`~..model.bundle.ModelBundle`); never changed (each
-            cell trains a deep copy). The cells share one workspace: the data is encoded once.
+        workspace: not open (:class:`~.runs.RunWorkspace`, opened here once: the cells share it, so
+            the data is encoded once): the run settings shared by every cell (data, resolution,
+            batch, lr, seed, device; its schedule, steps, output and resume are replaced per cell),
+            the loaded model (never changed: each cell trains a deep copy), the run maker (tests
+            inject faults), ``on_step`` and ``should_stop``.
         measure: warm-up and measured steps per cell, the modes (default :func:`modes_of` it)
             and, with ``compile``, each mode again with ``compile_blocks`` (mode ``<mode>+compile``;
             ``engine/core/compiling.py``). Default: :class:`~..config.measure.MeasureConfig`'s defaults.
-        progress: ``on_step``, ``should_stop`` (see :class:`~.runs.RunWorkspace`), ``log`` (a line per
-            cell) and ``on_cell``, called after every cell with every cell so far and the rest as
-            ``not run`` (write the tables there, and an interrupted sweep keeps what it measured).
+        progress: ``log`` (a line per cell) and ``on_cell``, called after every cell with every
+            cell so far and the rest as ``not run`` (write the tables there, and an interrupted
+            sweep keeps what it measured).
         schedules: modes to run instead of ``measure``'s.
         skip: schedules for which it returns True are ``not run``.
-        start_run: makes a run (default :class:`~..train.loop.TrainingRun`; tests inject faults).
         frames: measure clips of this many pixel frames (synthetic latents ``(N, C, F', h, w)``
             with the text of the run's data, :func:`~.frames.use_frames`); checked by the caller
             (:func:`~.frames.check_measure_frames`). None: the run's own data.
@@ -189,11 +187,10 @@ def run_sweep(config: TrainConfig, bundle, measure: MeasureConfig | None = None,
         MeasurementInterrupted: ``should_stop`` answered True.
     """
     measure, progress = measure or MeasureConfig(), progress or Progress()
-    family = get_family(bundle.family.name)
+    family = get_family(workspace.bundle.family.name)
     runs = _runs(schedules or modes_of(measure), measure.sweep.compile)
-    cells = _Cells(family, count_blocks(family, bundle.transformer), runs, progress)
-    with RunWorkspace(config, bundle, start_run, progress.on_step, progress.should_stop) as workspace, \
-            (use_frames(workspace, frames) if frames is not None else contextlib.nullcontext()):
+    cells = _Cells(family, count_blocks(family, workspace.bundle.transformer), runs, progress)
+    with workspace, (use_frames(workspace, frames) if frames is not None else contextlib.nullcontext()):
         workspace.expect((measure.warmup_steps + measure.sweep.measured_steps) * sum(
             1 for s, _ in runs if not (skip is not None and skip(s)) and _supported(family, s)))
         for schedule, changes in runs:
@@ -259,29 +256,29 @@ class SweepTable:
     measured_at: str = ""
 
 
-def sweep_tables(config: TrainConfig, bundle, measure: MeasureConfig, progress: Progress | None = None,
-                 start_run: StartRun | None = None) -> list[SweepTable]:
-    """:func:`run_sweep` on the run's data, or once per frame count of ``measure.frames`` (checked
-    by the caller), each writing its tables (:func:`write_outputs`) after every cell into the
-    run's output folder (``frames-N/`` in it per count).
+def sweep_tables(workspace: RunWorkspace, measure: MeasureConfig, progress: Progress | None = None) -> list[SweepTable]:
+    """:func:`run_sweep` in ``workspace`` (not open) on the run's data, or once per frame count of
+    ``measure.frames`` (checked by the caller; the workspace opened afresh for each), each writing
+    its tables (:func:`write_outputs`) after every cell into the run's output folder (``frames-N/``
+    in it per count).
 
     Raises:
         SweepInterrupted: ``should_stop`` answered True, or Ctrl-C; what was measured is written.
     """
     progress = progress or Progress()
     budget = int(measure.sweep.budget_gib * 2**30) or None
+    config, bundle = workspace.config, workspace.bundle
     root, tables = Path(config.outputs.output), []
     for n in measure.frames or (None,):
         table = SweepTable(root if n is None else root / f"frames-{n}",
-                           measured_at=frames_label(config, bundle, n) if n is not None else "")
+                           measured_at=frames_label(config.data.resolution, bundle, n) if n is not None else "")
 
         def write(cells: list[SweepCell], table: SweepTable = table) -> None:
             table.cells = cells
             table.paths = write_outputs(cells, table.folder, bundle.family.name, budget, table.measured_at)
 
         try:
-            run_sweep(config, bundle, measure, dataclasses.replace(progress, on_cell=write), frames=n,
-                      start_run=start_run)
+            run_sweep(workspace, measure, dataclasses.replace(progress, on_cell=write), frames=n)
         except (MeasurementInterrupted, KeyboardInterrupt) as exc:
             done = sum(1 for c in table.cells if c.status != "not run" or c.error)
             modes = len(_runs(modes_of(measure), measure.sweep.compile))

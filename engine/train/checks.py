@@ -160,7 +160,7 @@ def check_run(config: TrainConfig, prepared: bool = False, bundle: ModelBundle |
     check_lora_format(config.model, config.lora, config.outputs.lora_format, bundle)
     check_guidance(config.objective, config.model, bundle)
     if not prepared:
-        check_resolution(config, bundle)
+        check_resolution(config.model, config.data, config.validation.validation_frames, bundle)
         family = bundle.family if bundle is not None else get_family(config.model.family)
         check_clip_frames(scan, config.data, family)  # every clip too short: refused
     _need(config.model.device != "cuda" or torch.cuda.is_available(), "device", config.model.device,

@@ -107,8 +107,9 @@ def test_a_resolution_past_the_table_is_refused_before_any_model_is_built(monkey
     assert str(err.value) == SD3_REFUSAL
     with pytest.raises(ConfigError, match="resolution=1024 is invalid for wan \\(tiny preset\\): allowed at most 512 "):
         TrainingRun(TrainConfig.create(family="wan", resolution=1024, buckets=True, output=str(tmp_path / "out")))
-    assert check_resolution(TrainConfig.create(family="sd3", resolution=256)).grid == (16, 16)  # the largest passes
-    assert check_resolution(TrainConfig.create(family="flux", resolution=8192)) == Limits(text=512)
+    largest, flux = TrainConfig.create(family="sd3", resolution=256), TrainConfig.create(family="flux", resolution=8192)
+    assert check_resolution(largest.model, largest.data, None).grid == (16, 16)  # the largest passes
+    assert check_resolution(flux.model, flux.data, None) == Limits(text=512)
 
 
 def test_the_cli_refuses_in_one_line(capsys, tmp_path):
@@ -128,7 +129,7 @@ def test_a_model_folder_s_config_is_read_without_loading_it(monkeypatch, tmp_pat
     shape = model_shape(config.model)
     assert (shape.config["pos_embed_max_size"], shape.downscale, shape.patch) == (8, 8, 2)
     with pytest.raises(ConfigError) as err:
-        check_resolution(config)
+        check_resolution(config.model, config.data, None)
     assert str(err.value) == (f"resolution=144 is invalid for sd3 (model_path {tmp_path / 'model'}): allowed at most "
                               "128 (8x8 tokens (pos_embed_max_size 8) x patch 2 x VAE 8; the square is 9x9 tokens)")
 

@@ -36,7 +36,7 @@ def test_the_planner_keeps_a_lever_only_when_it_measures_faster_and_says_why(tmp
     config = TrainConfig.create(resolution=32, lora=LoraSettings(rank=2, alpha=2.0), output=str(tmp_path))
     bundle = build_preset("flux")
     with RunWorkspace(config, bundle) as workspace:
-        measured = probe(config, bundle, 1, workspace=workspace)
+        measured = probe(workspace, 1)
         chosen = predict(measured, CheckpointSchedule())
         choice = PlanChoice(2**40, chosen, [chosen], measured, measured_sec_per_step=1e-9, measured_peak_bytes=1)
         try_levers(choice, workspace, 1, 1, ("save_attention",))  # nothing beats 1 ns: not kept, with figures

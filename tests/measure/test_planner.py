@@ -15,7 +15,7 @@ from segmented_checkpointing.engine.measure.costs import work
 from segmented_checkpointing.engine.measure.planner import PlannerError, choose, parse_budget, predict
 from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.measure.probe import probe
-from segmented_checkpointing.engine.measure.runs import Progress, RunWorkspace, peak_after_warmup
+from segmented_checkpointing.engine.measure.runs import RunWorkspace, peak_after_warmup
 from segmented_checkpointing.engine.measure.sweep import sweep_schedules
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import TrainingRun
@@ -39,7 +39,7 @@ def test_predictions_match_measured_peaks_and_the_choice_fits(family):
     config, bundle = _config(family), build_preset(family)
     schedules = {s.mode: s for s in CANDIDATES}
     with RunWorkspace(config, bundle) as workspace:  # the data is encoded once for every run here
-        measured_probe = probe(config, bundle, workspace=workspace)
+        measured_probe = probe(workspace)
         blocks = [c for costs in measured_probe.blocks.values() for c in costs]
         assert all(c.act > 0 and c.grad > 0 and c.fwd_s > 0 for c in blocks)
         assert 0 < measured_probe.activation_bytes < measured_probe.peak_bytes
@@ -66,8 +66,8 @@ def test_predictions_match_measured_peaks_and_the_choice_fits(family):
 
 
 def test_nothing_fits_names_the_smallest_peak():
-    config, bundle = _config("wan"), build_preset("wan")
-    measured_probe = probe(config, bundle)
+    with RunWorkspace(_config("wan"), build_preset("wan")) as workspace:
+        measured_probe = probe(workspace)
     assert predict(measured_probe, CheckpointSchedule(gradient_checkpointing=False)).peak_bytes == measured_probe.peak_bytes
     with pytest.raises(PlannerError, match="budget=.* is too small: the smallest predicted peak is"):
         choose(measured_probe, 1024)
@@ -131,7 +131,7 @@ def test_a_choice_that_measures_over_budget_falls_back_to_the_next_candidate():
                     record["peak_bytes"] = record["device_peak_bytes"] = 10**12
 
     config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
-    choice = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=1), 2**30, start_run=Pessimistic)
+    choice = plan_for_budget(RunWorkspace(config, bundle, Pessimistic), MeasureConfig.create(timing_steps=1), 2**30)
     assert choice.chosen.schedule.mode != "none" and choice.measured_peak_bytes <= 2**30
     assert choice.notes and choice.notes[0].startswith("none measured") and "tried the next candidate" in choice.render()
 
@@ -143,7 +143,8 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
     from segmented_checkpointing.engine.measure.planner import contenders
 
     config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
-    measured_probe = probe(config, bundle)
+    with RunWorkspace(config, bundle) as workspace:
+        measured_probe = probe(workspace)
     held = measured_probe.held_bytes  # the weights: 0.6 of what the step adds to them
     budget = int(held + 0.6 * (measured_probe.peak_bytes - held))
     assert [p.schedule.mode for p in contenders(choose(measured_probe, 10 * measured_probe.peak_bytes))] == ["none"]
@@ -171,7 +172,7 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
                 for record in self.result.history:
                     record["seconds"] *= 3
 
-    planned = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=2), budget, start_run=Slowed,
+    planned = plan_for_budget(RunWorkspace(config, bundle, Slowed), MeasureConfig.create(timing_steps=2), budget,
                               probe_=at(costs[k]))
     measured = [p for p in planned.candidates if p.measured_sec_per_step is not None]
     assert len(measured) >= 2 and planned.chosen.schedule.mode != predicted
@@ -187,8 +188,8 @@ def test_the_progress_total_is_the_work_done_and_the_bar_ends_full():
     from segmented_checkpointing.engine.measure.probe import probe_steps
 
     config, bundle, seen = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux"), []
-    choice = plan_for_budget(config, bundle, MeasureConfig.create(timing_steps=1), 2**30,
-                             Progress(lambda done, total: seen.append((done, total))))
+    workspace = RunWorkspace(config, bundle, on_step=lambda done, total: seen.append((done, total)))
+    choice = plan_for_budget(workspace, MeasureConfig.create(timing_steps=1), 2**30)
     assert [p.schedule.mode for p in choice.candidates if p.measured_sec_per_step is not None] == ["none"]
     done = probe_steps(1) + 2
     assert [d for d, _ in seen] == list(range(1, done + 1)) and seen[-1] == (done, done)

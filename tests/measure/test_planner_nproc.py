@@ -16,6 +16,7 @@ from segmented_checkpointing.engine.measure.planner import PlannerError, choose,
 from segmented_checkpointing.engine.measure.planning import plan_for_budget
 from segmented_checkpointing.engine.measure.probe import Probe
 from segmented_checkpointing.engine.measure.ranks import check_nproc, rank_peaks
+from segmented_checkpointing.engine.measure.runs import RunWorkspace
 from segmented_checkpointing.engine.model.bundle import build_preset
 
 NONE = CheckpointSchedule(gradient_checkpointing=False)
@@ -96,7 +97,7 @@ def _heavy_lora_probe() -> Probe:
 def test_when_no_replica_fits_plan_chooses_for_fsdp_ranks(tmp_path):
     config = TrainConfig.create(family="flux", resolution=64, output=str(tmp_path))
     four = MeasureConfig.create(nproc=4, timing_steps=0)
-    choice = plan_for_budget(config, build_preset("flux"), four, 40_000, probe_=_heavy_lora_probe())
+    choice = plan_for_budget(RunWorkspace(config, build_preset("flux")), four, 40_000, probe_=_heavy_lora_probe())
     # FSDP2 per rank: 50000 - (frozen 14000 + LoRA 4000 + optimizer 16000) x 3/4 + 2 x (4000 + 1000)
     assert (choice.chosen.schedule.mode, choice.chosen.peak_bytes) == ("none", 34_500)
     ranks = choice.ranks  # DDP: the smallest replica (every block streamed, 44000) + the LoRA gradients
@@ -106,7 +107,7 @@ def test_when_no_replica_fits_plan_chooses_for_fsdp_ranks(tmp_path):
                    for p in choice.candidates)  # what fsdp refuses is not offered
     with pytest.raises(PlannerError, match=r"\(none-stream\); FSDP2 on 4 processes: budget=.* the smallest "
                                            r"predicted peak is 3.213e-05 GiB \(none\)"):
-        plan_for_budget(config, build_preset("flux"), four, 36_000, probe_=_heavy_lora_probe())
+        plan_for_budget(RunWorkspace(config, build_preset("flux")), four, 36_000, probe_=_heavy_lora_probe())
     with pytest.raises(PlannerError, match=r"the smallest predicted peak is 4.098e-05 GiB \(none-stream\)$"):
-        plan_for_budget(config, build_preset("flux"), four.replace(nproc=1), 40_000,
+        plan_for_budget(RunWorkspace(config, build_preset("flux")), four.replace(nproc=1), 40_000,
                         probe_=_heavy_lora_probe())  # one process: as before

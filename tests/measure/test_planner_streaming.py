@@ -23,7 +23,7 @@ def test_a_budget_below_the_frozen_weights_streams_and_the_run_fits(tmp_path):
     config = TrainConfig.create(family="flux", resolution=64, batch_size=2, output=str(tmp_path / "plan"))
     bundle = build_preset("flux")
     with RunWorkspace(config, bundle) as workspace:
-        measured = probe(config, bundle, workspace=workspace)
+        measured = probe(workspace)
         frozen = sum(sum(per_block) for per_block in measured.frozen_block_bytes.values())
         budget = int(0.97 * frozen)  # below the blocks' frozen weights alone: no resident schedule can fit
         choice = choose(measured, budget, stream=True)  # asked for: on the CPU it saves nothing
@@ -97,9 +97,9 @@ def test_a_plain_step_that_does_not_fit_is_probed_on_a_shallow_copy(tmp_path):
                                 optimizer="prodigy", learning_rate=1.0)
     bundle = build_preset("flux")
     with RunWorkspace(config, bundle) as workspace:
-        full = probe(config, bundle, workspace=workspace)
+        full = probe(workspace)
     with RunWorkspace(config, bundle, SmallDevice) as workspace:
-        shallow = probe(config, bundle, workspace=workspace)
+        shallow = probe(workspace)
     assert shallow.extrapolated_from == 2 and full.extrapolated_from == 0
     assert {k: len(v) for k, v in shallow.blocks.items()} == {"double": 8, "single": 8}
     assert shallow.frozen_block_bytes == full.frozen_block_bytes

@@ -16,6 +16,7 @@ from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.measure.planner import MARGIN
 from segmented_checkpointing.engine.measure.preflight import preflight
 from segmented_checkpointing.engine.measure.receipt import neighbours
+from segmented_checkpointing.engine.measure.runs import RunWorkspace
 from segmented_checkpointing.engine.model.bundle import build_preset
 from segmented_checkpointing.engine.train.loop import train
 
@@ -46,7 +47,7 @@ def _config(data_dir, **changes):
 @pytest.fixture(scope="module")
 def roomy(data_dir):
     """The verdict with room to spare: the predicted peak of each bucket under the run's schedule."""
-    return preflight(_config(data_dir), build_preset("flux"), 2**30)
+    return preflight(RunWorkspace(_config(data_dir), build_preset("flux")), 2**30)
 
 
 def test_every_bucket_is_a_phase_and_the_largest_comes_first(roomy):
@@ -60,7 +61,7 @@ def test_every_bucket_is_a_phase_and_the_largest_comes_first(roomy):
 def test_a_budget_between_the_buckets_fails_the_large_one_and_names_a_schedule_that_fits(data_dir, roomy, tmp_path):
     large, small = (p.peak_bytes for p in roomy.phases if p.kind == "train")
     budget = int((large + small) / 2 / (1 - MARGIN))  # the small bucket fits with headroom, the large does not
-    verdict = preflight(_config(data_dir), build_preset("flux"), budget)
+    verdict = preflight(RunWorkspace(_config(data_dir), build_preset("flux")), budget)
     assert not verdict.fits
     assert [(p.shape, p.fits) for p in verdict.phases] == [("1x16x8x8", False), ("1x16x6x10", True)]
     assert verdict.suggestion is not None and all(p.fits for p in verdict.suggested)
@@ -75,7 +76,7 @@ def test_a_budget_between_the_buckets_fails_the_large_one_and_names_a_schedule_t
 
 
 def test_previews_are_a_phase_of_their_own(data_dir):
-    verdict = preflight(_config(data_dir, validation_every=2), build_preset("flux"), 2**30)
+    verdict = preflight(RunWorkspace(_config(data_dir, validation_every=2), build_preset("flux")), 2**30)
     assert [p.kind for p in verdict.phases] == ["train", "train", "validation"]
     assert verdict.phases[-1].peak_bytes > 0 and verdict.phases[-1].fits
 
@@ -133,7 +134,7 @@ def test_a_budget_below_the_weights_does_not_fit_on_the_cpu_either(data_dir, roo
     """Budgets mean one thing everywhere: on the CPU the peaks hold the weights, the LoRA and the
     optimizer state too, so a budget below the frozen weights alone never fits a resident schedule."""
     frozen = sum(sum(per_block) for per_block in roomy.probes[next(iter(roomy.probes))].frozen_block_bytes.values())
-    verdict = preflight(_config(data_dir), build_preset("flux"), int(0.9 * frozen))
+    verdict = preflight(RunWorkspace(_config(data_dir), build_preset("flux")), int(0.9 * frozen))
     assert not verdict.fits and all(not p.fits for p in verdict.phases if p.kind == "train")
     assert all(p.peak_bytes > frozen for p in roomy.phases if p.kind == "train")
     assert "weights, LoRA and optimizer state included" in verdict.render()

@@ -16,7 +16,7 @@ from segmented_checkpointing.engine.config import LoraSettings, MeasureConfig, T
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.core.plan import effective_plan
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.measure.runs import Progress
+from segmented_checkpointing.engine.measure.runs import Progress, RunWorkspace
 from segmented_checkpointing.engine.measure.sweep import (
     SweepCell,
     flag_ineffective,
@@ -54,8 +54,9 @@ def test_oom_failed_unsupported_and_not_run_cells_do_not_stop_the_sweep(tmp_path
             return super().__iter__()
 
     before = {k: v.clone() for k, v in bundle.transformer.state_dict().items()}
-    cells = run_sweep(_config(tmp_path), bundle, MeasureConfig.create(measured_steps=1), Progress(log=lambda line: None),
-                      schedules=schedules, start_run=Faulty, skip=lambda s: s.gradient_checkpointing_segment_stride == 4)
+    cells = run_sweep(RunWorkspace(_config(tmp_path), bundle, Faulty), MeasureConfig.create(measured_steps=1),
+                      Progress(log=lambda line: None), schedules=schedules,
+                      skip=lambda s: s.gradient_checkpointing_segment_stride == 4)
     status = {c.mode: c.status for c in cells}
     assert status == {"none": "ok", "layer": "OOM", "interval2": "failed", "layer-torch-ffn": "unsupported",
                       "layer-offload-attn": "unsupported", "interval2-stride4": "not run"}
@@ -199,9 +200,9 @@ def test_progress_after_every_step_and_cancel_within_one_step(tmp_path):
     bundle, steps = build_preset("flux"), []
     schedules = [CheckpointSchedule(gradient_checkpointing=False), CheckpointSchedule()]
     with pytest.raises(MeasurementInterrupted):
-        run_sweep(_config(tmp_path), bundle, MeasureConfig.create(measured_steps=2),
-                  Progress(lambda done, total: steps.append((done, total)), lambda: len(steps) >= 4, lambda line: None),
-                  schedules=schedules)
+        run_sweep(RunWorkspace(_config(tmp_path), bundle, on_step=lambda done, total: steps.append((done, total)),
+                               should_stop=lambda: len(steps) >= 4),
+                  MeasureConfig.create(measured_steps=2), Progress(log=lambda line: None), schedules=schedules)
     # 3 steps of the first mode, then the first step of the second: stopped there; of 2 x 3 in all
     assert steps == [(1, 6), (2, 6), (3, 6), (4, 6)]
 

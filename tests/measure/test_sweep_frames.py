@@ -13,6 +13,7 @@ from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.families.limits import token_count
 from segmented_checkpointing.engine.measure import sweep as sweep_module
 from segmented_checkpointing.engine.measure.planning import plan_for_budget
+from segmented_checkpointing.engine.measure.runs import RunWorkspace
 from segmented_checkpointing.engine.model.bundle import build_preset
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -41,7 +42,8 @@ def test_sweep_over_frames_prints_one_table_per_count_and_peak_grows(tmp_path, m
 def test_plan_predicts_per_frame_count(tmp_path):
     config = TrainConfig.create(family="wan", resolution=64, output=str(tmp_path / "out"),
                                 lora=LoraSettings(rank=4, alpha=4.0))
-    choice = plan_for_budget(config, build_preset("wan"), MeasureConfig.create(frames=(1, 5), timing_steps=0), 2**30)
+    measure = MeasureConfig.create(frames=(1, 5), timing_steps=0)
+    choice = plan_for_budget(RunWorkspace(config, build_preset("wan")), measure, 2**30)
     text = choice.render()
     assert sorted(choice.by_frames) == [1, 5]
     assert "## 1 frame (1 latent frame, 16 tokens per sample)" in text
