@@ -4,8 +4,10 @@
 One planner probe, then every mode trained in lockstep (:mod:`engine.measure.lockstep`: one step
 of each mode in turn, so a shared machine's drift hits every mode alike) for ``--measure`` steps
 after ``--warmup``; a mode's measured sec/step is the median of its steps, its peak the largest
-after warm-up. Per mode it prints measured and predicted ``sec/step / peak MiB`` and both relative
-errors, then the median and worst absolute errors. For budgets of 25/50/75% of the plain step's
+after warm-up. Per mode it prints measured and predicted ``sec/step / peak MiB``, the relative
+error of sec/step, of sec/step as a ratio to the plain step's (``x none``: what ranks the modes,
+and what a change of the machine's load between probe and sweep leaves alone) and of the peak,
+then their median and worst absolute values. For budgets of 25/50/75% of the plain step's
 measured peak, the planner chooses from the probe alone (:func:`choose`, the same candidates,
 streaming allowed) and the choice is compared with the fastest measured mode that fits: ``ok``
 when it is that mode or measured within ``--tie`` of it (the modes' step-to-step spread on a
@@ -52,21 +54,28 @@ def main() -> None:
         results = lockstep_runs(workspace, schedules, args.warmup, args.measure)
     print(f"{args.family} at {args.resolution}px; probe {measured_probe.sec_per_step:.4f} sec/step, "
           f"peak {measured_probe.peak_bytes / 2**20:.3f} MiB; {len(schedules)} modes x {args.measure} lockstep steps")
-    print(f"{'mode':<44} {'measured s / MiB':>18} {'predicted s / MiB':>18} {'time error':>10} {'peak error':>10}")
-    measured, time_errors, peak_errors = {}, [], []
+    print(f"{'mode':<44} {'measured s / MiB':>18} {'predicted s / MiB':>18} {'time error':>10} {'x none':>8} "
+          f"{'peak error':>10}")
+    measured, time_errors, ratio_errors, peak_errors = {}, [], [], []
+    none_measured = statistics.median(step_seconds(results[0], args.warmup))  # schedules[0] is none
+    none_predicted = predict(measured_probe, schedules[0]).sec_per_step
     for schedule, result in zip(schedules, results):
         seconds = statistics.median(step_seconds(result, args.warmup))
         peak = peak_after_warmup(result, args.warmup)
         measured[schedule.mode] = (schedule, result, seconds, peak)
         guess = predict(measured_probe, schedule)
         time_error = (guess.sec_per_step - seconds) / seconds
+        # the same as a ratio to the plain step (the machine's load between probe and sweep cancels)
+        ratio_error = (guess.sec_per_step / none_predicted) / (seconds / none_measured) - 1
         peak_error = (guess.peak_bytes - peak) / peak
         time_errors.append(abs(time_error))
+        ratio_errors.append(abs(ratio_error))
         peak_errors.append(abs(peak_error))
         print(f"{schedule.mode:<44} {seconds:8.4f} / {peak / 2**20:7.3f} {guess.sec_per_step:8.4f} / "
-              f"{guess.peak_bytes / 2**20:7.3f} {time_error:+10.1%} {peak_error:+10.1%}")
-    print(f"sec/step error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
-          f"peak error: median {statistics.median(peak_errors):.1%}, worst {max(peak_errors):.1%}")
+              f"{guess.peak_bytes / 2**20:7.3f} {time_error:+10.1%} {ratio_error:+8.1%} {peak_error:+10.1%}")
+    print(f"sec/step error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; as a ratio "
+          f"to none: median {statistics.median(ratio_errors):.1%}, worst {max(ratio_errors):.1%}; peak error: median "
+          f"{statistics.median(peak_errors):.1%}, worst {max(peak_errors):.1%}")
     choices(config, bundle, measured_probe, schedules, measured, args)
 
 

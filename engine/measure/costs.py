@@ -175,7 +175,7 @@ def work(family, blocks: dict[str, list[BlockCost]], schedule) -> Walk:
     return walk
 
 
-CALIBRATION_STEPS = 3
+CALIBRATION_STEPS = 5
 """Measured steps of each calibration run after its warm-up."""
 PLAIN = CheckpointSchedule(gradient_checkpointing=False)
 """The reference run of the calibration (and the probe's own schedule)."""
