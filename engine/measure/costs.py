@@ -32,7 +32,7 @@ from ..config.backends import TABLE
 from ..config.schedule import CheckpointSchedule
 from ..core.plan import effective_plan
 from ..families import get_family
-from .lockstep import lockstep_runs, paired_difference
+from .lockstep import lockstep_runs, paired_difference, step_seconds
 from .runs import RunWorkspace
 
 
@@ -193,6 +193,8 @@ class Calibration:
             the recompute spends again).
         stream_s_per_tensor: the streamer's pack hook per tensor a streamed plain block saves (the
             weight copies are counted apart, per byte).
+        plain_seconds: the step seconds of the calibration's plain run after its warm-up (more
+            samples of the plain sec/step for the probe that ran it; empty when carried to another).
     """
 
     offload_s_per_tensor: float = 0.0
@@ -200,6 +202,7 @@ class Calibration:
     recompute_s_per_call: float = 0.0
     recompute_s_per_tensor: float = 0.0
     stream_s_per_tensor: float = 0.0
+    plain_seconds: tuple[float, ...] = ()
 
 
 def seconds(calibration: Calibration, added: Work) -> float:
@@ -269,7 +272,7 @@ def calibrate(workspace: RunWorkspace, warmup_steps: int, schedules: list[Checkp
         if offload else 0.0,
         offload_s_per_byte=per_byte, recompute_s_per_call=per_call, recompute_s_per_tensor=per_tensor,
         stream_s_per_tensor=_rate(stream[0] - 2 * frozen_bytes * h2d_s_per_byte, stream[1].stream_tensors)
-        if stream else 0.0)
+        if stream else 0.0, plain_seconds=tuple(step_seconds(plain, warmup_steps)))
 
 
 def _rate(extra_s: float, count: int) -> float:

@@ -5,7 +5,7 @@ exactly like a sweep cell) records, through module hooks and a saved-tensor hook
 every block list (see :class:`BlockCost`): the bytes it saves for backward and the FFN and
 attention parts of them, its carried inputs, its forward time and forward transient, and its
 trainable (LoRA) bytes, the tensors it saves; plus the step's peak and sec/step (the median of
-clean steps). Short runs in lockstep then calibrate the per-tensor costs of recompute, offload and
+clean steps and of the calibration's plain run). Short runs in lockstep then calibrate the per-tensor costs of recompute, offload and
 streaming on this machine (:func:`~.costs.calibrate`).
 :mod:`.planner` predicts every candidate schedule from the resulting :class:`Probe`.
 """
@@ -439,13 +439,15 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
                             for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
+    seconds = [r["seconds"] for r in clean]
     if calibration is None:
         schedules = calibration_schedules(family, costs, workspace.config.schedule.streams)
         workspace.expect(calibration_steps(warmup_steps, 1 + len(schedules)) - calibration_steps(warmup_steps))
         calibration = calibrate(workspace, warmup_steps, schedules, costs, sum(sum(b) for b in frozen.values()),
                                 h2d_s_per_byte)
+        seconds += calibration.plain_seconds  # the plain step timed again, in lockstep with the others
     return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
-                 statistics.median(r["seconds"] for r in clean), calibration.offload_s_per_tensor,
+                 statistics.median(seconds), calibration.offload_s_per_tensor,
                  calibration.offload_s_per_byte, blocks_end, result.report["memory"]["validation_peak_bytes"], frozen,
                  h2d_s_per_byte, states, recorded["start_bytes"] if device.type == "cuda" else held,
                  recompute_s_per_call=calibration.recompute_s_per_call,
