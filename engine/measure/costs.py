@@ -23,6 +23,7 @@ planner predicts").
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from ..config.backends import TABLE
 from ..config.schedule import CheckpointSchedule
 from ..core.plan import effective_plan
 from ..families import get_family
+from ..train.loop import TrainingRun
 from .lockstep import lockstep_runs, paired_difference, step_seconds
 from .runs import RunWorkspace
 
@@ -273,6 +275,51 @@ def calibrate(workspace: RunWorkspace, warmup_steps: int, schedules: list[Checkp
         offload_s_per_byte=per_byte, recompute_s_per_call=per_call, recompute_s_per_tensor=per_tensor,
         stream_s_per_tensor=_rate(stream[0] - 2 * frozen_bytes * h2d_s_per_byte, stream[1].stream_tensors)
         if stream else 0.0, plain_seconds=tuple(step_seconds(plain, warmup_steps)))
+
+
+CALIBRATIONS_KEPT = 8
+"""Calibrations one process remembers (the most recent; :func:`remembered_calibration`)."""
+_REMEMBERED: dict[tuple, Calibration] = {}
+
+
+def calibration_key(workspace: RunWorkspace, warmup_steps: int) -> tuple | None:
+    """What a calibration depends on: the model (class and config), its settings (device,
+    precisions, attention kernels, compile), the adapter, whether the config streams weights, the
+    warm-up and the threads; ``None`` where a run is not the trainer's own (a test's stand-in),
+    which is never remembered. The batch shape is left out: the rates are per call, tensor and
+    byte, which is why one probe's calibration already serves every bucket of a run."""
+    if workspace.start_run is not TrainingRun:
+        return None
+    model, config = workspace.bundle.transformer, workspace.config
+    first = next(model.parameters(), None)
+    return (type(model).__qualname__, repr(dict(getattr(model, "config", {}))), repr(config.model),
+            repr(config.lora), config.schedule.streams, warmup_steps, torch.get_num_threads(),
+            None if first is None else str(first.dtype))
+
+
+def remembered_calibration(key: tuple | None) -> Calibration | None:
+    """The calibration this process measured last under ``key`` (:func:`calibration_key`), or None.
+
+    A ComfyUI server plans and pre-flights the same model many times (the Schedule Planner node,
+    then Train LoRA's pre-flight, then every queue again): the machine's rates are measured once
+    per model and settings, the plain step's seconds on every probe."""
+    return None if key is None else _REMEMBERED.get(key)
+
+
+def remember_calibration(key: tuple | None, calibration: Calibration) -> None:
+    """Keep ``calibration`` under ``key`` (its plain step's seconds left out: they belong to the
+    probe's shape), the :data:`CALIBRATIONS_KEPT` most recent."""
+    if key is None:
+        return
+    _REMEMBERED.pop(key, None)
+    _REMEMBERED[key] = dataclasses.replace(calibration, plain_seconds=())
+    while len(_REMEMBERED) > CALIBRATIONS_KEPT:
+        del _REMEMBERED[next(iter(_REMEMBERED))]
+
+
+def forget_calibrations() -> None:
+    """Forget every remembered calibration: the next probe measures its own."""
+    _REMEMBERED.clear()
 
 
 def _rate(extra_s: float, count: int) -> float:

@@ -38,8 +38,11 @@ from .costs import (
     Calibration,
     calibrate,
     calibration_schedules,
+    calibration_key,
     calibration_steps,
     copy_seconds_per_byte,
+    remember_calibration,
+    remembered_calibration,
 )
 from .runs import RunWorkspace
 
@@ -293,8 +296,16 @@ def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
     calibration given), the calibration runs (:func:`~.costs.calibration_steps`); what a
     caller announces to its workspace (:meth:`~.runs.RunWorkspace.expect`) before probing. A
     family without attention activations to offload skips that calibration run, a config that
-    streams weights adds one (streaming's), and the probe corrects the announced total."""
+    streams weights adds one (streaming's), and the probe corrects the announced total. A caller's
+    first probe calibrates unless the process remembers a calibration for it
+    (:func:`calibrated`)."""
     return plain_steps(warmup_steps) + (calibration_steps(warmup_steps) if calibrate else 0)
+
+
+def calibrated(workspace: RunWorkspace, warmup_steps: int) -> bool:
+    """Whether this process remembers a calibration that the workspace's probes take
+    (:func:`~.costs.remembered_calibration`): then its first probe runs no calibration runs."""
+    return remembered_calibration(calibration_key(workspace, warmup_steps)) is not None
 
 
 def plain_steps(warmup_steps: int) -> int:
@@ -321,7 +332,9 @@ def probe(workspace: RunWorkspace, warmup_steps: int = 1, rows: list[int] | None
         warmup_steps: steps before the measured one (>= 1: the first sets the run up).
         rows: probe batches of these cache rows only (one bucket: one shape).
         calibration: the :class:`~.costs.Calibration` of an earlier probe on this machine
-            (:attr:`Probe.calibration`; skips the calibration runs).
+            (:attr:`Probe.calibration`; skips the calibration runs). Without it, the one this
+            process measured last for the same model and settings
+            (:func:`~.costs.remembered_calibration`), else the calibration runs measure one.
         changes: other settings of the probe run (e.g. ``validation_every``).
 
     Raises:
@@ -440,11 +453,14 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
     seconds = [r["seconds"] for r in clean]
+    key = calibration_key(workspace, warmup_steps) if calibration is None else None
+    calibration = calibration or remembered_calibration(key)  # the caller announced as calibrated() said
     if calibration is None:
         schedules = calibration_schedules(family, costs, workspace.config.schedule.streams)
         workspace.expect(calibration_steps(warmup_steps, 1 + len(schedules)) - calibration_steps(warmup_steps))
         calibration = calibrate(workspace, warmup_steps, schedules, costs, sum(sum(b) for b in frozen.values()),
                                 h2d_s_per_byte)
+        remember_calibration(key, calibration)
         seconds += calibration.plain_seconds  # the plain step timed again, in lockstep with the others
     return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
                  statistics.median(seconds), calibration.offload_s_per_tensor,

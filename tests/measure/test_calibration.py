@@ -1,16 +1,32 @@
 """The planner's time model: what a schedule adds (engine/measure/costs.py) priced at the calibrated
 rates (engine/measure/costs.py), on a synthetic probe, so every value is exact. The counts
-themselves are checked against real runs in tests/measure/test_planner.py."""
+themselves are checked against real runs in tests/measure/test_planner.py. One real calibration:
+a process measures it once per model and settings and remembers it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.measure.costs import BlockCost, Calibration, Work, _recompute_rates, seconds, work
+from segmented_checkpointing.engine.config import TrainConfig
+from segmented_checkpointing.engine.measure.costs import (
+    BlockCost,
+    Calibration,
+    Work,
+    _recompute_rates,
+    calibration_key,
+    forget_calibrations,
+    seconds,
+    work,
+)
 from segmented_checkpointing.engine.measure.planner import predict
-from segmented_checkpointing.engine.measure.probe import Probe
+from segmented_checkpointing.engine.measure.probe import Probe, plain_steps, probe
+from segmented_checkpointing.engine.measure.runs import RunWorkspace
+from segmented_checkpointing.engine.model.bundle import build_preset
+from segmented_checkpointing.engine.train.loop import TrainingRun
 
 RATES = Calibration(offload_s_per_tensor=1e-4, offload_s_per_byte=1e-9, recompute_s_per_call=2e-4,
                     recompute_s_per_tensor=1e-5, stream_s_per_tensor=3e-6)
@@ -74,3 +90,27 @@ def test_the_recompute_rates_are_solved_from_the_block_and_the_ffn_runs():
         (0.0, (16 * per_call + 941 * per_tensor) / 941))
     assert _recompute_rates((extra(layer), layer), (0.5, ffn))[0] == 0.0
     assert _recompute_rates(None, None) == (0.0, 0.0)
+
+
+def test_a_process_calibrates_once_per_model_and_settings():
+    """The second probe of the same model runs only its plain run and takes the first's rates; a
+    run that is not the trainer's own, or other settings, never share one."""
+    config, bundle = TrainConfig.create(family="flux", resolution=32, output="unused"), build_preset("flux")
+    forget_calibrations()
+    measured = []
+    for _ in range(2):
+        steps = []
+        with RunWorkspace(config, bundle, on_step=lambda done, total: steps.append(done)) as workspace:
+            measured.append((probe(workspace), steps[-1]))
+    (first, first_steps), (second, second_steps) = measured
+    assert second_steps == plain_steps(1) < first_steps
+    assert second.calibration == dataclasses.replace(first.calibration, plain_seconds=())
+    assert first.calibration.recompute_s_per_call or first.calibration.recompute_s_per_tensor
+    key = calibration_key(RunWorkspace(config, bundle), 1)
+    assert key == calibration_key(RunWorkspace(config.replace(resolution=64), bundle), 1)  # per call, tensor, byte
+    for other in (config.replace(lora_rank=8), config.replace(device="cpu", weight_offload="stream")):
+        assert calibration_key(RunWorkspace(other, bundle), 1) != key
+    assert calibration_key(RunWorkspace(config, bundle), 2) != key
+    stand_in = lambda *args, **kwargs: TrainingRun(*args, **kwargs)  # noqa: E731
+    assert calibration_key(RunWorkspace(config, bundle, start_run=stand_in), 1) is None
+    forget_calibrations()

@@ -183,14 +183,19 @@ def test_contenders_hedge_the_offloader_calibration_and_measuring_keeps_the_fast
 def test_the_progress_total_is_the_work_done_and_the_bar_ends_full():
     """The planner's total follows what it decides to run: the probe and its calibration, then the
     contenders it times (announced as the most it could time, corrected when it knows them). With
-    a roomy budget only ``none`` is timed: 3 + 2 x 4 probe steps and 1 + 1 timed steps, and the
-    last report is (13, 13), made by the last step itself."""
+    a roomy budget only ``none`` is timed: the probe's steps and 1 + 1 timed steps, and the last
+    report is (done, done), made by the last step itself. Planned again in the same process, the
+    probe takes the calibration it remembers and its total drops the calibration's steps."""
+    from segmented_checkpointing.engine.measure.costs import forget_calibrations
     from segmented_checkpointing.engine.measure.probe import probe_steps
 
-    config, bundle, seen = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux"), []
-    workspace = RunWorkspace(config, bundle, on_step=lambda done, total: seen.append((done, total)))
-    choice = plan_for_budget(workspace, MeasureConfig.create(timing_steps=1), 2**30)
-    assert [p.schedule.mode for p in choice.candidates if p.measured_sec_per_step is not None] == ["none"]
-    done = probe_steps(1) + 2
-    assert [d for d, _ in seen] == list(range(1, done + 1)) and seen[-1] == (done, done)
-    assert all(d <= t for d, t in seen) and seen[0][1] == probe_steps(1) + 3 * 2  # announced: up to 3 contenders
+    config, bundle = TrainConfig.create(family="flux", resolution=64, output="unused"), build_preset("flux")
+    forget_calibrations()
+    for calibrate in (True, False):
+        seen = []
+        workspace = RunWorkspace(config, bundle, on_step=lambda done, total: seen.append((done, total)))
+        choice = plan_for_budget(workspace, MeasureConfig.create(timing_steps=1), 2**30)
+        assert [p.schedule.mode for p in choice.candidates if p.measured_sec_per_step is not None] == ["none"]
+        done = probe_steps(1, calibrate) + 2
+        assert [d for d, _ in seen] == list(range(1, done + 1)) and seen[-1] == (done, done)
+        assert all(d <= t for d, t in seen) and seen[0][1] == probe_steps(1, calibrate) + 3 * 2  # up to 3 contenders

@@ -63,8 +63,10 @@ def test_the_verdict_buckets_and_receipt_show_on_the_node_and_in_the_report(even
 def test_the_pre_flight_moves_the_bar_and_says_its_phase_before_step_1(events):
     """The pre-flight runs before step 1 (minutes on a real model): the bar counts its probe steps
     to their end, the node's last line names the phase, then the bar counts the training steps."""
+    from segmented_checkpointing.engine.measure.costs import forget_calibrations
     from segmented_checkpointing.engine.measure.probe import probe_steps
 
+    forget_calibrations()  # none measured yet in this process (a later queue takes this one and probes fewer steps)
     _run(steps=3)
     probes = probe_steps(1) + probe_steps(1, calibrate=False)  # two buckets: the first calibrates
     bar = [data for event, data in events if event == "progress"]
