@@ -29,6 +29,10 @@
 (h) Saved attention and per-block compile (issue 25): a full-size Flux.1-dev at 1024 and 2048 px,
     per-block and interval 2 stride 4, each eager / save_attention / compiled / both, and no
     checkpointing; ``sec/step / peak`` and the ratio to no checkpointing (``bench/gpu_compile.py``).
+(i) Several GPUs (issue 36): DDP and FSDP2 on 2 GPUs (NCCL), per-block, batch 1 per process, against
+    one process at batch 2: sec/step, per-rank peak, losses (``bench/gpu_multi.py``; not run with fewer
+    than 2 devices). Part (f)'s arena column gives the pinned arena's allocated / used bytes of the
+    full-size Flux.1-dev streamed base.
 
 Every step runs under the trainer's own SDPA choice (``auto``: cuDNN attention left out).
 
@@ -58,6 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_compile import compile_check  # noqa: E402
+from gpu_multi import multi_gpu_check  # noqa: E402
 from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 from gpu_video import video_check  # noqa: E402
 
@@ -366,8 +371,8 @@ def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
                ("stream all, interval 2 stride 4", CheckpointSchedule(
                    gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4, weight_offload="stream"))]
     r = sizes.preflight_resolution
-    rows = [f"| base | column | schedule | sec/step / peak {unit} | weight H2D {unit}/step | stall | time / peak "
-            "vs resident per-block |", "|---|---|---|---:|---:|---:|---:|"]
+    rows = [f"| base | column | schedule | sec/step / peak {unit} | weight H2D {unit}/step | stall | arena {unit} "
+            "allocated / used | time / peak vs resident per-block |", "|---|---|---|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
         data = Path(folder) / "data"
         data.mkdir()
@@ -406,14 +411,15 @@ def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
                     log(f"  {base} | {label}: {chosen.mode} {_stream_text(measured[-1][2], scale)}")
             for name, schedule, cell in measured:
                 if schedule is None:  # the planner found nothing that fits
-                    rows.append(f"| {base} | {name} | {cell['error']} | | | | |")
+                    rows.append(f"| {base} | {name} | {cell['error']} | | | | | |")
                     continue
                 ok = cell and "error" not in cell and reference and "error" not in reference
                 ratio = f"{cell['sec'] / reference['sec']:.2f}x / {cell['peak'] / reference['peak']:.2f}x" if ok else "-"
                 text = _stream_text(cell, scale)
                 h2d = f"{cell['h2d'] / scale:.3f}" if cell and "error" not in cell else "-"
                 stall = f"{cell['stall']:.0%}" if cell and "error" not in cell else "-"
-                rows.append(f"| {base} | {name} | {schedule.mode} | {text} | {h2d} | {stall} | {ratio} |")
+                rows.append(f"| {base} | {name} | {schedule.mode} | {text} | {h2d} | {stall} | "
+                            f"{_arena_text(cell, scale)} | {ratio} |")
             del bundle, transformer
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -431,7 +437,17 @@ def _stream_cell(workspace: RunWorkspace, schedule: CheckpointSchedule, sizes: S
     after = result.history[sizes.warmup:]
     middle = sorted(after, key=lambda h: h["seconds"])[len(after) // 2]
     return {"sec": result.report["totals"]["sec_per_step"], "peak": peak_after_warmup(result, sizes.warmup),
-            "h2d": middle["weight_h2d_bytes"], "stall": middle["weight_stall_s"] / middle["seconds"]}
+            "h2d": middle["weight_h2d_bytes"], "stall": middle["weight_stall_s"] / middle["seconds"],
+            "arena": result.report["memory"]["host_arena"]}
+
+
+def _arena_text(cell: dict | None, scale: int) -> str:
+    """The host arena of a streamed cell: ``allocated / used (ratio, chunks)``; ``-`` without one."""
+    arena = (cell or {}).get("arena") or {}
+    if not arena.get("used_bytes"):
+        return "-"
+    allocated, used = arena["allocated_bytes"], arena["used_bytes"]
+    return f"{allocated / scale:.3f} / {used / scale:.3f} ({allocated / used:.3f}x, {arena['chunks']} chunks)"
 
 
 def _stream_text(cell: dict | None, scale: int) -> str:
@@ -499,6 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     pixels = "64 and 128 px (tiny Flux; eager and saved attention)" if args.smoke else "1024 and 2048 px"
     sections += ["", f"## (h) Saved attention outputs and per-block compile, full-size Flux.1-dev, {pixels}", "",
                  *compile_check(args.smoke, device, args.compile_budget_s, log)]
+    log("(i) DDP and FSDP2 on 2 GPUs ...")
+    rows, passed = multi_gpu_check(args.smoke, sizes.mid, log)
+    ok &= passed
+    where = "2 CPU processes (gloo), tiny Flux" if args.smoke else "2 GPUs (NCCL), mid-size Flux, 512 px"
+    sections += ["", f"## (i) DDP and FSDP2, {where}: {'pass' if passed else 'FAIL'}", "", *rows,
+                 "", "The pinned arena's allocated / used ratio for the full-size Flux.1-dev streamed base: part (f), "
+                 "arena column."]
     sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
                  "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
     text = "\n".join(sections) + "\n"

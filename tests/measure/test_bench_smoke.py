@@ -58,6 +58,10 @@ def test_smoke_sweep_fills_every_cell(tmp_path):
     assert f"wrote {out}" in proc.stdout
 
 
+ARENA = re.compile(r"(\d+\.\d+) / (\d+\.\d+) \((\d+\.\d+)x, \d+ chunks\)")
+"""Part (f)'s arena cell: allocated / used MiB (ratio, chunks)."""
+
+
 def test_gpu_check_smoke_passes_every_part(tmp_path):
     out = tmp_path / "check.md"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--smoke", "--out", str(out)],
@@ -73,6 +77,11 @@ def test_gpu_check_smoke_passes_every_part(tmp_path):
         assert f"| {base} | stream all, interval 1 | layer-stream | " in streaming
         assert f"| {base} | stream all, interval 2 stride 4 | interval2-stride4-stream | " in streaming
         assert streaming.count(f"| {base} | planner, ") == 3
+    arena = [line.split(" | ")[6] for line in streaming.splitlines() if "-stream |" in line]
+    assert len(arena) >= 4 and all(ARENA.fullmatch(cell) for cell in arena), arena  # each streamed cell's arena
+    multi = _table(text, "## (i) DDP and FSDP2, 2 CPU processes (gloo), tiny Flux: pass")[1]
+    assert [row[:2] for row in multi] == [["one process", "1 x 2"], ["DDP", "2 x 1"], ["FSDP2", "2 x 1"]]
+    assert all(float(row[4]) <= 1e-4 for row in multi), multi  # every step's loss as one process's
     header, body = _table(text, "sec/step / peak MiB")
     assert [row[0] for row in body] == ["bf16", "int8-torchao", "fp8-torchao"]
     assert header[1:] == ["none", "torch", "interval2", "interval2-stride4", "torch-ffn", "unsloth", "unsloth-ffn",
