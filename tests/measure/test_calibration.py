@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
+from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.config.schedule import CheckpointSchedule
 from segmented_checkpointing.engine.families import get_family
-from segmented_checkpointing.engine.config import TrainConfig
 from segmented_checkpointing.engine.measure.costs import (
     BlockCost,
     Calibration,
