@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.config import ConfigError, DataConfig, TrainConfig
@@ -81,12 +82,38 @@ def _lora(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> dict[str, Path]:
+def shared(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this session sees: the first worker that needs the
+    torchrun job (or a single-process run) makes it under :func:`_lock`, the others read it
+    (pytest-xdist's recipe for a fixture that runs once per session)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "distributed"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _lock(shared: Path) -> FileLock:
+    return FileLock(str(shared) + ".lock")
+
+
+@pytest.fixture(scope="module")
+def sharded(shared) -> dict[str, Path]:
     """One torchrun job for every family (every schedule, then a 2-step run and its resume to 3,
-    in order): ``{family: its folder}`` (one process group: its start-up is paid once)."""
-    roots, sharded = {}, []
+    in order): ``{family: its folder}`` (one process group: its start-up is paid once per session)."""
+    roots = {family: shared / f"fsdp-{family}" for family in FAMILIES}
+    with _lock(shared):
+        if (shared / "runs.json").exists() and not (shared / "done").exists():
+            pytest.fail("the torchrun job failed on another pytest-xdist worker (its error is that worker's)")
+        if not (shared / "done").exists():  # else another worker ran it
+            _sharded_job(shared, roots)
+    return roots
+
+
+def _sharded_job(shared: Path, roots: dict[str, Path]) -> None:
+    sharded = []
     for family in FAMILIES:
-        root = roots[family] = tmp_path_factory.mktemp(f"fsdp-{family}")
+        root = roots[family]
+        root.mkdir()
         # batch_size is per process: 1 on each of the 2 processes is the single-process batch of 2
         runs = [{**COMMON, **keys, "batch_size": 1, "family": family, "output": str(root / f"fsdp-{name}")}
                 for name, keys in SCHEDULES.items()]
@@ -98,21 +125,22 @@ def sharded(tmp_path_factory) -> dict[str, Path]:
     # a 1-process state of 2 steps at batch 2 continues on 2 DDP processes at 1 each
     train(TrainConfig.from_dict({**stride4, "steps": 2, "output": str(root / "ddp-from-one")})[0], log=lambda line: None)
     sharded.append({**stride4, "batch_size": 1, "ddp": True, "resume": True, "output": str(root / "ddp-from-one")})
-    spec = tmp_path_factory.mktemp("fsdp") / "runs.json"
+    spec = shared / "runs.json"
     spec.write_text(json.dumps(sharded))
     _torchrun(str(WORKER), str(spec))
-    return roots
+    (shared / "done").touch()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def runs(request, sharded):
     """A family's sharded runs and the single-process runs of the same configs."""
     family, root = request.param, sharded[request.param]
-    for name, keys in (SCHEDULES | ONE_ONLY if family == "flux" else SCHEDULES).items():
-        if (root / f"one-{name}" / "report.json").exists():  # set up again for a test parametrized by family
-            continue
-        config = TrainConfig.from_dict({**COMMON, **keys, "family": family, "output": str(root / f"one-{name}")})[0]
-        train(config, log=lambda line: None)
+    with _lock(root.parent):
+        for name, keys in (SCHEDULES | ONE_ONLY if family == "flux" else SCHEDULES).items():
+            if (root / f"one-{name}" / "report.json").exists():  # made already (this worker or another)
+                continue
+            config = TrainConfig.from_dict({**COMMON, **keys, "family": family, "output": str(root / f"one-{name}")})[0]
+            train(config, log=lambda line: None)
     return family, root
 
 
