@@ -303,8 +303,7 @@ def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
 
 
 def calibrated(workspace: RunWorkspace, warmup_steps: int) -> bool:
-    """Whether this process remembers a calibration that the workspace's probes take
-    (:func:`~.costs.remembered_calibration`): then its first probe runs no calibration runs."""
+    """Whether the workspace's first probe takes a remembered calibration (:func:`~.costs.remembered_calibration`)."""
     return remembered_calibration(calibration_key(workspace, warmup_steps)) is not None
 
 
