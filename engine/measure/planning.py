@@ -34,7 +34,7 @@ from .planner import (
     preference,
 )
 from .preflight import preflight
-from .probe import Probe, calibrated, probe, probe_steps
+from .probe import Probe, first_probe_steps, probe, probe_steps
 from .ranks import rank_peaks, sharded_choice
 from .runs import MeasurementInterrupted, PlanInterrupted, RunWorkspace, peak_after_warmup
 from .sweep import sweep_schedules
@@ -133,15 +133,14 @@ class _Planning:
     def once(self, probe_: Probe | None) -> PlanChoice:
         """Probe (unless ``probe_`` is given) and decide."""
         warmup = self.measure.warmup_steps
-        first = probe_steps(warmup, not calibrated(self.workspace, warmup))
-        self.workspace.expect((first if probe_ is None else 0) + self.announced)
+        self.workspace.expect((first_probe_steps(self.workspace, warmup) if probe_ is None else 0) + self.announced)
         return self.decide(probe_ or probe(self.workspace, warmup))
 
     def over_frames(self) -> PlanChoice:
         """Over pixel-frame counts: probe each (the first calibrates the offloader for the
         others), predict each, decide at the largest."""
         frames, warmup = self.measure.frames, self.measure.warmup_steps
-        first = probe_steps(warmup, not calibrated(self.workspace, warmup))
+        first = first_probe_steps(self.workspace, warmup)
         self.workspace.expect(first + (len(frames) - 1) * probe_steps(warmup, False) + self.announced)
         probes: dict[int, Probe] = {}
         calibration = None

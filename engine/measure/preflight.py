@@ -29,7 +29,7 @@ from ..families import get_family
 from ..families.limits import token_count
 from .frames import use_frames
 from .planner import MARGIN, NOT_STREAMED, TIE, Prediction, fewest_streamed, predict, preference, streaming_helps
-from .probe import Probe, calibrated, plain_steps, probe, probe_steps
+from .probe import Probe, first_probe_steps, plain_steps, probe, probe_steps
 from .runs import RunWorkspace
 from .sweep import sweep_schedules
 
@@ -263,8 +263,7 @@ def _probe_shapes(workspace: RunWorkspace,
     counts = measure.frames or (None,)
     classes = {n: _classes(workspace, n) for n in counts}
     probed = sum(len(c) for c in classes.values())
-    first = probe_steps(warmup_steps, calibrate=not calibrated(workspace, warmup_steps))
-    workspace.expect(first + (probed - 1) * probe_steps(warmup_steps, calibrate=False))
+    workspace.expect(first_probe_steps(workspace, warmup_steps) + (probed - 1) * probe_steps(warmup_steps, calibrate=False))
     workspace.report()  # (0, K): probing starts
     probes: dict[str, Probe] = {}
     shares: dict[str, float] = {}

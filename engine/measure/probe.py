@@ -298,13 +298,13 @@ def probe_steps(warmup_steps: int, calibrate: bool = True) -> int:
     family without attention activations to offload skips that calibration run, a config that
     streams weights adds one (streaming's), and the probe corrects the announced total. A caller's
     first probe calibrates unless the process remembers a calibration for it
-    (:func:`calibrated`)."""
+    (:func:`first_probe_steps`)."""
     return plain_steps(warmup_steps) + (calibration_steps(warmup_steps) if calibrate else 0)
 
 
-def calibrated(workspace: RunWorkspace, warmup_steps: int) -> bool:
-    """Whether the workspace's first probe takes a remembered calibration (:func:`~.costs.remembered_calibration`)."""
-    return remembered_calibration(calibration_key(workspace, warmup_steps)) is not None
+def first_probe_steps(workspace: RunWorkspace, warmup_steps: int) -> int:
+    """:func:`probe_steps` of the workspace's first probe: no calibration runs where it takes a remembered one."""
+    return probe_steps(warmup_steps, remembered_calibration(calibration_key(workspace, warmup_steps)) is None)
 
 
 def plain_steps(warmup_steps: int) -> int:
@@ -453,7 +453,7 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
     seconds = [r["seconds"] for r in clean]
     key = calibration_key(workspace, warmup_steps) if calibration is None else None
-    calibration = calibration or remembered_calibration(key)  # the caller announced as calibrated() said
+    calibration = calibration or remembered_calibration(key)  # the caller announced as first_probe_steps() said
     if calibration is None:
         schedules = calibration_schedules(family, costs, workspace.config.schedule.streams)
         workspace.expect(calibration_steps(warmup_steps, 1 + len(schedules)) - calibration_steps(warmup_steps))
