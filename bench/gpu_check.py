@@ -52,6 +52,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_compile import compile_check  # noqa: E402
 from gpu_multi import multi_gpu_check  # noqa: E402
-from gpu_sweep import Cell, Preset, fmt_cell, guarded_cell, mem_unit  # noqa: E402
+from gpu_streaming import STREAM_BASES, streaming_check  # noqa: E402
+from gpu_sweep import Cell, Preset, default_dtype, fmt_cell, guarded_cell, mem_unit  # noqa: E402
 from gpu_video import video_check  # noqa: E402
 
 from segmented_checkpointing import cli  # noqa: E402
@@ -105,9 +107,8 @@ STREAM_EXTRA = [CheckpointSchedule(gradient_checkpointing_interval=2, gradient_c
                                    weight_offload_blocks=blocks, weight_offload_prefetch=prefetch)
                 for backend, blocks, prefetch in (("unsloth", 3, 2), ("torch-ffn", None, 0), ("unsloth-ffn", 5, 1))]
 """Streamed schedules of part (a) besides the sweep's four: other backends, block counts and prefetch."""
-STREAM_BASES = ("bf16", "int8-torchao")
-STREAM_BUDGETS_GIB = (12, 16, 24)
 TOLERANCE = 1e-6
+PARTS = "abcdefghi"
 
 
 @dataclass(frozen=True)
@@ -132,20 +133,12 @@ SMOKE = Sizes(" (smoke: tiny Flux stand-ins, CPU)", TINY, 8, TINY, 16, 8, 64, 64
               ("--steps", "2", "--resolution", "64", "--timing-warmup-steps", "1"), 1, 1)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def flux_with_lora(config: dict, device: torch.device, precision: Precision) -> torch.nn.Module:
     """A random-init Flux at ``precision`` on ``device`` with a rank-16 LoRA whose B is non-zero."""
     torch.manual_seed(0)
-    with torch.device(device), _default_dtype(precision.storage_dtype):  # never a 48 GiB fp32 copy
+    with torch.device(device), default_dtype(precision.storage_dtype):  # never a 48 GiB fp32 copy
         model = diffusers.FluxTransformer2DModel(**config)
     apply_base_precision(model, precision, device)
     add_lora(model, LoraSettings(rank=16, alpha=16, init="gaussian"), FAMILY.lora_targets)
@@ -356,106 +349,6 @@ def preflight_check(sizes: Sizes, device: torch.device) -> list[str]:
     return rows
 
 
-# (f) ---------------------------------------------------------------------------------------------
-def streaming_check(sizes: Sizes, device: torch.device, log) -> list[str]:
-    """Weight streaming on a full-size Flux.1-dev at ``sizes.preflight_resolution`` px, bf16 and
-    int8 bases, through the trainer (the streamed blocks never reach the device whole): resident
-    per-block; stream every block at interval 1 and at interval 2 stride 4; the planner's choice
-    under 12, 16 and 24 GiB (on the CPU smoke: 50, 70 and 90% of the resident per-block peak).
-    Cells ``sec/step / peak``, weight H2D per step, stall share; ratios to resident per-block."""
-    from PIL import Image
-
-    unit, scale = mem_unit(device)
-    columns = [("resident per-block", CheckpointSchedule()),
-               ("stream all, interval 1", CheckpointSchedule(weight_offload="stream")),
-               ("stream all, interval 2 stride 4", CheckpointSchedule(
-                   gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4, weight_offload="stream"))]
-    r = sizes.preflight_resolution
-    rows = [f"| base | column | schedule | sec/step / peak {unit} | weight H2D {unit}/step | stall | arena {unit} "
-            "allocated / used | time / peak vs resident per-block |", "|---|---|---|---:|---:|---:|---:|---:|"]
-    with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
-        data = Path(folder) / "data"
-        data.mkdir()
-        for i in range(2):
-            Image.new("RGB", (r, r), (60 * i, 120, 200)).save(data / f"img{i}.png")
-        for base in STREAM_BASES:
-            torch.manual_seed(0)
-            with _default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32):  # on the host
-                transformer = diffusers.FluxTransformer2DModel(**{**sizes.full, "guidance_embeds": False})
-            vae = diffusers.AutoencoderKL(**tiny_vae_config(FAMILY.latent_channels))
-            bundle = ModelBundle(FAMILY, transformer.eval(), vae.eval(),
-                                 DeterministicTextEmbedder(FAMILY.text(transformer.config)), "random-init Flux.1-dev")
-            config = TrainConfig.create(data=str(data), resolution=r, batch_size=1, device=device.type,
-                                        base_model_precision=base, lora_rank=16, lora_alpha=16,
-                                        output=str(Path(folder) / "out"), guardrails=None)
-            cells = [(name, schedule) for name, schedule in columns]
-            reference = None
-            with RunWorkspace(config, bundle) as workspace:
-                measured = []
-                for name, schedule in cells:
-                    measured.append((name, schedule, _stream_cell(workspace, schedule, sizes)))
-                    reference = reference or (measured[0][2] if "error" not in measured[0][2] else None)
-                    log(f"  {base} | {name}: {_stream_text(measured[-1][2], scale)}")
-                budgets = ([g * 2**30 for g in STREAM_BUDGETS_GIB] if device.type == "cuda" else
-                           [int(f * reference["peak"]) for f in (0.5, 0.7, 0.9)] if reference else [])
-                measured_probe = probe(workspace) if budgets else None  # one for every budget
-                for budget in budgets:
-                    label = f"planner, {budget / scale:.4g} {unit}"
-                    try:
-                        chosen = plan_for_budget(RunWorkspace(config, bundle), PREDICT_ONLY, budget,
-                                                 probe_=measured_probe).chosen.schedule
-                    except PlannerError as exc:
-                        measured.append((label, None, {"error": str(exc)[:160]}))
-                        continue
-                    measured.append((label, chosen, _stream_cell(workspace, chosen, sizes)))
-                    log(f"  {base} | {label}: {chosen.mode} {_stream_text(measured[-1][2], scale)}")
-            for name, schedule, cell in measured:
-                if schedule is None:  # the planner found nothing that fits
-                    rows.append(f"| {base} | {name} | {cell['error']} | | | | | |")
-                    continue
-                ok = cell and "error" not in cell and reference and "error" not in reference
-                ratio = f"{cell['sec'] / reference['sec']:.2f}x / {cell['peak'] / reference['peak']:.2f}x" if ok else "-"
-                text = _stream_text(cell, scale)
-                h2d = f"{cell['h2d'] / scale:.3f}" if cell and "error" not in cell else "-"
-                stall = f"{cell['stall']:.0%}" if cell and "error" not in cell else "-"
-                rows.append(f"| {base} | {name} | {schedule.mode} | {text} | {h2d} | {stall} | "
-                            f"{_arena_text(cell, scale)} | {ratio} |")
-            del bundle, transformer
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    rows += ["", "Target (issue 21): peak <= 12 GiB at <= 1.30x the resident per-block time "
-             "(RamTorch in ai-toolkit: about half the VRAM at 1.34x)."]
-    return rows
-
-
-def _stream_cell(workspace: RunWorkspace, schedule: CheckpointSchedule, sizes: Sizes) -> dict | None:
-    """One trainer run: median sec/step and weight figures after warm-up, device peak (None: failed)."""
-    try:
-        result = workspace.run(schedule, sizes.warmup, sizes.steps)
-    except Exception as exc:  # noqa: BLE001 - a cell never stops the check (OOM on a small budget)
-        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    after = result.history[sizes.warmup:]
-    middle = sorted(after, key=lambda h: h["seconds"])[len(after) // 2]
-    return {"sec": result.report["totals"]["sec_per_step"], "peak": peak_after_warmup(result, sizes.warmup),
-            "h2d": middle["weight_h2d_bytes"], "stall": middle["weight_stall_s"] / middle["seconds"],
-            "arena": result.report["memory"]["host_arena"]}
-
-
-def _arena_text(cell: dict | None, scale: int) -> str:
-    """The host arena of a streamed cell: ``allocated / used (ratio, chunks)``; ``-`` without one."""
-    arena = (cell or {}).get("arena") or {}
-    if not arena.get("used_bytes"):
-        return "-"
-    allocated, used = arena["allocated_bytes"], arena["used_bytes"]
-    return f"{allocated / scale:.3f} / {used / scale:.3f} ({allocated / used:.3f}x, {arena['chunks']} chunks)"
-
-
-def _stream_text(cell: dict | None, scale: int) -> str:
-    if not cell or "error" in cell:
-        return "failed" if not cell else ("OOM" if "memory" in cell["error"].lower() else "failed")
-    return f"{cell['sec']:.3f} / {cell['peak'] / scale:.3f}"
-
-
 def environment(device: torch.device) -> str:
     """Date, device and versions, one line."""
     try:
@@ -479,57 +372,89 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no cell of part (g) after this, from its start (seconds)")
     parser.add_argument("--compile-budget-s", type=float, default=600.0,
                         help="start no cell of part (h) after this, from its start (seconds)")
+    parser.add_argument("--parts", default=PARTS,
+                        help=f"which parts to run, in this order, as letters (default {PARTS}: all); the results file "
+                             "is written again after each part, so a run stopped by a time limit keeps what it measured")
+    parser.add_argument("--stream-bases", nargs="+", default=list(STREAM_BASES), choices=STREAM_BASES,
+                        help="the base precisions of part (f) (default: both)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts {args.parts!r}: unknown part(s) {', '.join(unknown)}; allowed: letters of {PARTS}")
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: more threads only add contention
     out = Path(args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.md" if args.smoke
                             else Path(__file__).with_name("gpu_check_results.md")))
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0, notes = time.monotonic(), set()
     log = lambda line: print(line, flush=True)  # noqa: E731
-    sections, ok = [f"# GPU check{sizes.label}", "", environment(device)], True
-    with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
-        for title, run in (("(a) Gradient equality, fp32, mid-size Flux", lambda: gradient_equality(sizes, device)),
-                           ("(b) The main job", lambda: main_job(sizes, device, Path(folder)))):
-            log(f"{title} ...")
+    sections, failed = [f"# GPU check{sizes.label}", "", environment(device)], []
+    for letter in args.parts:
+        title, run = _part(letter, args, sizes, device, t0, notes, log)
+        log(f"{title} ...")
+        try:
             rows, passed = run()
-            ok &= passed
-            sections += ["", f"## {title}: {'pass' if passed else 'FAIL'}", "", *rows]
-    log("(c) The documents' matrix ...")
-    sections += ["", "## (c) The documents' matrix, full-size Flux.1-dev, 1024 px", "",
-                 *matrix(sizes, device, args.budget_s, t0, notes, log)]
-    log("(d) The planner ...")
-    sections += ["", "## (d) The planner's choice under three budgets", "", *planner_check(sizes, device)]
-    log("(e) The pre-flight ...")
-    sections += ["", "## (e) The pre-flight per bucket, Flux.1-dev architecture, interval 2 stride 4", "",
-                 *preflight_check(sizes, device)]
-    log("(f) Weight streaming ...")
-    sections += ["", f"## (f) Weight streaming, full-size Flux.1-dev, {sizes.preflight_resolution} px, bf16 and int8 "
-                 "bases", "", *streaming_check(sizes, device, log)]
-    log("(g) Video, Wan 2.1 14B ...")
-    pixels = "64x112 px, 5 and 9 frames (tiny Wan)" if args.smoke else "480x832 px, 33 and 81 frames"
-    sections += ["", f"## (g) Video LoRA, full-size Wan 2.1 14B architecture, {pixels}", "",
-                 *video_check(args.smoke, device, args.video_budget_s, log)]
-    log("(h) Saved attention and per-block compile, Flux.1-dev ...")
-    pixels = "64 and 128 px (tiny Flux; eager and saved attention)" if args.smoke else "1024 and 2048 px"
-    sections += ["", f"## (h) Saved attention outputs and per-block compile, full-size Flux.1-dev, {pixels}", "",
-                 *compile_check(args.smoke, device, args.compile_budget_s, log)]
-    log("(i) DDP and FSDP2 on 2 GPUs ...")
-    rows, passed = multi_gpu_check(args.smoke, sizes.mid, log)
-    ok &= passed
-    where = "2 CPU processes (gloo), tiny Flux" if args.smoke else "2 GPUs (NCCL), mid-size Flux, 512 px"
-    sections += ["", f"## (i) DDP and FSDP2, {where}: {'pass' if passed else 'FAIL'}", "", *rows,
-                 "", "The pinned arena's allocated / used ratio for the full-size Flux.1-dev streamed base: part (f), "
-                 "arena column."]
-    sections += ["", "## Notes", "", *[f"- {n}" for n in sorted(notes)],
-                 "", f"total wall time {time.monotonic() - t0:.0f} s; {'all checks pass' if ok else 'A CHECK FAILED'}"]
-    text = "\n".join(sections) + "\n"
+        except Exception:  # noqa: BLE001 - one part's crash (a missing package, another torch) never hides the rest
+            rows, passed = ["```", *traceback.format_exc().strip().splitlines()[-12:], "```"], False
+            log("\n".join(rows))
+        failed += [letter] if passed is False else []
+        verdict = "" if passed is None else (": pass" if passed else ": FAIL")
+        sections += ["", f"## {title}{verdict}", "", *rows]
+        _write(out, sections, notes, t0, failed, done=False)
+    text = _write(out, sections, notes, t0, failed, done=True)
     print("\n" + text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
     print(f"wrote {out}")
-    return 0 if ok else 1
+    return 1 if failed else 0
+
+
+def _part(letter: str, args, sizes: Sizes, device: torch.device, t0: float, notes: set[str], log):
+    """``(title, run)`` of one part; ``run()`` returns ``(rows, passed)``, ``passed`` None where the
+    part has no pass/fail verdict (a table of figures)."""
+    table = lambda rows: (rows, None)  # noqa: E731
+    pixels_video = "64x112 px, 5 and 9 frames (tiny Wan)" if args.smoke else "480x832 px, 33 and 81 frames"
+    pixels_compile = "64 and 128 px (tiny Flux; eager and saved attention)" if args.smoke else "1024 and 2048 px"
+    where = "2 CPU processes (gloo), tiny Flux" if args.smoke else "2 GPUs (NCCL), mid-size Flux, 512 px"
+
+    def multi():
+        rows, passed = multi_gpu_check(args.smoke, sizes.mid, log)
+        return rows + ["", "The pinned arena's allocated / used ratio for the full-size Flux.1-dev streamed base: "
+                       "part (f), arena column."], passed
+
+    def job():
+        with tempfile.TemporaryDirectory(prefix="segckpt-gpu-check-") as folder:
+            return main_job(sizes, device, Path(folder))
+
+    return {
+        "a": ("(a) Gradient equality, fp32, mid-size Flux", lambda: gradient_equality(sizes, device)),
+        "b": ("(b) The main job", job),
+        "c": ("(c) The documents' matrix, full-size Flux.1-dev, 1024 px",
+              lambda: table(matrix(sizes, device, args.budget_s, t0, notes, log))),
+        "d": ("(d) The planner's choice under three budgets", lambda: table(planner_check(sizes, device))),
+        "e": ("(e) The pre-flight per bucket, Flux.1-dev architecture, interval 2 stride 4",
+              lambda: table(preflight_check(sizes, device))),
+        "f": (f"(f) Weight streaming, full-size Flux.1-dev, {sizes.preflight_resolution} px, "
+              f"{' and '.join(args.stream_bases)} base{'s' if len(args.stream_bases) > 1 else ''}",
+              lambda: table(streaming_check(sizes, device, log, tuple(args.stream_bases)))),
+        "g": (f"(g) Video LoRA, full-size Wan 2.1 14B architecture, {pixels_video}",
+              lambda: table(video_check(args.smoke, device, args.video_budget_s, log))),
+        "h": (f"(h) Saved attention outputs and per-block compile, full-size Flux.1-dev, {pixels_compile}",
+              lambda: table(compile_check(args.smoke, device, args.compile_budget_s, log))),
+        "i": (f"(i) DDP and FSDP2, {where}", multi),
+    }[letter]
+
+
+def _write(out: Path, sections: list[str], notes: set[str], t0: float, failed: list[str], done: bool) -> str:
+    """Write the results so far to ``out`` (atomically: a killed run leaves the last whole file)."""
+    status = ("all checks pass" if not failed else f"A CHECK FAILED: part(s) {', '.join(failed)}") if done else \
+        "still running: the parts below the last one were not reached"
+    text = "\n".join([*sections, "", "## Notes", "", *[f"- {n}" for n in sorted(notes)], "",
+                      f"total wall time {time.monotonic() - t0:.0f} s; {status}"]) + "\n"
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(text)
+    partial.replace(out)
+    return text
 
 
 if __name__ == "__main__":

@@ -160,6 +160,17 @@ class Cell:
     error: str = ""
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Parameters created inside are ``dtype`` (a full-size model never takes a float32 copy first)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def schedule_for(mode: str, attn: bool) -> CheckpointSchedule:
     """The schedule of a column: ``none``, a backend (per block), ``interval2`` or
     ``interval2-stride4`` (torch backend), with or without attention offload."""

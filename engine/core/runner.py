@@ -250,6 +250,7 @@ class SegmentRunner:
                                      else torch.device("cpu"))
         self._strict = strict_streaming
         self.streamer: WeightStreamer | None = None
+        self._installed = False
         self._index_plan()
 
     @property
@@ -329,14 +330,21 @@ class SegmentRunner:
             self.model.disable_gradient_checkpointing()
         else:
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self)
+            self._installed = True
         return self
 
     def close(self) -> None:
         """Release run-owned resources (the host pool; streamed weights go back to their host
-        copies); the runner must not be used afterwards."""
+        copies) and route the model's blocks back to diffusers' own checkpoint function: the blocks
+        held this runner and the runner the blocks, a reference cycle that kept a finished run's
+        model (device weights, pinned host copies) alive until Python's cyclic collector happened to
+        run. The runner must not be used afterwards."""
         if self.streamer is not None:
             self.streamer.close()
         self.offloader = self.pool = self.streamer = None
+        if self._installed:
+            self.model.disable_gradient_checkpointing()
+            self._installed = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model; on a :class:`CarryMismatch`, fall back to per-block for that list and retry.
