@@ -39,6 +39,14 @@ def comfyui_path() -> Path:
     return Path(path)
 
 
+def pack_tracebacks(log: str) -> list[str]:
+    """The tracebacks in a server's ``log`` that pass through the pack (its folder or its package).
+    ComfyUI's own optional nodes may fail to import for a package the machine lacks (torchaudio for
+    its audio nodes): their tracebacks are not the pack's."""
+    blocks = [block.split("\n\n")[0] for block in log.split("Traceback (most recent call last):")[1:]]
+    return [block for block in blocks if PACK_FOLDER in block or "segmented_checkpointing" in block]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
