@@ -437,8 +437,7 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
     device = resolve_device(workspace.config.model)
     run, collector = _record(family, device, warmup_steps, workspace, rows, **changes)
     result = run.result
-    recorded = result.history[warmup_steps]
-    clean = result.history[warmup_steps + 1:]
+    recorded, clean = result.history[warmup_steps], result.history[warmup_steps + 1:]
     costs = collector.costs()
     # device terms (a sweep cell's): on the CPU the tracker's figures plus what the device holds
     held = recorded["device_peak_bytes"] - recorded["peak_bytes"]
@@ -446,12 +445,13 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
     model = run.bundle.transformer
     frozen = {bl.name: [sum(tensor_bytes(p) for p in block.parameters() if not p.requires_grad)
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
-    optimizer = run.context.optimizer
     states = {bl.name: [sum(tensor_bytes(t) for p in block.parameters() if p.requires_grad
-                            for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+                            for t in run.context.optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
                         for block in family.blocks(model, bl)] for bl in family.block_lists}
     h2d_s_per_byte = copy_seconds_per_byte(device) / 2
     seconds = [r["seconds"] for r in clean]
+    validation_peak = result.report["memory"]["validation_peak_bytes"]
+    del run, result, model, collector  # its model copy goes before the calibration trains theirs
     key = calibration_key(workspace, warmup_steps) if calibration is None else None
     calibration = calibration or remembered_calibration(key)  # the caller announced as first_probe_steps() said
     if calibration is None:
@@ -463,7 +463,7 @@ def _probe_plain(workspace: RunWorkspace, warmup_steps: int, rows: list[int] | N
         seconds += calibration.plain_seconds  # the plain step timed again, in lockstep with the others
     return Probe(family.name, device.type, costs, max(r["device_peak_bytes"] for r in [recorded, *clean]),
                  statistics.median(seconds), calibration.offload_s_per_tensor,
-                 calibration.offload_s_per_byte, blocks_end, result.report["memory"]["validation_peak_bytes"], frozen,
+                 calibration.offload_s_per_byte, blocks_end, validation_peak, frozen,
                  h2d_s_per_byte, states, recorded["start_bytes"] if device.type == "cuda" else held,
                  recompute_s_per_call=calibration.recompute_s_per_call,
                  recompute_s_per_tensor=calibration.recompute_s_per_tensor,

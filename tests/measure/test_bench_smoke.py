@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -65,7 +66,7 @@ ARENA = re.compile(r"(\d+\.\d+) / (\d+\.\d+) \((\d+\.\d+)x, \d+ chunks\)")
 def test_gpu_check_smoke_passes_every_part(tmp_path):
     out = tmp_path / "check.md"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "## (a) Gradient equality, fp32, mid-size Flux: pass" in text

@@ -6,6 +6,8 @@ a process measures it once per model and settings and remembers it."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 
@@ -92,16 +94,33 @@ def test_the_recompute_rates_are_solved_from_the_block_and_the_ffn_runs():
     assert _recompute_rates(None, None) == (0.0, 0.0)
 
 
-def test_a_process_calibrates_once_per_model_and_settings():
+def test_a_process_calibrates_once_per_model_and_settings(monkeypatch):
     """The second probe of the same model runs only its plain run and takes the first's rates; a
-    run that is not the trainer's own, or other settings, never share one."""
+    run that is not the trainer's own, or other settings, never share one. The recorded run's model
+    copy (on a GPU, the whole model in device memory) is freed before the calibration starts its
+    own, by reference counts alone (the cyclic collector off)."""
     config, bundle = TrainConfig.create(family="flux", resolution=32, output="unused"), build_preset("flux")
     forget_calibrations()
+    models, alive_at_start, start = [], [], RunWorkspace.start
+
+    def watched(self, *args, **kwargs):
+        alive_at_start.append([model() is not None for model in models])
+        run = start(self, *args, **kwargs)
+        models.append(weakref.ref(run.bundle.transformer))
+        return run
+
+    monkeypatch.setattr(RunWorkspace, "start", watched)
     measured = []
     for _ in range(2):
         steps = []
-        with RunWorkspace(config, bundle, on_step=lambda done, total: steps.append(done)) as workspace:
-            measured.append((probe(workspace), steps[-1]))
+        gc.collect()
+        gc.disable()
+        try:
+            with RunWorkspace(config, bundle, on_step=lambda done, total: steps.append(done)) as workspace:
+                measured.append((probe(workspace), steps[-1]))
+        finally:
+            gc.enable()
+    assert alive_at_start[1] == [False]  # the first calibration run starts with the recorded run's copy gone
     (first, first_steps), (second, second_steps) = measured
     assert second_steps == plain_steps(1) < first_steps
     assert second.calibration == dataclasses.replace(first.calibration, plain_seconds=())
@@ -114,3 +133,4 @@ def test_a_process_calibrates_once_per_model_and_settings():
     stand_in = lambda *args, **kwargs: TrainingRun(*args, **kwargs)  # noqa: E731
     assert calibration_key(RunWorkspace(config, bundle, start_run=stand_in), 1) is None
     forget_calibrations()
+
