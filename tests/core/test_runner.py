@@ -125,7 +125,7 @@ def test_a_loop_that_changes_the_carried_state_in_place_falls_back_with_equal_gr
 def test_a_closed_runner_leaves_no_reference_cycle_with_its_model():
     """Installed, the runner and the blocks hold each other; close() breaks that, so a finished
     run's model (its device weights and pinned host copies) is freed when its last reference goes,
-    not whenever Python's cyclic collector happens to run (on an H200, a sweep's second run measured
+    not whenever Python's cyclic collector happens to run (on an H200, the GPU check's second run measured
     the first run's 24 GiB model in its peak)."""
     gc.collect()
     gc.disable()
