@@ -11,19 +11,10 @@ import json
 import threading
 import uuid
 
+import live_comfyui
 import pytest
 from helpers import comparable_object_info, object_info_as_v1, recorded_object_info
-from live_comfyui import (
-    PACK_FOLDER,
-    ROOT,
-    Server,
-    Socket,
-    api_workflow,
-    comfyui_path,
-    finished,
-    pack_tracebacks,
-    queue,
-)
+from live_comfyui import PACK_FOLDER, ROOT, Server, Socket, api_workflow, comfyui_path, finished, queue
 
 FAMILIES = ("wan", "qwenimage", "hunyuanvideo", "sd3")
 """Four families whose diffusers classes share one import cycle (diffusers -> loaders.peft -> accelerate)."""
@@ -49,7 +40,7 @@ def test_the_v3_nodes_list_the_object_info_recorded_from_the_classic_ones(fresh_
         assert comparable_object_info(kind, object_info_as_v1(entry)) == recorded_object_info(kind), kind
     lines = [line for line in fresh_server.log().splitlines() if PACK_FOLDER in line or "comfy_entrypoint" in line]
     assert len(lines) == 1 and "seconds:" in lines[0] and "IMPORT FAILED" not in lines[0], lines
-    assert not pack_tracebacks(fresh_server.log())
+    assert not live_comfyui.pack_tracebacks(fresh_server.log())
 
 
 def _plans_at_once(server: Server, families: tuple[str, ...]) -> dict[str, tuple[int, dict]]:
@@ -72,7 +63,7 @@ def test_concurrent_first_plan_requests_on_a_fresh_server_all_answer_and_so_do_l
     for family in FAMILIES:
         status, body = fresh_server.request(f"/segckpt/plan?family={family}")
         assert status == 200, body
-    assert not pack_tracebacks(fresh_server.log())
+    assert not live_comfyui.pack_tracebacks(fresh_server.log())
 
 
 SOAK_FAMILIES = ("flux", "sd3", "wan", "pixart", "qwenimage", "zimage")
@@ -164,4 +155,4 @@ def test_a_long_lived_server_stays_healthy_through_20_trainings_and_concurrent_p
           f"{seen[20]['rss'] / 2**30:.2f} GiB ({growth:.3f}x); threads {seen[5]['threads']} -> {seen[20]['threads']}")
     assert growth <= 1.10
     assert seen[20]["threads"] <= seen[5]["threads"] + 2
-    assert not pack_tracebacks(server.log())
+    assert not live_comfyui.pack_tracebacks(server.log())
