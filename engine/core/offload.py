@@ -94,7 +94,7 @@ def _weak(method: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor
     """``method`` of a pool through a weak reference: a pool's arenas calling back into the pool
     would make a reference cycle, and a finished run's pinned chunks would stay allocated until
     Python's cyclic collector ran (on an H200 the GPU check's streamed full-size Flux runs piled up
-    22.5 GiB of pinned chunks each until the host ran out of memory)."""
+    22.5 GiB of pinned chunks each until the process was killed, by all signs out of host memory)."""
     ref = weakref.WeakMethod(method)
     return lambda nbytes: ref()(nbytes)
 

@@ -237,8 +237,8 @@ def test_ctrl_c_during_a_sweep_keeps_the_cells_measured_so_far(tmp_path, monkeyp
 def test_a_finished_measurement_run_frees_its_model_copy_without_the_cyclic_collector(tmp_path):
     """Each measurement run trains a deep copy of the model; once its result is dropped the copy
     goes at once (with the collector off), so the next run's device peak and the host's memory
-    hold one model copy, not every earlier one (a streamed full-size Flux.1-dev on an H200 ran the
-    host out of memory by its fourth run)."""
+    hold one model copy, not every earlier one (a streamed full-size Flux.1-dev on an H200 was killed,
+    by all signs out of host memory, at its fourth run)."""
     config = TrainConfig.create(family="flux", resolution=32, output=str(tmp_path))
     with RunWorkspace(config, build_preset("flux")) as workspace:
         for schedule in (CheckpointSchedule(), CheckpointSchedule(weight_offload="stream")):
