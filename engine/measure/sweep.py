@@ -135,8 +135,14 @@ def _is_oom(exc: BaseException) -> bool:
     return is_out_of_memory(exc) or isinstance(exc, OutOfMemoryStop)
 
 
-def _free_memory() -> None:
-    gc.collect()
+def _free_memory(failed: bool) -> None:
+    """Free what a cell held before the next one. A finished run's model copy goes by reference
+    counting (tests/measure/test_sweep.py checks it with the collector off); a failed one's may be
+    held in its traceback's cycles, and on CUDA a copy left over would count in the next cell's
+    ``max_memory_allocated``: then the cyclic collector runs (a full pass over a process that has
+    imported diffusers takes about 0.3 s on a CPU; the CPU tracker counts only what a step allocates)."""
+    if failed or torch.cuda.is_available():
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -260,7 +266,7 @@ def sweep_tables(workspace: RunWorkspace, measure: MeasureConfig, progress: Prog
     """:func:`run_sweep` in ``workspace`` (not open) on the run's data, or once per frame count of
     ``measure.frames`` (checked by the caller; the workspace opened afresh for each), each writing
     its tables (:func:`write_outputs`) after every cell into the run's output folder (``frames-N/``
-    in it per count).
+    in it per count), and its plot when it ends or is interrupted.
 
     Raises:
         SweepInterrupted: ``should_stop`` answered True, or Ctrl-C; what was measured is written.
@@ -273,18 +279,21 @@ def sweep_tables(workspace: RunWorkspace, measure: MeasureConfig, progress: Prog
         table = SweepTable(root if n is None else root / f"frames-{n}",
                            measured_at=frames_label(config.data.resolution, bundle, n) if n is not None else "")
 
-        def write(cells: list[SweepCell], table: SweepTable = table) -> None:
+        def write(cells: list[SweepCell], table: SweepTable = table, plot: bool = False) -> None:
             table.cells = cells
-            table.paths = write_outputs(cells, table.folder, bundle.family.name, budget, table.measured_at)
+            table.paths = write_outputs(cells, table.folder, bundle.family.name, budget, table.measured_at, plot)
 
         try:
             run_sweep(workspace, measure, dataclasses.replace(progress, on_cell=write), frames=n)
         except (MeasurementInterrupted, KeyboardInterrupt) as exc:
+            if table.cells:
+                write(table.cells, plot=True)
             done = sum(1 for c in table.cells if c.status != "not run" or c.error)
             modes = len(_runs(modes_of(measure), measure.sweep.compile))
             raise SweepInterrupted(f"interrupted{f' at {n} frames' if n is not None else ''}: {done} of {modes} "
                                    f"modes measured; {table.folder}/sweep.md and the other tables hold them, the "
                                    "rest marked not run") from exc
+        write(table.cells, plot=True)
         tables.append(table)
     return tables
 
@@ -292,8 +301,10 @@ def sweep_tables(workspace: RunWorkspace, measure: MeasureConfig, progress: Prog
 def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSchedule, warmup_steps: int,
              measured_steps: int, changes: dict | None = None) -> ModelPlan | None:
     """Run one cell and fill in its figures; the plan the run applied (None when it did not finish)."""
+    failed = True
     try:
         result = workspace.run(schedule, warmup_steps, measured_steps, **(changes or {}))
+        failed = False
     except MeasurementInterrupted:  # Cancel stops the sweep; nothing else does
         raise
     except Exception as exc:  # a cell never stops the sweep
@@ -301,7 +312,7 @@ def _measure(cell: SweepCell, workspace: RunWorkspace, schedule: CheckpointSched
         cell.error = f"{type(exc).__name__}: {exc}"
         return None
     finally:
-        _free_memory()
+        _free_memory(failed)
     totals = result.report["totals"]
     if totals["steps"] < warmup_steps + measured_steps or totals["sec_per_step"] is None:
         cell.status, cell.error = "failed", f"reached {totals['steps']} of {warmup_steps + measured_steps} steps"
@@ -378,9 +389,11 @@ def to_csv(cells: list[SweepCell]) -> str:
 
 
 def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budget_bytes: int | None = None,
-                  measured_at: str = "") -> dict[str, Path]:
-    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and ``sweep.png`` into ``folder`` (atomically);
-    ``measured_at``: see :func:`to_markdown` (also ``sweep.json`` ``measured_at`` when given).
+                  measured_at: str = "", plot: bool = True) -> dict[str, Path]:
+    """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and (``plot``) ``sweep.png`` into ``folder``
+    (atomically); ``measured_at``: see :func:`to_markdown` (also ``sweep.json`` ``measured_at`` when
+    given). A sweep writes the tables after every cell and the plot (0.2 s with matplotlib) when it
+    ends or is interrupted.
 
     Returns:
         The four paths by kind (``markdown``, ``csv``, ``json``, ``png``).
@@ -394,5 +407,6 @@ def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budge
     atomic_write_text(paths["json"], json.dumps({"family": family, "budget_bytes": budget_bytes,
                                                  **({"measured_at": measured_at} if measured_at else {}),
                                                  "cells": [dataclasses.asdict(c) for c in cells]}, indent=2) + "\n")
-    atomic_write_bytes(paths["png"], sweep_plot_png(cells, family, budget_bytes))
+    if plot:
+        atomic_write_bytes(paths["png"], sweep_plot_png(cells, family, budget_bytes))
     return paths

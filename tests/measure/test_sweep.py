@@ -232,16 +232,22 @@ def test_ctrl_c_during_a_sweep_keeps_the_cells_measured_so_far(tmp_path, monkeyp
     assert table.count("| not run |") == 11 and f"| {calls[0]} |" in table
     cells = json.loads((tmp_path / "sweep.json").read_text())["cells"]
     assert [c["status"] for c in cells[:2]] == ["ok", "ok"] and len(cells) == 13
+    assert Image.open(tmp_path / "sweep.png").size[0] > 0  # the plot, written when the sweep stopped
 
 
 def test_a_finished_measurement_run_frees_its_model_copy_without_the_cyclic_collector(tmp_path):
     """Each measurement run trains a deep copy of the model; once its result is dropped the copy
     goes at once (with the collector off), so the next run's device peak and the host's memory
     hold one model copy, not every earlier one (a streamed full-size Flux.1-dev on an H200 was killed,
-    by all signs out of host memory, at its fourth run)."""
+    by all signs out of host memory, at its fourth run). A sweep runs the collector only after a
+    failed cell or on CUDA (``sweep._free_memory``): every backend, streaming and saved attention here."""
     config = TrainConfig.create(family="flux", resolution=32, output=str(tmp_path))
     with RunWorkspace(config, build_preset("flux")) as workspace:
-        for schedule in (CheckpointSchedule(), CheckpointSchedule(weight_offload="stream")):
+        for schedule in (CheckpointSchedule(), CheckpointSchedule(weight_offload="stream"),
+                         CheckpointSchedule(gradient_checkpointing_interval=2, gradient_checkpointing_segment_stride=4,
+                                            gradient_checkpointing_backend="unsloth",
+                                            gradient_checkpointing_offload_attention=True),
+                         CheckpointSchedule(gradient_checkpointing_save_attention=True)):
             gc.collect()
             gc.disable()
             try:
