@@ -17,6 +17,7 @@ import pytest
 
 from segmented_checkpointing.engine.families.lazy import import_module, lazy_imports
 
+pytestmark = pytest.mark.heavy
 FOUR_THREADS = """
 import json, threading
 from segmented_checkpointing.engine import api

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("none", "torch-ffn", "torch", "interval2", "interval2-stride4", "unsloth-ffn", "unsloth")
 COLUMNS = [name for mode in MODES for name in (mode, f"{mode} +attn-offload")]

@@ -38,7 +38,8 @@ from segmented_checkpointing.engine.model.distributed import ENV_KEYS, Distribut
 from segmented_checkpointing.engine.train.checks import check_global_batch, processes, saved_global_batch
 from segmented_checkpointing.engine.train.loop import TrainingRun, train
 
-pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
               pytest.mark.filterwarnings("ignore::segmented_checkpointing.engine.model.text_encoders.TextEncoderWarning")]
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")

@@ -11,11 +11,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from segmented_checkpointing.engine.api import TrainResult
 from segmented_checkpointing.engine.core.offload import HostPool
 from segmented_checkpointing.nodes import environment, training_nodes
 from segmented_checkpointing.nodes.graph import run_graph
 
+pytestmark = pytest.mark.heavy
 API = Path(__file__).resolve().parents[2] / "workflows" / "api"
 MIB = 1 << 20
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from segmented_checkpointing.engine.train.state import load_state
 
+pytestmark = pytest.mark.heavy
 KILLS = 20
 STEPS = 2 * KILLS + 1  # each attempt advances the saved state by at most 2 steps (see below): the last kill lands in the run
 
