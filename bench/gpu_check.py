@@ -77,6 +77,7 @@ from segmented_checkpointing.engine.core.plan import count_blocks, effective_pla
 from segmented_checkpointing.engine.core.runner import SegmentRunner  # noqa: E402
 from segmented_checkpointing.engine.data.buckets import shape_classes
 from segmented_checkpointing.engine.families import TextBatch, get_family  # noqa: E402
+from segmented_checkpointing.engine.measure import costs  # noqa: E402
 from segmented_checkpointing.engine.measure.planner import PlannerError, predict  # noqa: E402
 from segmented_checkpointing.engine.measure.planning import plan_for_budget  # noqa: E402
 from segmented_checkpointing.engine.measure.preflight import preflight  # noqa: E402
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--parts {args.parts!r}: unknown part(s) {', '.join(unknown)}; allowed: letters of {PARTS}")
     sizes = SMOKE if args.smoke else FULL
+    if args.smoke:  # the smoke checks that every part runs; the planner's accuracy is bench/planner_accuracy.py's
+        costs.CALIBRATION_STEPS = 2
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: more threads only add contention

@@ -28,6 +28,20 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def short_calibration():
+    """The planner's calibration times 2 steps per run after its warm-up here, not 5
+    (``engine/measure/costs.py`` CALIBRATION_STEPS): the tests check what the planner does with the
+    rates it measures (its counts, choices, peaks and progress), never how well they predict time,
+    which ``bench/planner_accuracy.py`` measures. About 20 probes calibrate in a run of the suite,
+    each 3-7 s at 5 steps. Subprocesses (the CLI in its own process, torchrun) keep the default."""
+    from segmented_checkpointing.engine.measure import costs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "CALIBRATION_STEPS", 2)
+        yield
+
+
 @pytest.fixture
 def offline(monkeypatch):
     """No network: every socket connection fails, and the hub is told it is offline (the
