@@ -396,7 +396,7 @@ def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budge
     ends or is interrupted.
 
     Returns:
-        The four paths by kind (``markdown``, ``csv``, ``json``, ``png``).
+        The four paths by kind (``markdown``, ``csv``, ``json``, ``png``; the last written only with ``plot``).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
