@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    """The modules marked ``heavy`` (a test of 30 s or more: the torchrun jobs, the killed trainer,
+    """The modules marked ``heavy`` (a test of 20 s or more: the torchrun jobs, the killed trainer,
     the 50-run soak, the GPU check's smoke) run first, in collection order, the rest after them:
     with pytest-xdist a long test started near the end of the run would leave the other worker idle
     until it ends (longest processing time first, the classic schedule for parallel machines)."""
@@ -34,7 +34,7 @@ def short_calibration():
     (``engine/measure/costs.py`` CALIBRATION_STEPS): the tests check what the planner does with the
     rates it measures (its counts, choices, peaks and progress), never how well they predict time,
     which ``bench/planner_accuracy.py`` measures. About 20 probes calibrate in a run of the suite,
-    each 3-7 s at 5 steps. Subprocesses (the CLI in its own process, torchrun) keep the default."""
+    each 1.5-7.5 s at 5 steps. Subprocesses (the CLI in its own process, torchrun) keep the default."""
     from segmented_checkpointing.engine.measure import costs
 
     with pytest.MonkeyPatch.context() as patch:

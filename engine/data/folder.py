@@ -96,7 +96,7 @@ def write_sample_dataset(folder: str | Path) -> Path:
 
 @functools.cache
 def _sample_png(name: str) -> bytes:
-    """The PNG file of sample photograph ``name`` (encoded once per process: about 0.1 s each, and
+    """The PNG file of sample photograph ``name`` (encoded once per process: about 0.08 s each, and
     every run into a new output folder writes all six; 3.3 MB for the six)."""
     with lazy_imports():
         import skimage.data

@@ -286,14 +286,14 @@ def sweep_tables(workspace: RunWorkspace, measure: MeasureConfig, progress: Prog
         try:
             run_sweep(workspace, measure, dataclasses.replace(progress, on_cell=write), frames=n)
         except (MeasurementInterrupted, KeyboardInterrupt) as exc:
-            if table.cells:
-                write(table.cells, plot=True)
             done = sum(1 for c in table.cells if c.status != "not run" or c.error)
             modes = len(_runs(modes_of(measure), measure.sweep.compile))
             raise SweepInterrupted(f"interrupted{f' at {n} frames' if n is not None else ''}: {done} of {modes} "
                                    f"modes measured; {table.folder}/sweep.md and the other tables hold them, the "
                                    "rest marked not run") from exc
-        write(table.cells, plot=True)
+        finally:  # the plot of what was measured, however the sweep ended
+            if table.cells:
+                write(table.cells, plot=True)
         tables.append(table)
     return tables
 
@@ -392,8 +392,7 @@ def write_outputs(cells: list[SweepCell], folder: str | Path, family: str, budge
                   measured_at: str = "", plot: bool = True) -> dict[str, Path]:
     """Write ``sweep.md``, ``sweep.csv``, ``sweep.json`` and (``plot``) ``sweep.png`` into ``folder``
     (atomically); ``measured_at``: see :func:`to_markdown` (also ``sweep.json`` ``measured_at`` when
-    given). A sweep writes the tables after every cell and the plot (0.2 s with matplotlib) when it
-    ends or is interrupted.
+    given). The plot takes about 0.2 s (matplotlib).
 
     Returns:
         The four paths by kind (``markdown``, ``csv``, ``json``, ``png``; the last written only with ``plot``).
