@@ -22,9 +22,10 @@ torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(items: list) -> None:
     """The modules marked ``heavy`` (a test of 20 s or more: the torchrun jobs, the killed trainer,
-    the 50-run soak, the GPU check's smoke) run first, in collection order, the rest after them:
-    with pytest-xdist a long test started near the end of the run would leave the other worker idle
-    until it ends (longest processing time first, the classic schedule for parallel machines)."""
+    the 50-run soak, the GPU check's smoke, per-block compile) run first, in collection order, the
+    rest after them: with pytest-xdist a long test started near the end of the run would leave the
+    other worker idle until it ends (longest processing time first, the classic schedule for parallel
+    machines)."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
