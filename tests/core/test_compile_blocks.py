@@ -18,7 +18,7 @@ from segmented_checkpointing.engine.core.runner import SegmentRunner
 from segmented_checkpointing.engine.families import get_family
 from segmented_checkpointing.engine.train.loop import train
 
-pytestmark = pytest.mark.heavy  # per-block compile: 20 s with inductor's on-disk cache warm, 70-85 s cold (CI)
+pytestmark = pytest.mark.heavy  # per-block compile: 20 s with inductor's on-disk cache warm, 70-85 s empty (as on CI)
 QUIET = {"log": lambda line: None}
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="inductor needs a C++ compiler on the CPU (none found: g++ or c++)")
